@@ -1,0 +1,7 @@
+"""asyncrl core: config, wire format, staleness gate, CLI, launcher, monitor.
+
+Nothing in this package imports torch at module level, so ``asyncrl --help``, the monitor and
+the buffer start instantly and run on machines without torch.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,140 @@
+"""Reading a config: TOML file → ``--set`` overrides → validated :class:`Config`.
+
+Errors are collected and reported together, each naming the dotted key path, what was given
+and what is allowed, so a user fixes a config in one round instead of one error at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from asyncrl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names every offending key path."""
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Turn ``["learner.lr=1e-4", "run.name=x"]`` into a nested dict.
+
+    Values are read as TOML values when they parse as one (numbers, booleans, quoted strings,
+    arrays), otherwise taken as a bare string, so ``--set run.name=my-run`` needs no quotes.
+    """
+    nested: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part!r} is set both as a value and a section")
+            node = child
+        node[leaf] = value
+    return nested
+
+
+def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursively merge ``update`` into a copy of ``base``."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
+    """Load ``path`` (or only defaults when None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    data = deep_merge(data, parse_overrides(overrides))
+    return validate_config(data, source=str(path) if path else "<defaults>")
+
+
+def validate_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(err) for err in exc.errors()]
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    loc = [str(part) for part in err["loc"]]
+    key = ".".join(loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(_model_at(loc[:-1]).model_fields))
+        return f"{key}: unknown key (allowed in [{'.'.join(loc[:-1]) or 'root'}]: {allowed})"
+    msg = err["msg"]
+    if err["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    if loc and "input" in err and not isinstance(err["input"], Mapping):
+        return f"{key}: {msg} (got {err['input']!r})"
+    return f"{key}: {msg}"
+
+
+def _model_at(loc: list[str]) -> type[BaseModel]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            break
+        model = annotation
+    return model
+
+
+def to_toml(config: BaseModel) -> str:
+    """Render a config as TOML (the resolved config written to every run directory)."""
+    out: list[str] = []
+    _emit_table(config.model_dump(mode="json"), [], out)
+    return "\n".join(out).lstrip() + "\n"
+
+
+def _emit_table(table: Mapping[str, Any], prefix: list[str], out: list[str]) -> None:
+    scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
+    tables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
+    if prefix and scalars:
+        out.append(f"\n[{'.'.join(prefix)}]")
+    for key, value in scalars.items():
+        if value is None:
+            out.append(f"# {key} = (unset)")
+        else:
+            out.append(f"{key} = {_toml_value(value)}")
+    for key, value in tables.items():
+        _emit_table(value, [*prefix, key], out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {type(value).__name__} as TOML")

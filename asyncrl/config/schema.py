@@ -1,0 +1,134 @@
+"""The config schema. Every field says what it means; validation is local to its component.
+
+Cross-component checks (``learner.groups_per_step`` divisible by ``learner.ranks``) live in
+:meth:`Config._check_consistency`, which only rejects, never rewrites a sibling section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, models are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: Path = Field(Path("runs"), description="Parent of run directories.")
+    seed: int = Field(0, ge=0, description="Base seed; each role and rank derives its own.")
+
+
+class TinyModelConfig(Section):
+    """A random-init Qwen2-style model built in code (used when ``model.path`` is empty)."""
+
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(256, ge=8)
+    max_position_embeddings: int = Field(64, ge=8)
+
+
+class ModelConfig(Section):
+    path: str = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+
+
+class TaskConfig(Section):
+    name: Literal["copy", "reverse", "sort"] = Field("copy", description="Built-in digit task.")
+    length: int = Field(4, ge=1, le=32, description="Digits per prompt.")
+    eval_size: int = Field(256, ge=1, description="Held-out prompts for greedy evaluation.")
+
+
+class BufferConfig(Section):
+    type: Literal["zmq"] = Field("zmq", description="Buffer backend.")
+    host: str = Field("127.0.0.1", description="Address the broker binds and clients dial.")
+    port: int = Field(5555, ge=0, le=65535, description="Broker port; 0 picks a free one.")
+    max_staleness: int = Field(2, ge=0, description="s: never train on a sample staler than s.")
+    max_groups: int = Field(4096, ge=1, description="Most groups held before producers wait.")
+    heartbeat_timeout_s: float = Field(15.0, gt=0,
+                                       description="A silent rollout worker's in-flight groups "
+                                                   "are released after this long.")
+    request_timeout_s: float = Field(30.0, gt=0, description="Client-side request timeout.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["torch"] = Field("torch", description="Inference engine.")
+    workers: int = Field(2, ge=1, description="Rollout worker processes (one engine each).")
+    group_size: int = Field(16, ge=1, description="Samples per prompt (G).")
+    groups_per_batch: int = Field(8, ge=1, description="Groups generated in one engine call.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    max_new_tokens: int = Field(8, ge=1, description="Generation length limit.")
+    threads: int = Field(1, ge=1, description="torch threads per worker.")
+    device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="Engine device.")
+
+
+class LearnerConfig(Section):
+    backend: Literal["fsdp2"] = Field("fsdp2", description="Training backend.")
+    ranks: int = Field(1, ge=1, description="Training ranks on this node.")
+    groups_per_step: int = Field(32, ge=1, description="Groups consumed per optimizer step.")
+    total_steps: int = Field(200, ge=1, description="Optimizer steps before the run ends.")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
+    advantage_std_norm: bool = Field(True, description="GRPO: divide by the group's std.")
+    threads: int = Field(1, ge=1, description="torch threads per rank.")
+    device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cuda uses NCCL.")
+    master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 = free.")
+
+
+class WeightsConfig(Section):
+    transport: Literal["gloo"] = Field("gloo", description="Learner → engine broadcast backend.")
+    bucket_mb: float = Field(32.0, gt=0, description="Broadcast bucket size (MB).")
+    timeout_s: float = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(10, ge=0, description="Greedy held-out eval period; 0 = end only.")
+    stop_at_accuracy: float | None = Field(None, gt=0, le=1,
+                                           description="End the run once eval reaches this.")
+
+
+class LauncherConfig(Section):
+    type: Literal["local"] = Field("local", description="Where `asyncrl up` starts roles.")
+    stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
+
+
+class Config(Section):
+    """The root config: everything a run needs, read from one TOML file."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    buffer: BufferConfig = BufferConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weights: WeightsConfig = WeightsConfig()
+    eval: EvalConfig = EvalConfig()
+    launcher: LauncherConfig = LauncherConfig()
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Config:
+        if self.learner.groups_per_step % self.learner.ranks:
+            raise ValueError(
+                f"learner.groups_per_step ({self.learner.groups_per_step}) must be divisible by "
+                f"learner.ranks ({self.learner.ranks}): each rank consumes an equal share")
+        if self.task.length + 2 + self.rollout.max_new_tokens > \
+                self.model.tiny.max_position_embeddings and not self.model.path:
+            raise ValueError(
+                "model.tiny.max_position_embeddings is shorter than prompt + "
+                "rollout.max_new_tokens")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.output_dir / self.run.name

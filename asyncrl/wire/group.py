@@ -1,0 +1,184 @@
+"""TrajectoryGroup: all samples of one prompt, the unit that flows from rollouters to learners.
+
+Frames (ZMQ multipart, or the fields of one Redis stream entry), all little-endian:
+
+====  ==============  ============================================================
+ 0    header          orjson: schema, run/group/prompt ids, per-sample rewards,
+                      finish reasons and lengths, metadata
+ 1    tokens          int32, every sample's prompt + completion, concatenated
+ 2    logprobs        float32, behaviour logprob of each token (0 where not generated)
+ 3    loss_mask       uint8, 1 on tokens the policy generated and is trained on
+ 4    versions        int32, policy version that produced each token (-1 if none)
+====  ==============  ============================================================
+
+No pickle: a receiver never executes what it decodes. Bad input raises :class:`WireError`
+with a short ``reason`` that receivers count (:class:`Rejections`); it never crashes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
+    ("tokens", np.dtype("<i4")),
+    ("logprobs", np.dtype("<f4")),
+    ("loss_mask", np.dtype("u1")),
+    ("versions", np.dtype("<i4")),
+)
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; ``reason`` is a short, countable label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class TrajectoryGroup:
+    """G samples of one prompt, with everything the learner needs to train on them."""
+
+    group_id: str
+    prompt_id: str
+    rewards: list[float]
+    finish_reasons: list[str]
+    lengths: list[int]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    loss_mask: np.ndarray
+    versions: np.ndarray
+    run_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def sample_slices(self) -> list[slice]:
+        ends = np.cumsum(self.lengths)
+        return [slice(int(end - n), int(end)) for end, n in zip(ends, self.lengths)]
+
+    def min_version(self) -> int:
+        """Oldest policy version among generated tokens (-1 if none was generated)."""
+        generated = self.versions[self.versions >= 0]
+        return int(generated.min()) if generated.size else -1
+
+    def staleness(self, learner_version: int) -> int:
+        """``V − min(token versions)``: how many steps behind its oldest token is."""
+        oldest = self.min_version()
+        return learner_version - oldest if oldest >= 0 else 0
+
+    @classmethod
+    def from_samples(cls, group_id: str, prompt_id: str, samples: Sequence[dict[str, Any]],
+                     run_id: str = "", metadata: dict[str, Any] | None = None
+                     ) -> TrajectoryGroup:
+        """Build from per-sample dicts with keys tokens, logprobs, loss_mask, versions,
+        reward, finish_reason (arrays of one sample's full sequence)."""
+        arrays = {name: np.concatenate([np.asarray(s[name], dtype=dt) for s in samples])
+                  for name, dt in _ARRAYS}
+        return cls(group_id=group_id, prompt_id=prompt_id, run_id=run_id,
+                   rewards=[float(s["reward"]) for s in samples],
+                   finish_reasons=[str(s["finish_reason"]) for s in samples],
+                   lengths=[len(s["tokens"]) for s in samples],
+                   metadata=dict(metadata or {}), **arrays)
+
+
+def encode_group(group: TrajectoryGroup) -> list[bytes]:
+    header = {
+        "schema": SCHEMA_VERSION,
+        "run_id": group.run_id,
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "rewards": [float(r) for r in group.rewards],
+        "finish_reasons": list(group.finish_reasons),
+        "lengths": [int(n) for n in group.lengths],
+        "metadata": group.metadata,
+    }
+    frames = [orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)]
+    for name, dtype in _ARRAYS:
+        frames.append(np.ascontiguousarray(getattr(group, name), dtype=dtype).tobytes())
+    return frames
+
+
+def decode_group(frames: Sequence[bytes | memoryview]) -> TrajectoryGroup:
+    """Decode and validate; raises :class:`WireError` for anything malformed."""
+    if len(frames) != 1 + len(_ARRAYS):
+        raise WireError("frames", f"expected {1 + len(_ARRAYS)} frames, got {len(frames)}")
+    try:
+        header = orjson.loads(bytes(frames[0]))
+    except orjson.JSONDecodeError as exc:
+        raise WireError("header", f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("header", "header is not an object")
+    if header.get("schema") != SCHEMA_VERSION:
+        raise WireError("schema", f"unknown schema version {header.get('schema')!r}")
+    try:
+        rewards = [float(r) for r in header["rewards"]]
+        lengths = [int(n) for n in header["lengths"]]
+        reasons = [str(r) for r in header["finish_reasons"]]
+        ids = {k: str(header[k]) for k in ("group_id", "prompt_id")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError("header", f"missing or bad header field: {exc}") from None
+    if not lengths or len(rewards) != len(lengths) or len(reasons) != len(lengths):
+        raise WireError("length", f"{len(lengths)} lengths, {len(rewards)} rewards, "
+                                  f"{len(reasons)} finish reasons")
+    if any(n <= 0 for n in lengths):
+        raise WireError("length", "sample lengths must be positive")
+    if not all(math.isfinite(r) for r in rewards):
+        raise WireError("reward", "non-finite reward")
+    total = sum(lengths)
+    arrays = {}
+    for (name, dtype), frame in zip(_ARRAYS, frames[1:]):
+        nbytes = len(memoryview(frame))
+        if nbytes != total * dtype.itemsize:
+            raise WireError("length", f"{name}: {nbytes} bytes for {total} tokens")
+        arrays[name] = np.frombuffer(frame, dtype=dtype)
+    mask = arrays["loss_mask"].astype(bool)
+    if not np.isfinite(arrays["logprobs"][mask]).all():
+        raise WireError("logprob", "non-finite behaviour logprob on a trained token")
+    if (arrays["versions"][mask] < 0).any():
+        raise WireError("version", "a trained token has no policy version")
+    metadata = header.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise WireError("header", "metadata is not an object")
+    return TrajectoryGroup(run_id=str(header.get("run_id", "")), rewards=rewards,
+                           finish_reasons=reasons, lengths=lengths, metadata=metadata,
+                           **ids, **arrays)
+
+
+class Rejections:
+    """Counts rejected messages by reason and logs each, rate-limited to the first few."""
+
+    def __init__(self, log_first: int = 5) -> None:
+        self.counts: Counter[str] = Counter()
+        self._log_first = log_first
+
+    def add(self, error: WireError, source: str = "") -> None:
+        self.counts[error.reason] += 1
+        if self.counts[error.reason] <= self._log_first:
+            logger.warning("rejected trajectory group from %s: %s", source or "?", error)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

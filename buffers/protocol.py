@@ -1,0 +1,82 @@
+"""What rollouters and learners need from a buffer, whatever carries it (ZMQ broker, Redis).
+
+Two small protocols: :class:`Buffer` is the data plane (the gate, groups in, batches out),
+:class:`ControlPlane` the rest (the published version, heartbeats, rendezvous keys, status).
+A client object implements both; it is not thread-safe, so each thread opens its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from asyncrl.wire import TrajectoryGroup
+
+RUNNING = "running"
+DONE = "done"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Answer to :meth:`Buffer.acquire`: how many groups may start, at which version."""
+
+    granted: int
+    version: int
+    run_status: str = RUNNING
+
+
+@dataclass(frozen=True)
+class PutResult:
+    accepted: bool
+    reason: str = ""  # rejection reason when not accepted (a WireError reason, or "run")
+
+
+@dataclass
+class Batch:
+    """Groups served to one learner consumer for one step."""
+
+    groups: list[TrajectoryGroup]
+    dropped_stale: int = 0  # stale groups dropped while serving this batch
+    stats: dict[str, Any] = field(default_factory=dict)  # buffer depth, gate counters, ...
+
+
+@runtime_checkable
+class Buffer(Protocol):
+    def acquire(self, producer: str, want: int, engine_version: int) -> Grant:
+        """Ask the staleness gate to start up to ``want`` groups. Granted groups count as
+        in flight until :meth:`put` or :meth:`release`."""
+
+    def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
+        """Hand one finished group in (it leaves ``in_flight``)."""
+
+    def release(self, producer: str, count: int) -> None:
+        """Give back granted groups that will never be put (filtered, failed)."""
+
+    def get_batch(self, consumer: str, count: int, learner_version: int,
+                  timeout_s: float) -> Batch | None:
+        """Exactly ``count`` fresh groups, oldest first, or None after ``timeout_s``.
+        Groups staler than ``max_staleness`` at ``learner_version`` are dropped and counted."""
+
+
+@runtime_checkable
+class ControlPlane(Protocol):
+    def publish_version(self, version: int) -> None:
+        """Publish the learner version (after its weights reached the engines)."""
+
+    def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
+        """Say ``member`` is alive; ``info`` carries its metrics. Returns the run state
+        (``version``, ``run_status``)."""
+
+    def set_key(self, key: str, value: dict[str, Any]) -> int:
+        """Store a small JSON value (rendezvous, announcements); returns its sequence number."""
+
+    def get_key(self, key: str, newer_than: int = 0,
+                timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:
+        """The value with a sequence number above ``newer_than``, waiting up to ``timeout_s``."""
+
+    def status(self) -> dict[str, Any]:
+        """Everything the monitor shows, as one JSON-able dict."""
+
+
+class BufferClient(Buffer, ControlPlane, Protocol):
+    def close(self) -> None: ...

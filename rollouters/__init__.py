@@ -1,0 +1,1 @@
+"""Rollout fleets: the worker loop, inference engines, workflows, rewards and tasks."""

@@ -1,0 +1,1 @@
+"""Inference engines behind one :class:`~rollouters.engines.base.Engine` protocol."""

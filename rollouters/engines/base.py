@@ -1,0 +1,35 @@
+"""The engine protocol: what a workflow and the weight receiver need from an inference engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled continuation. ``versions[i]`` is the policy version that produced
+    ``tokens[i]``: weights may change while a sequence is being generated."""
+
+    tokens: list[int]
+    logprobs: list[float]  # behaviour logprobs, after temperature
+    versions: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float,
+                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
+        """``n`` completions for each prompt (token ids in, token ids out)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by name and set :attr:`version`; safe to call from another thread
+        while :meth:`generate` runs (takes effect at the next decode step)."""
