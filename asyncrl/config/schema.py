@@ -101,6 +101,7 @@ class EvalConfig(Section):
 class LauncherConfig(Section):
     type: Literal["local"] = Field("local", description="Where `asyncrl up` starts roles.")
     stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
+    refresh_s: float = Field(2.0, gt=0, description="Progress line period of `asyncrl up`.")
 
 
 class Config(Section):

@@ -134,7 +134,8 @@ def decode_group(frames: Sequence[bytes | memoryview]) -> TrajectoryGroup:
     if header.get("schema") != SCHEMA_VERSION:
         raise WireError("schema", f"unknown schema version {header.get('schema')!r}")
     try:
-        rewards = [float(r) for r in header["rewards"]]
+        # orjson writes NaN/inf as null: a null reward is a non-finite one.
+        rewards = [math.nan if r is None else float(r) for r in header["rewards"]]
         lengths = [int(n) for n in header["lengths"]]
         reasons = [str(r) for r in header["finish_reasons"]]
         ids = {k: str(header[k]) for k in ("group_id", "prompt_id")}

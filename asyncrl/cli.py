@@ -1,0 +1,116 @@
+"""The `asyncrl` command line: one subcommand per role, plus up / monitor / status / config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.load import to_toml
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def role(name: str, help_: str, config_required: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("config", type=Path, nargs=None if config_required else "?",
+                       help="TOML config file")
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+        return p
+
+    role("up", "start buffer, learner and rollout workers locally and show progress")
+    role("buffer", "run the ZMQ broker").add_argument(
+        "--address-file", type=Path, help="write the bound address here (for port = 0)")
+    role("learner", "run the learner ranks").add_argument("--buffer", help="tcp://host:port")
+    rollout = role("rollout", "run rollout workers")
+    rollout.add_argument("--buffer", help="tcp://host:port")
+    rollout.add_argument("--workers", type=int, help="workers to start (default rollout.workers)")
+    rollout.add_argument("--first-index", type=int, default=0, help="index of the first worker")
+    for name, help_ in (("monitor", "live view of a running run"),
+                        ("status", "print a running run's status once")):
+        p = role(name, help_, config_required=False)
+        p.add_argument("--buffer", help="tcp://host:port (default: from the run directory)")
+        p.add_argument("--json", action="store_true", help="raw JSON (status)")
+    config = sub.add_parser("config", help="inspect configs")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config as TOML")
+    show.add_argument("config", type=Path)
+    show.add_argument("--set", dest="overrides", action="append", default=[])
+    return parser
+
+
+def buffer_address(cfg: Config, explicit: str | None) -> str:
+    """--buffer, else the address `asyncrl up` recorded in the run directory, else the config."""
+    if explicit:
+        return explicit
+    recorded = cfg.run_dir / "buffer.addr"
+    if recorded.exists():
+        return recorded.read_text().strip()
+    if cfg.buffer.port == 0:
+        raise ConfigError("buffer.port is 0 (pick a free port) and no --buffer address was given "
+                          f"nor recorded in {recorded}")
+    return f"tcp://{cfg.buffer.host}:{cfg.buffer.port}"
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from asyncrl import roles
+
+    if args.command == "config":
+        sys.stdout.write(to_toml(load_config(args.config, args.overrides)))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    roles.setup_logging(args.command)
+    if args.command == "up":
+        from asyncrl.launch import LocalLauncher
+
+        return LocalLauncher(cfg).up()
+    if args.command == "buffer":
+        return roles.serve_buffer(cfg, args.address_file)
+    if args.command in ("monitor", "status"):
+        return _observe(cfg, args)
+    address = buffer_address(cfg, args.buffer)
+    if args.command == "learner":
+        return roles.run_learner(cfg, address)
+    return roles.run_rollout(cfg, address, args.workers or cfg.rollout.workers,
+                             args.first_index)
+
+
+def _observe(cfg: Config, args: argparse.Namespace) -> int:
+    from asyncrl.monitor import render, watch
+    from asyncrl.roles import stop_on_signals
+    from buffers import make_buffer_client
+
+    client = make_buffer_client(cfg.buffer, buffer_address(cfg, args.buffer))
+    try:
+        if args.command == "monitor":
+            watch(client, cfg.launcher.refresh_s / 2, stop_on_signals())
+            return 0
+        status = client.status()
+        sys.stdout.write((json.dumps(status, indent=2) if args.json else render(status)) + "\n")
+        return 0
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        sys.stderr.write(f"asyncrl: {exc}\n")
+        return 2
+    except TimeoutError as exc:
+        sys.stderr.write(f"asyncrl: {exc}\n")
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

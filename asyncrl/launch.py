@@ -1,0 +1,160 @@
+"""`asyncrl up`: start buffer, learner and rollout fleet as supervised local OS processes.
+
+Each role runs in its own session (process group) so the terminal's Ctrl-C reaches only this
+supervisor, which then stops the roles in order: SIGTERM to every group, a grace period
+(``launcher.stop_timeout_s``), SIGKILL to whatever is left. Roles also die with the supervisor
+(PR_SET_PDEATHSIG), so even ``kill -9`` of ``asyncrl up`` leaves no orphans behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from asyncrl.config import Config
+from asyncrl.config.load import to_toml
+from asyncrl.monitor import progress_line
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_WAIT_S = 60.0
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen
+    log: IO[bytes]
+
+
+def write_run_dir(cfg: Config) -> Path:
+    """Create ``runs/<name>/`` with the resolved config that every role is started from."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.run_dir / "config.toml"
+    path.write_text(to_toml(cfg))
+    return path
+
+
+class LocalLauncher:
+    def __init__(self, cfg: Config, out: IO[str] = sys.stdout) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.roles: list[Role] = []
+        self.stop = threading.Event()
+
+    def up(self) -> int:
+        """Run to completion (or until a signal); returns the learner's exit code."""
+        config_path = write_run_dir(self.cfg)
+        (self.cfg.run_dir / "logs").mkdir(exist_ok=True)
+        address_file = self.cfg.run_dir / "buffer.addr"
+        address_file.unlink(missing_ok=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self.stop.set())
+        try:
+            self._start("buffer", config_path, "--address-file", str(address_file))
+            address = self._wait_for_address(address_file)
+            self._prepare_model()
+            learner = self._start("learner", config_path, "--buffer", address)
+            self._start("rollout", config_path, "--buffer", address,
+                        "--workers", str(self.cfg.rollout.workers))
+            self._supervise(learner, address)
+            return learner.proc.returncode if learner.proc.returncode is not None else 130
+        finally:
+            self.shutdown()
+            self._print_final()
+
+    def _start(self, role: str, config_path: Path, *args: str) -> Role:
+        log = (self.cfg.run_dir / "logs" / f"{role}.log").open("ab")
+        cmd = [sys.executable, "-m", "asyncrl.cli", role, str(config_path), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        logger.info("started %s (pid %d), log %s", role, proc.pid, log.name)
+        self.roles.append(Role(role, proc, log))
+        return self.roles[-1]
+
+    def _wait_for_address(self, address_file: Path) -> str:
+        deadline = time.monotonic() + ADDRESS_WAIT_S
+        while not address_file.exists():
+            self._check_alive()
+            if time.monotonic() > deadline or self.stop.wait(0.05):
+                raise RuntimeError(f"buffer did not announce its address in {address_file}")
+        return address_file.read_text().strip()
+
+    def _prepare_model(self) -> None:
+        """Build the init model once here, so the roles don't all build it at the same time."""
+        from asyncrl.models import prepare_model_dir
+
+        prepare_model_dir(self.cfg.model, self.cfg.run_dir, self.cfg.run.seed)
+
+    def _supervise(self, learner: Role, address: str) -> None:
+        from buffers import make_buffer_client
+
+        client = make_buffer_client(self.cfg.buffer, address)
+        try:
+            while learner.proc.poll() is None and not self.stop.is_set():
+                self._check_alive()
+                try:
+                    self.out.write(progress_line(client.status()) + "\n")
+                    self.out.flush()
+                except TimeoutError as exc:
+                    logger.warning("status: %s", exc)
+                self.stop.wait(self.cfg.launcher.refresh_s)
+        finally:
+            client.close()
+
+    def _check_alive(self) -> None:
+        for role in self.roles:
+            code = role.proc.poll()
+            if code not in (None, 0) or (code == 0 and role.name == "buffer"):
+                raise RuntimeError(f"{role.name} exited with code {code}; see {role.log.name}:\n"
+                                   + _tail(Path(role.log.name)))
+
+    def shutdown(self) -> None:
+        """SIGTERM every role's process group, wait, then SIGKILL what is left."""
+        for role in reversed(self.roles):
+            _signal_group(role.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.launcher.stop_timeout_s
+        for role in self.roles:
+            try:
+                role.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time: killing it", role.name)
+            _signal_group(role.proc, signal.SIGKILL)  # also reaps children it left behind
+            role.proc.wait()
+            role.log.close()
+
+    def _print_final(self) -> None:
+        path = self.cfg.run_dir / "eval.json"
+        if path.exists():
+            final = json.loads(path.read_text())
+            self.out.write(f"final held-out greedy eval ({final['eval/n']} prompts): "
+                           f"accuracy {final['eval/accuracy']:.3f}, position accuracy "
+                           f"{final['eval/position_accuracy']:.3f}\nrun directory: "
+                           f"{self.cfg.run_dir}\n")
+            self.out.flush()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        return
+
+
+def _die_with_parent() -> None:
+    from asyncrl.roles import die_with_parent
+
+    die_with_parent()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,81 @@
+"""Config: TOML + --set overrides, and errors that name the key path and what is allowed."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config, parse_overrides
+from asyncrl.config.load import to_toml, validate_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_overrides_typed() -> None:
+    cfg = load_config(None, ["learner.lr=1e-4", "run.name=my-run", "buffer.max_staleness=0",
+                             "learner.advantage_std_norm=false"])
+    assert cfg.learner.lr == 1e-4
+    assert cfg.run.name == "my-run"
+    assert cfg.buffer.max_staleness == 0
+    assert cfg.learner.advantage_std_norm is False
+
+
+def test_quickstart_config_loads() -> None:
+    cfg = load_config(ROOT / "configs" / "quickstart.toml")
+    assert cfg.rollout.workers == 2 and cfg.buffer.max_staleness == 2
+
+
+def test_override_wins_over_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[learner]\nlr = 0.5\n")
+    assert load_config(path).learner.lr == 0.5
+    assert load_config(path, ["learner.lr=0.25"]).learner.lr == 0.25
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("buffer.nope=1", "buffer.nope: unknown key (allowed in [buffer]:"),
+    ("nosection.x=1", "nosection: unknown key (allowed in [root]:"),
+    ("learner.lr=-1", "learner.lr: Input should be greater than 0 (got -1)"),
+    ("buffer.type=kafka", "buffer.type: Input should be 'zmq' (got 'kafka')"),
+    ("rollout.workers=many", "rollout.workers: Input should be a valid integer"),
+    ("learner.ranks=3", "learner.groups_per_step (32) must be divisible by learner.ranks (3)"),
+])
+def test_errors_name_the_key(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert expected in str(info.value)
+
+
+def test_unknown_key_lists_allowed_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["buffer.prot=1"])
+    assert "port" in str(info.value) and "max_staleness" in str(info.value)
+
+
+def test_all_errors_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["learner.lr=0", "rollout.temperature=-1"])
+    assert "learner.lr" in str(info.value) and "rollout.temperature" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["learner", "=3", "a..b=1"])
+def test_malformed_set(bad: str) -> None:
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_overrides([bad])
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_resolved_toml_round_trips() -> None:
+    cfg = load_config(None, ["eval.stop_at_accuracy=0.9", "run.name=x"])
+    again = validate_config(tomllib.loads(to_toml(cfg)))
+    assert again == cfg

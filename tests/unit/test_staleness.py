@@ -1,0 +1,54 @@
+"""The gate arithmetic: accepted + in_flight < (V + s + 1) × groups_per_step."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from asyncrl.staleness import StalenessGate
+
+
+def test_capacity_and_allowance_by_hand() -> None:
+    gate = StalenessGate(max_staleness=2, groups_per_step=4)
+    assert gate.capacity(0) == 12            # (0 + 2 + 1) × 4
+    assert gate.allowance(0, accepted=5, in_flight=3) == 4
+    assert gate.is_open(0, 5, 3)
+    assert not gate.is_open(0, 8, 4)
+    assert gate.allowance(0, 10, 4) == 0     # never negative
+    assert gate.allowance(1, 10, 4) == 2     # a new version opens one step's worth
+
+
+def test_synchronous_when_zero() -> None:
+    gate = StalenessGate(max_staleness=0, groups_per_step=3)
+    assert gate.allowance(0, 0, 0) == 3
+    assert gate.allowance(0, 3, 0) == 0
+    assert gate.allowance(1, 3, 0) == 3
+    assert gate.is_fresh(4, 4) and not gate.is_fresh(4, 3)
+
+
+def test_engine_may_start() -> None:
+    gate = StalenessGate(max_staleness=1, groups_per_step=1)
+    assert gate.engine_may_start(5, 4) and not gate.engine_may_start(5, 3)
+
+
+@pytest.mark.parametrize(("s", "gps"), list(itertools.product([0, 1, 2, 4], [1, 3, 8])))
+def test_fifo_never_exceeds_bound(s: int, gps: int) -> None:
+    """Simulate greedy producers and a FIFO learner: no consumed group is staler than s."""
+    gate = StalenessGate(s, gps)
+    version, accepted, queue, worst = 0, 0, [], 0
+    for _ in range(30):
+        started = gate.allowance(version, accepted, 0)
+        queue += [version] * started          # each group records the version it started at
+        accepted += started
+        assert len(queue) >= gps
+        batch, queue = queue[:gps], queue[gps:]
+        worst = max(worst, max(version - v for v in batch))
+        version += 1
+    assert worst == s
+
+
+@pytest.mark.parametrize(("s", "gps"), [(-1, 1), (0, 0)])
+def test_rejects_bad_parameters(s: int, gps: int) -> None:
+    with pytest.raises(ValueError):
+        StalenessGate(s, gps)
