@@ -1,0 +1,28 @@
+"""Training backends, chosen by ``learner.backend`` through :func:`make_trainer`.
+
+Backends are imported lazily: they pull in transformers and torch.distributed, which a process
+that only builds batches (or reads this package's names) should not pay for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.config.schema import LearnerConfig
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+
+def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
+                 version: int = 0) -> Fsdp2Trainer:
+    """Build the backend named by ``cfg.backend`` (needs the learner process group first)."""
+    if cfg.backend == "fsdp2":
+        from learners.backends.fsdp2 import Fsdp2Trainer
+        return Fsdp2Trainer(model_path, cfg, device, version=version)
+    raise ValueError(f"unknown learner backend {cfg.backend!r}")
+
+
+__all__ = ["make_trainer"]

@@ -1,0 +1,72 @@
+"""Set up and tear down the learners' process group (the torch.distributed default group).
+
+The group is process-wide state owned by torch; these helpers only make its start and its end
+explicit, so a learner entry point reads ``init → train → shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close).
+
+    Racy by nature: another process may take it before the group binds it. Good enough for
+    tests and single-node runs where only we are picking ports.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    """``"auto"`` → CUDA if available, else CPU; a CUDA rank uses GPU ``rank % count``."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(device)
+
+
+def init_learner_group(rank: int, world: int, *, master_port: int,
+                       master_addr: str = "127.0.0.1", device: str = "cpu",
+                       timeout_s: float = 300.0) -> torch.device:
+    """Join the learners' default process group; returns this rank's device.
+
+    CPU uses gloo. CUDA uses NCCL for CUDA tensors and gloo for CPU ones (``cpu:gloo,cuda:nccl``),
+    because a full state dict gathered with ``cpu_offload`` still issues CPU-side collectives.
+    The rendezvous is a ``tcp://`` URL rather than ``MASTER_ADDR``/``MASTER_PORT`` so that we do
+    not write to the process environment.
+    """
+    resolved = resolve_device(device, rank)
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    logger.info("learner rank %d/%d joined %s group at %s:%d on %s",
+                rank, world, backend, master_addr, master_port, resolved)
+    return resolved
+
+
+def shutdown_learner_group() -> None:
+    """Leave the group: ``barrier()`` THEN ``destroy_process_group()``.
+
+    Measured on gloo: ranks that reach ``destroy_process_group`` at different times abort with
+    SIGABRT ("terminate called without an active exception") in 2 of 3 runs; the barrier fixed
+    it in every run. A no-op when no group is initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,159 @@
+"""FSDP2 over real gloo process groups: two ranks on half a batch each == one rank on all of it.
+
+Since Adam is nearly invariant to the gradient's scale, equal weights alone would not catch a
+gradient that is off by the world size; equal ``learner/grad_norm`` metrics do (they are taken
+before clipping), so both are compared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config.schema import LearnerConfig
+from asyncrl.wire import TrajectoryGroup
+from learners.batching import collate
+from learners.dist import free_port
+
+STEPS = 3
+VOCAB = 16
+JOIN_TIMEOUT_S = 120.0
+CFG = LearnerConfig(lr=1e-3, grad_clip=1.0, clip_eps=0.2)
+
+
+def make_groups(n_groups: int = 4, group_size: int = 3, seed: int = 0) -> list[TrajectoryGroup]:
+    """Deterministic groups with uneven completion lengths, so the ranks' token counts differ."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        for _ in range(group_size):
+            prompt, gen = 3, int(rng.integers(1, 7))
+            samples.append({
+                "tokens": rng.integers(0, VOCAB, prompt + gen), "reward": float(rng.random()),
+                "logprobs": np.r_[np.zeros(prompt), -np.log(VOCAB) + rng.normal(0, 0.4, gen)],
+                "loss_mask": np.r_[np.zeros(prompt), np.ones(gen)],
+                "versions": np.r_[-np.ones(prompt), np.zeros(gen)], "finish_reason": "stop"})
+        groups.append(TrajectoryGroup.from_samples(f"g{g}", f"p{g}", samples))
+    return groups
+
+
+def rank_groups(rank: int, world: int) -> list[TrajectoryGroup]:
+    """This rank's share, split at group boundaries (advantages are per group)."""
+    groups = make_groups()
+    share = len(groups) // world
+    return groups[rank * share:(rank + 1) * share]
+
+
+def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One learner process: train STEPS steps, write metrics, state dict and a checkpoint."""
+    torch.set_num_threads(1)
+    from learners.backends.fsdp2 import Fsdp2Trainer
+    from learners.dist import init_learner_group, shutdown_learner_group
+
+    device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
+    try:
+        trainer = Fsdp2Trainer(model_dir, CFG, device)
+        batch = collate(rank_groups(rank, world), std_norm=CFG.advantage_std_norm, pad_id=0)
+        metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+        state = trainer.full_state_dict()
+        trainer.save_pretrained(Path(out_dir) / "checkpoint")
+        torch.save({"metrics": metrics, "state": state, "version": trainer.version},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        shutdown_learner_group()
+
+
+def spawn_world(world: int, model_dir: Path, out_dir: Path) -> list[mp.process.BaseProcess]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out_dir.mkdir()
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, str(model_dir), str(out_dir)))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def join_all(procs: list[mp.process.BaseProcess]) -> None:
+    """Wait for our own processes; kill (by handle) any that hang, then fail."""
+    for proc in procs:
+        proc.join(JOIN_TIMEOUT_S)
+    hung = [p for p in procs if p.is_alive()]
+    for proc in hung:
+        proc.kill()
+        proc.join()
+    assert not hung, f"{len(hung)} learner processes hung"
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Both worlds at once (3 processes): the 1-rank and the 2-rank run."""
+    out = {world: tmp_path_factory.mktemp("out") / f"world{world}" for world in (1, 2)}
+    procs = [p for world, path in out.items() for p in spawn_world(world, tiny_model_dir, path)]
+    join_all(procs)
+    return out
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def test_ranks_have_uneven_token_counts() -> None:
+    counts = [collate(rank_groups(r, 2), True, 0).num_tokens for r in range(2)]
+    assert counts[0] != counts[1]   # so the global-count normalisation is actually exercised
+
+
+def test_two_ranks_match_one_rank(runs: dict[int, Path], tiny_model_dir: Path) -> None:
+    single, multi = _load(runs[1] / "rank0.pt"), _load(runs[2] / "rank0.pt")
+    initial = _initial_state(tiny_model_dir)
+    assert single["version"] == multi["version"] == STEPS
+    assert set(single["state"]) == set(multi["state"]) == set(initial)
+    for name, tensor in single["state"].items():
+        torch.testing.assert_close(multi["state"][name], tensor, atol=1e-5, rtol=0)
+    moved = max((single["state"][n] - initial[n]).abs().max().item() for n in initial)
+    assert moved > 1e-3   # training moved the weights far more than the tolerance
+    for step_single, step_multi in zip(single["metrics"], multi["metrics"]):
+        for name, value in step_single.items():
+            if name != "learner/step_time_s":
+                assert step_multi[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+def test_metrics_identical_on_all_ranks(runs: dict[int, Path]) -> None:
+    rank0, rank1 = _load(runs[2] / "rank0.pt"), _load(runs[2] / "rank1.pt")
+    assert rank0["metrics"] == rank1["metrics"]
+    assert rank0["metrics"][0]["learner/tokens"] == collate(make_groups(), True, 0).num_tokens
+    assert rank1["state"] == {}   # the full state dict lands on rank 0 only
+
+
+def test_saved_checkpoint_reloads(runs: dict[int, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    state = _load(runs[2] / "rank0.pt")["state"]
+    reloaded = AutoModelForCausalLM.from_pretrained(runs[2] / "checkpoint").state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(reloaded[name], tensor), name
+
+
+def _initial_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
