@@ -1,0 +1,155 @@
+"""Model and tokenizer construction: the tiny random-init Qwen2 and its character vocabulary.
+
+Every role (learner ranks, rollout workers) must start from *identical* weights, so the tiny
+model is built once, deterministically from the run seed, and saved in HF format under the run
+directory; everyone then loads the same files, exactly as they would a real checkpoint.
+
+torch and transformers are imported inside functions: ``asyncrl`` core stays torch-free at import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from asyncrl.config.schema import ModelConfig, TinyModelConfig
+
+logger = logging.getLogger(__name__)
+
+SPECIAL: list[str] = ["<pad>", "<bos>", "<sep>", "<eos>"]
+DIGITS: list[str] = [str(d) for d in range(10)]
+VOCAB: list[str] = SPECIAL + DIGITS
+PAD_ID, BOS_ID, SEP_ID, EOS_ID = range(len(SPECIAL))
+DIGIT_OFFSET = len(SPECIAL)  # id of "0"; digit d has id DIGIT_OFFSET + d
+
+INIT_MODEL_DIRNAME = "init_model"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerBase:
+    """A fast tokenizer over :data:`VOCAB`: one token per digit, special tokens matched whole.
+
+    Built in code (no hub download) so the tiny model needs no files beyond the run directory.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)},
+                                         unk_token="<pad>"))
+    # Added (special) tokens are split out before pre-tokenization; what is left is digits.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # "1234", not "1 2 3 4"
+    backend.add_special_tokens(SPECIAL)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>", sep_token="<sep>",
+                                   padding_side="left")
+
+
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
+    """A random-init ``Qwen2ForCausalLM``, identical for identical ``(cfg, vocab_size, seed)``.
+
+    The seed is applied inside :func:`torch.random.fork_rng` so the caller's RNG is untouched.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    return model.float().eval()
+
+
+def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
+    """The directory (or hub id) every role loads the initial policy from.
+
+    With ``model_cfg.path`` set it is returned unchanged (a local dir or a hub id, resolved by
+    :func:`load_causal_lm`). Otherwise the tiny model and char tokenizer are saved under
+    ``run_dir/init_model``: written to a temp dir and renamed, so concurrent callers either
+    build identical copies (same seed) and one rename wins, or reuse the finished one.
+    """
+    if model_cfg.path:
+        return Path(model_cfg.path).expanduser()
+    run_dir = Path(run_dir)
+    final = run_dir / INIT_MODEL_DIRNAME
+    if final.is_dir():
+        logger.info("reusing initial model at %s", final)
+        return final
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{INIT_MODEL_DIRNAME}-", dir=run_dir))
+    try:
+        tokenizer = build_char_tokenizer()
+        build_tiny_model(model_cfg.tiny, len(tokenizer), seed).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is for every role
+        os.rename(tmp, final)
+        logger.info("initial model (seed %d) saved to %s", seed, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        logger.info("another process built %s first; reusing it", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _hub_kwargs(path: str | Path) -> dict[str, Any]:
+    """Local directories never touch the network; a hub id goes through the normal resolver
+    (which honours ``HF_HUB_OFFLINE`` and the local cache)."""
+    return {"local_files_only": True} if Path(path).expanduser().is_dir() else {}
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
+                   ) -> PreTrainedModel:
+    """Load a causal LM in eval mode, in ``dtype`` ("float32", "bfloat16", ...) on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+                                                 **_hub_kwargs(path))
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved beside a model (the char tokenizer for the tiny model).
+
+    A directory whose ``tokenizer_config.json`` declares the generic ``TokenizersBackend`` is
+    loaded exactly as its ``tokenizer.json`` says: ``AutoTokenizer`` would otherwise pick the
+    class registered for ``config.json``'s model type (``Qwen2Tokenizer`` for the tiny model),
+    which rebuilds the pipeline and adds ``<|endoftext|>`` beyond the model's vocabulary.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    kwargs = _hub_kwargs(path)
+    if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _declared_tokenizer_class(path: str | Path) -> str | None:
+    """``tokenizer_class`` from a local ``tokenizer_config.json`` (None for hub ids)."""
+    config_file = Path(path).expanduser() / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    return json.loads(config_file.read_text()).get("tokenizer_class")

@@ -1,0 +1,168 @@
+"""A pure-torch inference engine: batched KV-cached sampling on any HF causal LM.
+
+Slow next to vLLM, but exact, dependency-free and CPU-friendly: the reference engine for tests
+and for the tiny-model runs. The lock is held per decode step, not per call, so a weight update
+lands between two steps of an in-flight batch; ``Completion.versions`` records, per token, the
+version whose forward pass produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rollouters.engines.base import Completion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Batch:
+    """Decode state for one :meth:`TorchEngine.generate` call."""
+
+    attention_mask: torch.Tensor  # (B, T) grows by one column per step
+    next_position: torch.Tensor  # (B,) position id of the next input token
+    finished: torch.Tensor  # (B,) bool
+    tokens: list[torch.Tensor]  # one (B,) tensor per step
+    logprobs: list[torch.Tensor]
+    versions: list[int]
+
+
+class TorchEngine:
+    """Implements :class:`~rollouters.engines.base.Engine` over an ``nn.Module`` causal LM.
+
+    ``on_step(step)`` (optional) is called after each decode step, outside the lock: a test hook
+    to interleave weight loads deterministically.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, version: int = 0,
+                 device: str | torch.device = "cpu", seed: int | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.on_step = on_step
+        self._version = version
+        self._lock = threading.Lock()
+        self._generator = torch.Generator(self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float,
+                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
+        if not prompts or n < 1 or max_new_tokens < 1:
+            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if any(not p for p in prompts):
+            raise ValueError("empty prompt")
+        temperature = 1.0 if greedy else temperature
+        rows = [p for p in prompts for _ in range(n)]
+        input_ids, batch = self._left_pad(rows)
+        past = None
+        for step in range(max_new_tokens):
+            past = self._step(input_ids, batch, past, temperature, greedy)
+            if self.on_step is not None:
+                self.on_step(step)
+            if bool(batch.finished.all()):
+                break
+            input_ids = torch.where(batch.finished, self.pad_id, batch.tokens[-1])[:, None]
+        completions = self._completions(batch)
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, _Batch]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        batch = _Batch(attention_mask=mask, next_position=mask.sum(-1),
+                       finished=torch.zeros(len(rows), dtype=torch.bool, device=self.device),
+                       tokens=[], logprobs=[], versions=[])
+        return ids, batch
+
+    def _step(self, input_ids: torch.Tensor, batch: _Batch, past: object,
+              temperature: float, greedy: bool) -> object:
+        """One forward (the prefill when ``past`` is None) and one sampled token per row."""
+        if past is None:
+            positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            positions = batch.next_position[:, None]
+            ones = torch.ones_like(batch.attention_mask[:, :1])
+            batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)
+            batch.next_position = batch.next_position + 1
+        with self._lock, torch.inference_mode():
+            out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask,
+                             position_ids=positions, past_key_values=past, use_cache=True,
+                             logits_to_keep=1)
+            version = self._version
+            logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
+            if greedy:
+                token = logp.argmax(-1)
+            else:
+                token = torch.multinomial(logp.exp(), 1, generator=self._generator)[:, 0]
+        token = torch.where(batch.finished, self.pad_id, token)
+        batch.tokens.append(token)
+        batch.logprobs.append(logp.gather(-1, token[:, None])[:, 0])
+        batch.versions.append(version)
+        batch.finished = batch.finished | (token == self.eos_id)
+        return out.past_key_values
+
+    def _completions(self, batch: _Batch) -> list[Completion]:
+        tokens = torch.stack(batch.tokens, dim=1).tolist()
+        logprobs = torch.stack(batch.logprobs, dim=1).tolist()
+        result = []
+        for row_tokens, row_logprobs in zip(tokens, logprobs):
+            if self.eos_id in row_tokens:
+                length, reason = row_tokens.index(self.eos_id) + 1, "stop"
+            else:
+                length, reason = len(row_tokens), "length"
+            result.append(Completion(tokens=row_tokens[:length], logprobs=row_logprobs[:length],
+                                     versions=batch.versions[:length], finish_reason=reason))
+        return result
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy named tensors into the model in place, then set :attr:`version`.
+
+        Names are checked before anything is copied, so a bad update leaves the model as it
+        was. Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight``) resolve to the
+        same storage; either name, or both, may be sent.
+        """
+        items = list(weights)
+        with self._lock, torch.no_grad():
+            targets = self._named_tensors()
+            unknown = sorted(name for name, _ in items if name not in targets)
+            if unknown:
+                raise KeyError(f"unknown weight names: {unknown}")
+            for name, tensor in items:
+                if targets[name].shape != tensor.shape:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
+                                     f"{tuple(targets[name].shape)}")
+            for name, tensor in items:
+                targets[name].copy_(tensor)
+            self._version = version
+        logger.debug("loaded %d tensors, version %d", len(items), version)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of every parameter and buffer, tied names included."""
+        with self._lock, torch.no_grad():
+            return {name: t.detach().clone() for name, t in self._named_tensors().items()}
+
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        named.update(self.model.named_buffers(remove_duplicate=False))
+        return named

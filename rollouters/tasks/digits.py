@@ -1,0 +1,139 @@
+"""Built-in verifiable digit tasks: copy, reverse or sort L digits.
+
+Prompt ``[BOS, d1..dL, SEP]``, target ``t1..tL, EOS``. The reward is dense (fraction of the L+1
+target positions right), which is what lets a random-init model learn these by RL on a CPU.
+
+The prompt space is split by a stable hash (``crc32(digits) % 8 == 0`` is held out), so eval
+prompts can never appear in training, in any process, whatever the seeds.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from asyncrl.config.schema import TaskConfig
+from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID
+
+HOLDOUT_MODULUS = 8
+_ENUMERATE_MAX_LENGTH = 5  # up to 10**5 prompts: enumerate; beyond, rejection-sample
+_TRANSFORMS: dict[str, Callable[[str], str]] = {
+    "copy": lambda s: s,
+    "reverse": lambda s: s[::-1],
+    "sort": lambda s: "".join(sorted(s)),
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: what the policy sees (``tokens``) and what it should write."""
+
+    prompt_id: str
+    tokens: list[int]
+    target: list[int]
+
+
+class Task(Protocol):
+    """What workflows and evaluation need from a task."""
+
+    name: str
+
+    def reward(self, prompt: Prompt, completion_tokens: Sequence[int]) -> float: ...
+
+    def exact(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool: ...
+
+    def eval_prompts(self) -> list[Prompt]: ...
+
+
+def is_held_out(digits: str) -> bool:
+    """Stable across processes and Python versions (unlike ``hash``)."""
+    return zlib.crc32(digits.encode()) % HOLDOUT_MODULUS == 0
+
+
+def _ids(digits: str) -> list[int]:
+    return [DIGIT_OFFSET + int(c) for c in digits]
+
+
+class DigitTask:
+    """A digit task with a fixed held-out eval set of ``eval_size`` prompts."""
+
+    def __init__(self, name: str, length: int, eval_size: int, seed: int) -> None:
+        if name not in _TRANSFORMS:
+            raise ValueError(f"unknown digit task {name!r}; expected one of {sorted(_TRANSFORMS)}")
+        if length < 1:
+            raise ValueError(f"task.length must be >= 1, got {length}")
+        self.name = name
+        self.length = length
+        self.eval_size = eval_size
+        self._transform = _TRANSFORMS[name]
+        self._train_pool, held_out = self._enumerate() if length <= _ENUMERATE_MAX_LENGTH \
+            else (None, None)
+        self._eval = self._pick_eval(held_out, random.Random(f"{name}-{length}-{seed}-eval"))
+
+    def make_prompt(self, digits: str) -> Prompt:
+        target = _ids(self._transform(digits)) + [EOS_ID]
+        return Prompt(prompt_id=f"{self.name}:{digits}",
+                      tokens=[BOS_ID, *_ids(digits), SEP_ID], target=target)
+
+    def sample(self, rng: random.Random, n: int) -> list[Prompt]:
+        """``n`` training prompts (with replacement), never one of the held-out space."""
+        if self._train_pool is not None:
+            return [self.make_prompt(rng.choice(self._train_pool)) for _ in range(n)]
+        return [self.make_prompt(self._draw(rng, held_out=False)) for _ in range(n)]
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The fixed held-out eval set (same list for the same name, length, size and seed)."""
+        return [self.make_prompt(d) for d in self._eval]
+
+    def reward(self, prompt: Prompt, completion_tokens: Sequence[int]) -> float:
+        """Fraction of target positions (digits, then EOS) matched; missing ones are wrong."""
+        target = prompt.target
+        hits = sum(1 for got, want in zip(completion_tokens, target) if got == want)
+        return hits / len(target)
+
+    def exact(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
+        """The completion up to and including its first EOS equals the target."""
+        tokens = list(completion_tokens)
+        if EOS_ID in tokens:
+            tokens = tokens[:tokens.index(EOS_ID) + 1]
+        return tokens == prompt.target
+
+    def _enumerate(self) -> tuple[list[str], list[str]]:
+        everything = (f"{i:0{self.length}d}" for i in range(10 ** self.length))
+        train: list[str] = []
+        held_out: list[str] = []
+        for digits in everything:
+            (held_out if is_held_out(digits) else train).append(digits)
+        if not train:
+            raise ValueError(f"task.length={self.length} leaves no training prompts")
+        return train, held_out
+
+    def _draw(self, rng: random.Random, held_out: bool) -> str:
+        while True:
+            digits = "".join(rng.choice("0123456789") for _ in range(self.length))
+            if is_held_out(digits) == held_out:
+                return digits
+
+    def _pick_eval(self, held_out: list[str] | None, rng: random.Random) -> list[str]:
+        # For long prompts, only claim a conservative half of the ~10**L / 8 held-out strings.
+        available = len(held_out) if held_out is not None \
+            else 10 ** self.length // (2 * HOLDOUT_MODULUS)
+        if self.eval_size > available:
+            raise ValueError(
+                f"task.eval_size={self.eval_size} exceeds the {available} held-out prompts of "
+                f"{self.name} with task.length={self.length}; lower task.eval_size or raise "
+                f"task.length")
+        if held_out is not None:
+            return rng.sample(held_out, self.eval_size)
+        chosen: dict[str, None] = {}
+        while len(chosen) < self.eval_size:
+            chosen[self._draw(rng, held_out=True)] = None
+        return list(chosen)
+
+
+def make_task(cfg: TaskConfig, seed: int) -> DigitTask:
+    """The task a config names; ``seed`` fixes which held-out prompts form the eval set."""
+    return DigitTask(cfg.name, cfg.length, cfg.eval_size, seed)
