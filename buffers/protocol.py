@@ -38,6 +38,7 @@ class Batch:
     groups: list[TrajectoryGroup]
     dropped_stale: int = 0  # stale groups dropped while serving this batch
     stats: dict[str, Any] = field(default_factory=dict)  # buffer depth, gate counters, ...
+    receipts: list[str] = field(default_factory=list)  # opaque ids to ack, one per group
 
 
 @runtime_checkable
@@ -55,7 +56,12 @@ class Buffer(Protocol):
     def get_batch(self, consumer: str, count: int, learner_version: int,
                   timeout_s: float) -> Batch | None:
         """Exactly ``count`` fresh groups, oldest first, or None after ``timeout_s``.
-        Groups staler than ``max_staleness`` at ``learner_version`` are dropped and counted."""
+        Groups staler than ``max_staleness`` at ``learner_version`` are dropped and counted.
+        Served groups stay pending until :meth:`ack`; a consumer that dies before acking has
+        them redelivered to another consumer after ``buffer.reclaim_idle_s`` (at-least-once)."""
+
+    def ack(self, consumer: str, batch: Batch) -> None:
+        """The optimizer step that used ``batch`` is done: its groups are never redelivered."""
 
 
 @runtime_checkable

@@ -49,11 +49,30 @@ class TaskConfig(Section):
 
 
 class BufferConfig(Section):
-    type: Literal["zmq"] = Field("zmq", description="Buffer backend.")
-    host: str = Field("127.0.0.1", description="Address the broker binds and clients dial.")
-    port: int = Field(5555, ge=0, le=65535, description="Broker port; 0 picks a free one.")
+    type: Literal["zmq", "redis"] = Field(
+        "zmq", description="Buffer backend: embedded ZMQ broker, or Redis Streams (multi-node, "
+                           "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
+    host: str = Field("127.0.0.1", description="Address the ZMQ broker binds and clients dial.")
+    port: int = Field(5555, ge=0, le=65535, description="ZMQ broker port; 0 picks a free one.")
+    url: str = Field("redis://127.0.0.1:6379/0",
+                     description="Redis URL (redis:// or rediss:// for TLS), buffer.type=redis.")
+    namespace: str = Field("", description="Redis key prefix; empty uses asyncrl:<run.name>.")
+    username: str = Field("", description="Redis ACL user (empty: default user).")
+    password: str = Field("", description="Redis password (or ACL user's password).")
+    tls_ca_file: str = Field("", description="CA bundle to verify the Redis server (TLS).")
+    tls_cert_file: str = Field("", description="Client certificate for Redis mutual TLS.")
+    tls_key_file: str = Field("", description="Client key for Redis mutual TLS.")
+    auth: Literal["none", "curve"] = Field("none", description="ZMQ authentication: CURVE keys.")
+    curve_keys_dir: str = Field("", description="Directory with the ZMQ CURVE key pairs.")
     max_staleness: int = Field(2, ge=0, description="s: never train on a sample staler than s.")
     max_groups: int = Field(4096, ge=1, description="Most groups held before producers wait.")
+    max_message_bytes: int = Field(64 << 20, ge=1024,
+                                   description="Larger trajectory groups are rejected.")
+    reclaim_idle_s: float = Field(60.0, gt=0,
+                                  description="Groups delivered but not acked for this long (a "
+                                              "dead learner) are redelivered.")
+    spill_path: str = Field("", description="ZMQ: append-only file so a broker restart loses "
+                                            "nothing accepted and unacked (empty: memory only).")
     heartbeat_timeout_s: float = Field(15.0, gt=0,
                                        description="A silent rollout worker's in-flight groups "
                                                    "are released after this long.")

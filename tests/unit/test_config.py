@@ -38,7 +38,7 @@ def test_override_wins_over_file(tmp_path: Path) -> None:
     ("buffer.nope=1", "buffer.nope: unknown key (allowed in [buffer]:"),
     ("nosection.x=1", "nosection: unknown key (allowed in [root]:"),
     ("learner.lr=-1", "learner.lr: Input should be greater than 0 (got -1)"),
-    ("buffer.type=kafka", "buffer.type: Input should be 'zmq' (got 'kafka')"),
+    ("buffer.type=kafka", "buffer.type: Input should be 'zmq' or 'redis' (got 'kafka')"),
     ("rollout.workers=many", "rollout.workers: Input should be a valid integer"),
     ("learner.ranks=3", "learner.groups_per_step (32) must be divisible by learner.ranks (3)"),
 ])
