@@ -38,7 +38,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str,
     import torch
 
     from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm, prepare_model_dir
-    from learners.weights import WeightReceiver
+    from learners.weights_receiver import WeightReceiver
     from rollouters.engines.torch_engine import TorchEngine
     from rollouters.tasks import make_task
 
@@ -51,7 +51,8 @@ def run_rollout_worker(cfg: Config, index: int, address: str,
                          eos_id=EOS_ID, pad_id=PAD_ID, device=_device(cfg))
     task = make_task(cfg.task, cfg.run.seed)
     client = make_buffer_client(cfg.buffer, address)
-    receiver = WeightReceiver(make_buffer_client(cfg.buffer, address), member, engine.load_weights)
+    receiver = WeightReceiver(make_buffer_client(cfg.buffer, address), member,
+                              lambda named, version: engine.load_weights(named.items(), version))
     try:
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()

@@ -1,0 +1,232 @@
+"""Learner → engine weight sync: :class:`WeightBroadcaster` on learner rank 0.
+
+One update, as seen on the control plane (``weights/announce``)::
+
+    {"version": int, "epoch": int, "members": [member, ...],   # rank = index + 1
+     "store": "host:port", "transport": "gloo", "timeout_s": float,
+     "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
+     "buckets": [{"nbytes", "count"}, ...]}
+
+Members are the alive ``rollout`` members of the control plane, sorted. A *membership epoch* is
+one process group over them; it is reused while they stay the same. When they change, the new
+epoch starts with a handshake on the control plane so that nobody blocks on a dead peer:
+receivers write ``weights/join/<member>``, the broadcaster waits for all of them (up to
+``timeout_s``) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after ``go`` does
+anyone create the group. Then every bucket is broadcast from rank 0 and each receiver acks with
+``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store make an ack from an
+earlier group, or an earlier learner, count for nothing).
+
+A member that does not join or ack in time is evicted (and the group dropped, so the next
+attempt rebuilds it without that member); a failed collective drops the group and the next
+attempt's handshake finds who is gone. An evicted member is left out until it heartbeats again
+after its eviction. :class:`WeightReceiver` (the rollout side) lives in
+:mod:`learners.weights_receiver`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config.schema import WeightsConfig
+from buffers.protocol import ControlPlane
+from learners.weights_group import (
+    ANNOUNCE_KEY,
+    GROUP_KEY,
+    ack_key,
+    await_key,
+    broadcast,
+    drop_group,
+    join_key,
+    new_group,
+    serve_store,
+)
+from learners.weights_plan import BucketPlan, pack_bucket, plan_buckets
+from learners.weights_receiver import WeightReceiver
+
+__all__ = ["WeightBroadcaster", "WeightReceiver"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # a lost peer: the 1st attempt fails, the 2nd finds who, the 3rd delivers
+ROLLOUT_ROLE = "rollout"
+
+
+@dataclass
+class _Group:
+    epoch: int
+    members: tuple[str, ...]
+    pg: dist.ProcessGroup
+
+
+class WeightBroadcaster:
+    """Sends each new version to every rollout engine; never hangs on, or dies of, a lost one.
+
+    ``control`` is used only from the thread that calls :meth:`sync` (clients are not
+    thread-safe). The store server lives as long as this object; groups come and go with
+    membership epochs.
+    """
+
+    def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1"):
+        self._control = control
+        self._cfg = cfg
+        self._host = host
+        if cfg.transport != "gloo":
+            raise NotImplementedError(f"weight transport {cfg.transport!r} (only gloo so far)")
+        self._store = serve_store(host, cfg.timeout_s)
+        self.address = f"{host}:{self._store.port}"
+        self._epoch = 0
+        self._group: _Group | None = None
+        self._evicted_at: dict[str, float] = {}  # member → time.monotonic() of its eviction
+        self._evicted_now: list[str] = []  # evicted during the running sync: not retried in it
+        self._closed = False
+
+    # --- membership ------------------------------------------------------------------------
+
+    def members(self) -> list[str]:
+        """Alive rollout members, sorted, minus those not heard from since their eviction
+        (and, during a sync, minus those it evicted: they get the next sync, not a retry)."""
+        now = time.monotonic()  # before the request: a silent member can never look fresh
+        out = []
+        for name, entry in self._control.status().get("members", {}).items():
+            if entry.get("role") != ROLLOUT_ROLE or not entry.get("alive"):
+                continue
+            if name in self._evicted_now:
+                continue
+            evicted_at = self._evicted_at.get(name)
+            if evicted_at is not None and entry["last_seen_s_ago"] >= now - evicted_at:
+                continue
+            self._evicted_at.pop(name, None)
+            out.append(name)
+        return sorted(out)
+
+    def _evict(self, members: list[str], why: str) -> None:
+        for name in members:
+            logger.warning("weights: evicting %s (%s within %.1fs)", name, why,
+                           self._cfg.timeout_s)
+            self._evicted_at[name] = time.monotonic()
+            self._evicted_now.append(name)
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._group is not None:
+            drop_group(self._group.pg)
+            self._group = None
+
+    # --- one update ------------------------------------------------------------------------
+
+    def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Deliver ``state_dict`` as ``version`` to every member; returns metrics.
+
+        Raises only if the control plane itself fails; lost or slow engines are evicted."""
+        start = time.monotonic()
+        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)))
+        try:
+            delivered, attempts = self._deliver(plan, state_dict, version)
+            evicted = len(self._evicted_now)
+        finally:
+            self._evicted_now = []
+        return {"weights/sync_s": time.monotonic() - start,
+                "weights/bytes": float(plan.total_bytes if delivered else 0),
+                "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
+                "weights/buckets": float(len(plan.bucket_nbytes)),
+                "weights/attempts": float(attempts), "weights/epoch": float(self._epoch)}
+
+    def _deliver(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
+                 version: int) -> tuple[list[str], int]:
+        """Attempts until one reaches every (remaining) member: (members reached, attempts)."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            members = self.members()
+            if not members:
+                self._drop()
+                return [], attempt - 1
+            try:
+                delivered = self._attempt(plan, state, version, members)
+            except RuntimeError as exc:  # gloo: a peer vanished or timed out mid-collective
+                logger.warning("weights: version %d epoch %d failed (%s); rebuilding the group",
+                               version, self._epoch, str(exc).splitlines()[0][:200])
+                self._drop()
+                continue
+            if delivered:
+                return delivered, attempt
+        logger.error("weights: version %d reached no engine after %d attempts",
+                     version, MAX_ATTEMPTS)
+        return [], MAX_ATTEMPTS
+
+    def _attempt(self, plan: BucketPlan, state: Mapping[str, torch.Tensor], version: int,
+                 members: list[str]) -> list[str]:
+        """One try over ``members``: the members that acked (empty when someone was evicted)."""
+        fresh = self._group is None or self._group.members != tuple(members)
+        if fresh:
+            self._drop()
+            self._epoch += 1
+        self._announce(plan, version, members)
+        if fresh and not self._rendezvous(members):
+            return []
+        assert self._group is not None
+        for index in range(len(plan.bucket_nbytes)):
+            broadcast(self._group.pg, pack_bucket(plan, index, state))
+        late = self._wait_acks(members, version)
+        if late:
+            self._evict(late, "no ack")
+            return []
+        return members
+
+    def _announce(self, plan: BucketPlan, version: int, members: list[str]) -> None:
+        manifest, buckets = plan.to_json()
+        self._control.set_key(ANNOUNCE_KEY, {
+            "version": version, "epoch": self._epoch, "members": members,
+            "store": self.address, "transport": self._cfg.transport,
+            "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
+
+    def _rendezvous(self, members: list[str]) -> bool:
+        """Wait for every member's join, then say go (and create the group) or no-go."""
+        epoch, deadline = self._epoch, time.monotonic() + self._cfg.timeout_s
+
+        def joined(value: dict[str, Any]) -> bool:
+            return value.get("epoch") == epoch and value.get("store") == self.address
+
+        missing = [m for m in members
+                   if await_key(self._control, join_key(m), joined, deadline) is None]
+        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
+                                          "go": not missing})
+        if missing:
+            self._evict(missing, "did not join")
+            return False
+        pg = new_group(self._cfg.transport, self._store, epoch, 0, len(members) + 1,
+                       self._cfg.timeout_s, self._host)
+        self._group = _Group(epoch, tuple(members), pg)
+        logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
+        return True
+
+    def _wait_acks(self, members: list[str], version: int) -> list[str]:
+        """Members that did not ack ``version`` in this epoch within ``timeout_s``."""
+        epoch, deadline = self._epoch, time.monotonic() + self._cfg.timeout_s
+
+        def acked(value: dict[str, Any]) -> bool:
+            return (value.get("version", -1) >= version and value.get("epoch") == epoch
+                    and value.get("store") == self.address)
+
+        return [m for m in members
+                if await_key(self._control, ack_key(m), acked, deadline) is None]
+
+    def close(self) -> None:
+        """Tell receivers to leave (an announcement without members), drop the group, stop
+        the store. No barrier: a receiver may be gone, and an idle one needs none."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._control.set_key(ANNOUNCE_KEY, {"version": -1, "epoch": self._epoch + 1,
+                                                 "members": [], "store": self.address,
+                                                 "closed": True})
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("weights: could not announce the close: %s", exc)
+        self._drop()
+        del self._store  # the store server stops with its last reference

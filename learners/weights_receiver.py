@@ -1,0 +1,163 @@
+"""Rollout side of the weight sync: :class:`WeightReceiver`, one background thread per engine.
+
+It follows the announcements of :class:`learners.weights.WeightBroadcaster` (the format and
+handshake are documented there), joins the epoch's group, receives every bucket, hands the
+named tensors to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so
+a lost learner or a broken group costs one timeout, after which the next announcement is
+served; ``stop`` is seen within a long-poll slice except during a transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from buffers.protocol import ControlPlane
+from learners.weights_group import (
+    ANNOUNCE_KEY,
+    GROUP_KEY,
+    ack_key,
+    await_key,
+    broadcast,
+    buffer_device,
+    dial_store,
+    drop_group,
+    join_key,
+    new_group,
+)
+from learners.weights_plan import BucketPlan, unpack_bucket
+
+logger = logging.getLogger(__name__)
+
+Apply = Callable[[dict[str, torch.Tensor], int], None]
+
+
+class WeightReceiver:
+    """Receives weight updates for ``member`` on a daemon thread and calls ``apply``.
+
+    ``control`` must be a client of its own: only the receiver's thread uses it (clients are
+    not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`. ``apply`` gets fresh tensors (views into
+    buffers never reused), so it may keep them. ``host`` is the address the gloo device binds.
+    """
+
+    def __init__(self, control: ControlPlane, member: str, apply: Apply,
+                 host: str = "127.0.0.1", poll_s: float = 0.25) -> None:
+        self.member = member
+        self._control = control
+        self._apply = apply
+        self._host = host
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._version_cv = threading.Condition()
+        self._last_version = -1
+        self._seq = 0  # sequence number of the last announcement handled
+        self._group: dist.ProcessGroup | None = None
+        self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._group
+        self._store: dist.TCPStore | None = None
+        self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
+
+    @property
+    def last_version(self) -> int:
+        """Version of the last update applied and acked (-1 before the first)."""
+        with self._version_cv:
+            return self._last_version
+
+    def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Block until ``last_version >= version``; False after ``timeout`` seconds."""
+        with self._version_cv:
+            return self._version_cv.wait_for(lambda: self._last_version >= version, timeout)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the thread to end and join it (within a poll slice unless mid-transfer)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("weights: receiver %s still busy after %.1fs", self.member,
+                               timeout)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self._control.get_key(ANNOUNCE_KEY, newer_than=self._seq,
+                                            timeout_s=self._poll_s)
+                if got is not None:
+                    self._seq, announcement = got
+                    self._serve(announcement)
+            except RuntimeError as exc:  # gloo or store: a peer is gone or the epoch moved on
+                logger.warning("weights: receiver %s left its group: %s", self.member,
+                               str(exc).splitlines()[0][:200] if str(exc) else repr(exc))
+                self._leave()
+            except Exception:  # noqa: BLE001 - keep serving; the next announcement may work
+                logger.exception("weights: receiver %s failed; leaving the group", self.member)
+                self._leave()
+        self._leave()
+
+    def _serve(self, ann: dict[str, Any]) -> None:
+        members = ann.get("members", [])
+        if self.member not in members:
+            self._leave()  # evicted, or the broadcaster closed
+            return
+        group_id = (ann["store"], int(ann["epoch"]))
+        if self._group_id != group_id:
+            self._leave()
+            if not self._join(ann, members.index(self.member) + 1, len(members) + 1):
+                return
+        version = int(ann["version"])
+        named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]),
+                              ann.get("transport", "gloo"))
+        self._apply(named, version)
+        with self._version_cv:
+            self._last_version = version
+            self._version_cv.notify_all()
+        self._control.set_key(ack_key(self.member), {"version": version, "epoch": group_id[1],
+                                                     "store": group_id[0]})
+
+    def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
+        """The epoch handshake (join → go), then the group. False if the epoch went on
+        without us (stale announcement, no-go, or no answer in time)."""
+        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
+        current = self._control.get_key(GROUP_KEY, 0, 0.0)
+        if current is not None and current[1].get("store") == store \
+                and current[1].get("epoch", -1) >= epoch:
+            logger.info("weights: %s skips epoch %d, already decided", self.member, epoch)
+            return False
+        self._control.set_key(join_key(self.member), {"epoch": epoch, "store": store})
+        decision = await_key(
+            self._control, GROUP_KEY,
+            lambda v: v.get("store") == store and v.get("epoch", -1) >= epoch,
+            time.monotonic() + 2 * timeout_s, current[0] if current else 0, self._stop,
+            self._poll_s)
+        if decision is None or decision.get("epoch") != epoch or not decision.get("go"):
+            return False
+        self._store = dial_store(store, timeout_s)
+        self._group = new_group(ann.get("transport", "gloo"), self._store, epoch, rank, world,
+                                timeout_s, self._host)
+        self._group_id = (store, epoch)
+        logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
+        return True
+
+    def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
+        assert self._group is not None
+        device = buffer_device(transport)
+        named: dict[str, torch.Tensor] = {}
+        for index, nbytes in enumerate(plan.bucket_nbytes):
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            broadcast(self._group, flat)
+            named.update(unpack_bucket(plan, index, flat))
+        return named
+
+    def _leave(self) -> None:
+        drop_group(self._group)
+        self._group, self._group_id, self._store = None, None, None

@@ -1,0 +1,251 @@
+"""Weight sync over real gloo, a real broker and real processes.
+
+This test process is learner rank 0 (it owns the broker thread and the broadcaster); receiver
+processes (``python -m tests.integration.test_weight_broadcast receiver ...``) each hold a
+differently initialised tiny Qwen2, heartbeat as rollout members and copy received tensors into
+it by name. After each version they write their whole state dict to a safetensors file, which
+the test compares with the learner's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+MEMBERS = ("engine-a", "engine-b")
+LATE = "engine-c"  # joins after engine-b dies; fails to load one version, then recovers
+LATE_FAILS_AT = 5
+TIMEOUT_S = 5.0
+
+logger = logging.getLogger(__name__)
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def result_file(out_dir: Path, member: str, version: int) -> Path:
+    return out_dir / f"{member}-v{version}.safetensors"
+
+
+# --- the receiver process ---------------------------------------------------------------------
+
+def receiver_main(address: str, member: str, out_dir: Path, seed: int, fail_at: int) -> None:
+    """Heartbeat as a rollout member and apply every update to a local model until SIGTERM;
+    loading version ``fail_at`` raises (an engine that cannot load: it never acks)."""
+    from safetensors.torch import save_file
+
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightReceiver
+
+    torch.set_num_threads(1)
+    model = tiny_model(seed)
+    params = model.state_dict()
+
+    def apply(named: dict[str, torch.Tensor], version: int) -> None:
+        if version == fail_at:
+            raise RuntimeError(f"test: {member} refuses version {version}")
+        with torch.no_grad():
+            for name, tensor in named.items():
+                params[name].copy_(tensor)
+        path = result_file(out_dir, member, version)
+        save_file({k: v.clone() for k, v in model.state_dict().items()}, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # the learner may read it as soon as we ack
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    beats, own = ZmqBufferClient(address, timeout_s=10.0), ZmqBufferClient(address, 10.0)
+    receiver = WeightReceiver(own, member, apply)
+    beats.heartbeat(member, "rollout", {"engine_version": -1, "weights": "ready"})
+    receiver.start()
+    beats.set_key(f"test/ready/{member}", {"pid": os.getpid()})
+    while not stop.wait(0.2):  # heartbeat pacing, not synchronisation
+        beats.heartbeat(member, "rollout", {"engine_version": receiver.last_version,
+                                            "weights": "ready"})
+    receiver.stop()
+    beats.close()
+    own.close()
+
+
+# --- the learner side (this process) ----------------------------------------------------------
+
+def start_receiver(address: str, member: str, out_dir: Path, seed: int,
+                   fail_at: int = -1) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with (out_dir / f"{member}.log").open("wb") as log:  # the child keeps its own handle
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.test_weight_broadcast", "receiver",
+             address, member, str(out_dir), str(seed), str(fail_at)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def assert_same_state(expected: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(path)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), f"{path.name}: {name} differs"
+
+
+def perturb(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One fake optimizer step; returns the new state dict."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+    return model.state_dict()
+
+
+def sync_and_check(broadcaster, model: torch.nn.Module, version: int, members: list[str],
+                   out_dir: Path) -> dict[str, float]:
+    """Perturb, sync ``version``, check every engine in ``members`` holds it exactly."""
+    state = perturb(model)
+    metrics = broadcaster.sync(state, version)
+    logger.info("sync v%d: %s", version, metrics)
+    assert metrics["weights/members"] == len(members)
+    for member in members:
+        assert_same_state(state, result_file(out_dir, member, version))
+    return metrics
+
+
+def dump_logs(out_dir: Path) -> None:
+    for log in sorted(out_dir.glob("*.log")):
+        logger.error("%s:\n%s", log.name, log.read_text(errors="replace")[-4000:])
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_versions_evict_and_rejoin(tmp_path: Path) -> None:
+    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightBroadcaster
+    from learners.weights_group import await_key
+
+    torch.set_num_threads(1)
+    address, stop_broker = start_broker_thread(
+        BufferConfig(port=0, heartbeat_timeout_s=60.0), groups_per_step=1)
+    control = ZmqBufferClient(address, timeout_s=10.0)
+    procs: list[subprocess.Popen] = []
+    broadcaster = None
+
+    def wait_ready(member: str) -> None:
+        assert await_key(control, f"test/ready/{member}", lambda v: True,
+                         time.monotonic() + 60.0), f"{member} never came up"
+
+    try:
+        procs = [start_receiver(address, m, tmp_path, seed=i + 1) for i, m in enumerate(MEMBERS)]
+        for member in MEMBERS:
+            wait_ready(member)
+        broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.01,
+                                                               timeout_s=TIMEOUT_S))
+        assert broadcaster.members() == list(MEMBERS)
+        model = tiny_model(seed=0)
+        for version in (1, 2):
+            metrics = sync_and_check(broadcaster, model, version, list(MEMBERS), tmp_path)
+            assert metrics["weights/evicted"] == 0 and metrics["weights/buckets"] > 3
+            assert metrics["weights/epoch"] == 1, "the group is reused while members stay"
+
+        procs[1].send_signal(signal.SIGKILL)  # still "alive" on the broker for 60 s
+        procs[1].wait()
+        metrics = sync_and_check(broadcaster, model, 3, [MEMBERS[0]], tmp_path)
+        assert metrics["weights/evicted"] == 1
+        assert metrics["weights/sync_s"] < 3 * TIMEOUT_S, "the learner must not hang"
+        assert broadcaster.members() == [MEMBERS[0]], "the dead engine stays out"
+
+        procs.append(start_receiver(address, LATE, tmp_path, seed=9, fail_at=LATE_FAILS_AT))
+        wait_ready(LATE)
+        metrics = sync_and_check(broadcaster, model, 4, [MEMBERS[0], LATE], tmp_path)
+        assert metrics["weights/evicted"] == 0 and metrics["weights/epoch"] > 3, "new epoch"
+        metrics = sync_and_check(broadcaster, model, 5, [MEMBERS[0]], tmp_path)
+        assert metrics["weights/evicted"] == 1, "an engine that never acks is evicted"
+        assert broadcaster.members() == [MEMBERS[0]], "out until it heartbeats again"
+        wait_for(lambda: broadcaster.members() == [MEMBERS[0], LATE], 10.0, "a heartbeat")
+        metrics = sync_and_check(broadcaster, model, 6, [MEMBERS[0], LATE], tmp_path)
+        assert metrics["weights/evicted"] == 0, "a live evicted engine is taken back"
+    except BaseException:
+        dump_logs(tmp_path)
+        raise
+    finally:
+        if broadcaster is not None:
+            broadcaster.close()
+        stop_processes(procs)
+        control.close()
+        stop_broker()
+
+
+@pytest.mark.timeout(60)
+def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
+    """Both ends in one process: ``wait_for_version``, a prompt ``stop``, mixed dtypes, and a
+    sync with nobody to send to."""
+    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightBroadcaster, WeightReceiver
+
+    torch.set_num_threads(1)
+    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
+    own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    receiver = WeightReceiver(own, "engine-t",
+                              lambda named, version: got.__setitem__(version, named))
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.001, timeout_s=TIMEOUT_S))
+    state = {"a": torch.randn(300), "b": torch.randn(7, 5).to(torch.bfloat16),
+             "c": torch.arange(10), "d": torch.randn(600, 3)}
+    try:
+        assert broadcaster.sync(state, 1)["weights/members"] == 0, "no engines: nothing to do"
+        beats.heartbeat("engine-t", "rollout", {"engine_version": -1, "weights": "ready"})
+        receiver.start()
+        metrics = broadcaster.sync(state, 2)
+        assert metrics["weights/members"] == 1 and metrics["weights/buckets"] >= 3
+        assert receiver.wait_for_version(2, timeout=TIMEOUT_S) and receiver.last_version == 2
+        assert not receiver.wait_for_version(3, timeout=0.05)
+        assert list(got[2]) == list(state)
+        assert all(torch.equal(got[2][k], v) and got[2][k].dtype == v.dtype
+                   for k, v in state.items())
+    finally:
+        broadcaster.close()
+        started = time.monotonic()
+        receiver.stop()
+        assert time.monotonic() - started < 1.5, "stop must be prompt when idle"
+        for client in (control, beats, own):
+            client.close()
+        stop_broker()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if sys.argv[1:2] == ["receiver"]:
+        receiver_main(sys.argv[2], sys.argv[3], Path(sys.argv[4]), int(sys.argv[5]),
+                      int(sys.argv[6]))
