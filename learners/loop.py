@@ -159,7 +159,7 @@ class _RankZero:
         self.task = make_task(self.cfg.task, self.cfg.run.seed)
         self.eval_engine = TorchEngine(load_causal_lm(model_dir, self.cfg.model.dtype, "cpu"),
                                        eos_id=EOS_ID, pad_id=PAD_ID)
-        self.start = time.monotonic()
+        self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
 
@@ -168,8 +168,10 @@ class _RankZero:
         sync = self.broadcaster.sync(state, version)
         self.ctx.client.publish_version(version)
         self.last_state = state
-        record = {"step": version, "time_s": round(time.monotonic() - self.start, 3),
-                  **metrics, **phase_times, **sync,
+        now = time.monotonic()
+        metrics["learner/tokens_per_s"] = metrics["learner/tokens"] / (now - self.last_step_end)
+        self.last_step_end = now
+        record = {"step": version, "time_s": round(now - self.start, 3), **metrics, **phase_times, **sync,
                   **{f"buffer/{k}": v for k, v in stats.items()}, **self._rollout_totals()}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
             record.update(self.evaluate(state))
@@ -187,7 +189,10 @@ class _RankZero:
         return self.last_eval
 
     def resync_late_joiners(self, version: int) -> None:
-        if self.last_state is not None:
+        """An engine that joined after the last step would wait for weights forever while
+        the learner waits for data (with small s): give it the current version now."""
+        if self.last_state is not None and self.broadcaster.needs_sync():
+            logger.info("engines changed while waiting for data: re-sending version %d", version)
             self.broadcaster.sync(self.last_state, version)
 
     def _rollout_totals(self) -> dict[str, float]:

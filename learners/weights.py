@@ -106,6 +106,11 @@ class WeightBroadcaster:
             out.append(name)
         return sorted(out)
 
+    def needs_sync(self) -> bool:
+        """Did membership change since the last delivery (an engine joined, left or died)?"""
+        current = self._group.members if self._group is not None else ()
+        return tuple(self.members()) != current
+
     def _evict(self, members: list[str], why: str) -> None:
         for name in members:
             logger.warning("weights: evicting %s (%s within %.1fs)", name, why,

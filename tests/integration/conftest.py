@@ -1,0 +1,67 @@
+"""Helpers for end-to-end tests: start asyncrl roles as real OS processes through the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+
+
+def role_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", ASYNCRL_LOG_LEVEL="INFO",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+class Processes:
+    """Starts CLI processes, each in its own session; kills only what it started."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=role_env(), cwd=ROOT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.cleanup()
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)

@@ -1,0 +1,40 @@
+"""The roles as separate OS processes started through the CLI, as a user would on three
+machines: `asyncrl buffer`, `asyncrl learner --buffer`, `asyncrl rollout --buffer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.metrics import read_jsonl
+from tests.integration.conftest import QUICKSTART, Processes, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
+    sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=roles",
+            "--set", "learner.total_steps=120", "--set", "eval.every_steps=0"]
+    address_file = tmp_path / "buffer.addr"
+    buffer = processes.start("buffer", "buffer", str(QUICKSTART), *sets,
+                             "--address-file", str(address_file))
+    wait_for(address_file.exists, 30, "the buffer address")
+    address = address_file.read_text().strip()
+    learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
+    rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, "--buffer", address,
+                              "--workers", "2")
+    assert learner.wait(timeout=400) == 0, processes.log("learner")
+    assert rollout.wait(timeout=30) == 0, processes.log("rollout")  # they see run status done
+    assert buffer.poll() is None  # the broker outlives a run until it is told to stop
+
+    records = [r for r in read_jsonl(tmp_path / "roles" / "metrics.jsonl")
+               if isinstance(r.get("step"), int)]
+    assert [r["step"] for r in records] == list(range(1, 121))
+    rewards = [r["learner/reward_mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.2 and last > 0.5, (first, last)  # chance is ~0.08 of positions right
+    assert max(r["learner/staleness_max"] for r in records) <= 2
+    assert records[-1]["rollout/workers"] == 2
+    assert (tmp_path / "roles" / "final" / "config.json").exists()
+    assert (tmp_path / "roles" / "eval.json").exists()
