@@ -119,18 +119,24 @@ class LocalLauncher:
                                    + _tail(Path(role.log.name)))
 
     def shutdown(self) -> None:
-        """SIGTERM every role's process group, wait, then SIGKILL what is left."""
-        for role in reversed(self.roles):
-            _signal_group(role.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.launcher.stop_timeout_s
-        for role in self.roles:
-            try:
-                role.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time: killing it", role.name)
-            _signal_group(role.proc, signal.SIGKILL)  # also reaps children it left behind
-            role.proc.wait()
-            role.log.close()
+        """Stop in dependency order: the learner first (it finishes its step, writes the final
+        model and marks the run done while engines and buffer still answer), then the rollout
+        fleet, then the buffer. Stopping the buffer together with its clients would leave them
+        waiting on requests that can no longer be answered."""
+        for name in ("learner", "rollout", "buffer"):
+            for role in (r for r in self.roles if r.name == name):
+                self._stop_role(role)
+
+    def _stop_role(self, role: Role) -> None:
+        """SIGTERM the role's process group, wait for it, then SIGKILL what is left."""
+        _signal_group(role.proc, signal.SIGTERM)
+        try:
+            role.proc.wait(timeout=self.cfg.launcher.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time: killing it", role.name)
+        _signal_group(role.proc, signal.SIGKILL)  # also reaps children it left behind
+        role.proc.wait()
+        role.log.close()
 
     def _print_final(self) -> None:
         path = self.cfg.run_dir / "eval.json"

@@ -119,11 +119,15 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
         if failed is not None:
             logger.error("%s exited with %s: stopping the others", failed.name, failed.exitcode)
             break
+    if failed is not None:
+        for proc in procs:
+            proc.terminate()
+    for proc in procs:  # on a signal to the process group the children got it too
+        proc.join(timeout=grace_s / 2)
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    for proc in procs:
-        proc.join(timeout=grace_s)
+            proc.join(timeout=grace_s / 2)
         if proc.is_alive():
             proc.kill()
             proc.join()

@@ -60,7 +60,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str, master_po
         state = trainer.full_state_dict()  # collective, like save_pretrained
         trainer.save_pretrained(cfg.run_dir / "final")
         if driver is not None:
-            driver.finish(state)
+            driver.finish(state, trainer.version)
     finally:
         ctx.client.close()
         shutdown_learner_group()
@@ -174,17 +174,17 @@ class _RankZero:
         record = {"step": version, "time_s": round(now - self.start, 3), **metrics, **phase_times, **sync,
                   **{f"buffer/{k}": v for k, v in stats.items()}, **self._rollout_totals()}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
-            record.update(self.evaluate(state))
+            record.update(self.evaluate(state, version))
         self.writer.write(record)
         self.ctx.client.heartbeat(self.ctx.member, "learner", record)
         _log_step(record)
         target = self.cfg.eval.stop_at_accuracy
         return target is not None and record.get("eval/accuracy", -1.0) >= target
 
-    def evaluate(self, state) -> dict[str, float]:
+    def evaluate(self, state, version: int) -> dict[str, float]:
         from rollouters.eval import evaluate
 
-        self.eval_engine.load_weights(state.items(), version=-1)
+        self.eval_engine.load_weights(state.items(), version=version)
         self.last_eval = evaluate(self.eval_engine, self.task, self.cfg.rollout.max_new_tokens)
         return self.last_eval
 
@@ -203,8 +203,8 @@ class _RankZero:
                 "rollout/tokens_per_s": sum(i.get("tokens_per_s", 0.0) for i in infos),
                 "rollout/gate_wait_s": sum(i.get("gate_wait_s", 0.0) for i in infos)}
 
-    def finish(self, state) -> None:
-        final = self.evaluate(state)
+    def finish(self, state, version: int) -> None:
+        final = self.evaluate(state, version)
         record = {"step": "final", "time_s": round(time.monotonic() - self.start, 3), **final}
         self.writer.write(record)
         (self.cfg.run_dir / "eval.json").write_text(json.dumps(final, indent=2))

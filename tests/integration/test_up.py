@@ -68,3 +68,5 @@ def test_sigint_stops_every_child(tmp_path: Path, processes: Processes) -> None:
     up.wait(timeout=30)
     wait_for(lambda: not any(_alive(pid) for pid in tree), 5, "children to exit")
     assert time.monotonic() - start < 20
+    assert "did not stop in time" not in processes.log("up")  # stopped cleanly, not killed
+    assert (tmp_path / "interrupt" / "final" / "config.json").exists()  # the learner saved
