@@ -16,8 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_zero_staleness_is_on_policy(tmp_path: Path, processes: Processes) -> None:
+    """Two learner ranks, so the consumed-version check spans a real multi-rank step."""
     up = processes.start("up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", "run.name=sync", "--set", "buffer.max_staleness=0",
+                         "--set", "learner.ranks=2",
                          "--set", "learner.total_steps=12", "--set", "eval.every_steps=0")
     assert up.wait(timeout=300) == 0, processes.log("up")
     records = [r for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl")

@@ -1,0 +1,67 @@
+"""The CLI surface that needs no running roles: config show, errors, the monitor view."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from asyncrl.cli import main
+from asyncrl.monitor import progress_line, render
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+
+
+def test_config_show_prints_resolved_toml(capsys) -> None:
+    assert main(["config", "show", str(QUICKSTART), "--set", "learner.lr=0.01"]) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown["learner"]["lr"] == 0.01
+    assert shown["rollout"]["workers"] == 2
+
+
+def test_bad_config_exits_2_naming_the_key(capsys) -> None:
+    assert main(["up", str(QUICKSTART), "--set", "rollout.workrs=3"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.workrs: unknown key" in err and "workers" in err
+
+
+def test_console_script_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "--help"], check=True,
+                         capture_output=True, text=True).stdout
+    for command in ("up", "buffer", "learner", "rollout", "monitor", "status", "config"):
+        assert command in out
+
+
+def test_asyncrl_core_imports_no_torch() -> None:
+    code = ("import sys, asyncrl.cli, asyncrl.config, asyncrl.wire, asyncrl.monitor, "
+            "asyncrl.launch, asyncrl.models, buffers.zmq_broker; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+STATUS = {
+    "version": 7, "run_status": "running", "run_id": "demo", "depth": 3, "max_groups": 64,
+    "accepted": 40, "in_flight": 2, "consumed": 35, "dropped_stale": 1, "rejected": {"length": 2},
+    "gate_open": True, "gate_allowance": 4, "gate_closed_s": 1.5, "max_staleness": 2,
+    "groups_per_step": 4, "staleness_hist": {"1": 5, "0": 30}, "uptime_s": 12.0,
+    "members": {
+        "learner-0": {"role": "learner", "alive": True,
+                      "info": {"step": 7, "learner/reward_mean": 0.5, "learner/staleness_max": 1,
+                               "learner/staleness_mean": 0.25, "learner/tokens_per_s": 900.0}},
+        "rollout-0-1": {"role": "rollout", "alive": True,
+                        "info": {"engine_version": 6, "tokens_per_s": 1234.0, "groups": 20}},
+        "rollout-1-2": {"role": "rollout", "alive": False, "info": {}},
+    },
+}
+
+
+def test_monitor_view_shows_what_users_watch() -> None:
+    line = progress_line(STATUS)
+    assert line.startswith("v7") and "reward 0.500" in line and "gen 1,234 tok/s" in line
+    screen = render(STATUS)
+    assert "rejected 2" in screen and "0:30  1:5" in screen  # histogram sorted by staleness
+    assert "rollout-0-1" in screen and "rollout-1-2" in screen
+    engine_row = next(row for row in screen.splitlines() if row.startswith("rollout-0-1"))
+    assert engine_row.split()[2:4] == ["6", "1"]  # engine version and its lag behind v7
