@@ -10,7 +10,8 @@ slot ``k`` (0-based, counting accepted + in-flight) is consumed at step ``⌊k /
 i.e. at learner version ``V_c = ⌊k / gps⌋``. It was started when ``k < (V_s + s + 1) × gps``,
 so ``V_c ≤ V_s + s``: its staleness ``V_c − V_s`` is at most s. Drops therefore happen only when
 order is broken (several producers finishing out of order, a worker with old weights), and they
-are counted, never silent. ``s = 0`` admits exactly one step's worth of groups per version: on-policy.
+are counted, never silent. ``s = 0`` admits exactly one step's worth of groups per version:
+on-policy.
 """
 
 from __future__ import annotations

@@ -42,19 +42,18 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str, master_po
     import torch
 
     from asyncrl.models import prepare_model_dir
-    from learners.backends.fsdp2 import Fsdp2Trainer
+    from learners.backends import make_trainer
     from learners.dist import init_learner_group, shutdown_learner_group
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed + rank)
-    device = _device(cfg)
-    init_learner_group(rank, world, master_port=master_port, device=device)
+    device = init_learner_group(rank, world, master_port=master_port, device=cfg.learner.device)
     ctx = RankContext(cfg, rank, world, make_buffer_client(cfg.buffer, address),
                       f"learner-{rank}")
     try:
         model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-        trainer = Fsdp2Trainer(model_dir, cfg.learner, device)
+        trainer = make_trainer(model_dir, cfg.learner, device)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
         _train(ctx, trainer, driver, stop)
         state = trainer.full_state_dict()  # collective, like save_pretrained
@@ -67,8 +66,8 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str, master_po
 
 
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event) -> None:
-    from learners.batching import collate
     from asyncrl.models import PAD_ID
+    from learners.batching import collate
 
     cfg, timers = ctx.cfg, Timers()
     share = cfg.learner.groups_per_step // ctx.world
@@ -136,14 +135,6 @@ def _agree(flag: bool, world: int) -> bool:
     return bool(t.item())
 
 
-def _device(cfg: Config) -> str:
-    if cfg.learner.device != "auto":
-        return cfg.learner.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class _RankZero:
     """What only rank 0 does: broadcast weights, publish versions, write metrics, evaluate."""
 
@@ -171,7 +162,8 @@ class _RankZero:
         now = time.monotonic()
         metrics["learner/tokens_per_s"] = metrics["learner/tokens"] / (now - self.last_step_end)
         self.last_step_end = now
-        record = {"step": version, "time_s": round(now - self.start, 3), **metrics, **phase_times, **sync,
+        record = {"step": version, "time_s": round(now - self.start, 3), **metrics,
+                  **phase_times, **sync,
                   **{f"buffer/{k}": v for k, v in stats.items()}, **self._rollout_totals()}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
             record.update(self.evaluate(state, version))

@@ -42,8 +42,8 @@ class WeightReceiver:
     """Receives weight updates for ``member`` on a daemon thread and calls ``apply``.
 
     ``control`` must be a client of its own: only the receiver's thread uses it (clients are
-    not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`. ``apply`` gets fresh tensors (views into
-    buffers never reused), so it may keep them. ``host`` is the address the gloo device binds.
+    not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`.
+    ``apply`` gets fresh tensors (views into buffers never reused), so it may keep them. ``host`` is the address the gloo device binds.
     """
 
     def __init__(self, control: ControlPlane, member: str, apply: Apply,

@@ -38,28 +38,33 @@ def run_rollout_worker(cfg: Config, index: int, address: str,
     import torch
 
     from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm, prepare_model_dir
+    from learners.dist import resolve_device
     from learners.weights_receiver import WeightReceiver
     from rollouters.engines.torch_engine import TorchEngine
     from rollouters.tasks import make_task
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.rollout.threads)
-    torch.manual_seed(cfg.run.seed * 1000 + index)
     member = f"rollout-{index}-{os.getpid()}"
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-    engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, _device(cfg)),
-                         eos_id=EOS_ID, pad_id=PAD_ID, device=_device(cfg))
+    device = str(resolve_device(cfg.rollout.device, index))
+    engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device),
+                         eos_id=EOS_ID, pad_id=PAD_ID, device=device,
+                         seed=cfg.run.seed * 1000 + index)
     task = make_task(cfg.task, cfg.run.seed)
     client = make_buffer_client(cfg.buffer, address)
-    receiver = WeightReceiver(make_buffer_client(cfg.buffer, address), member,
+    receiver_client = make_buffer_client(cfg.buffer, address)  # clients are per thread
+    receiver = WeightReceiver(receiver_client, member,
                               lambda named, version: engine.load_weights(named.items(), version))
     try:
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
-        _loop(cfg, member, engine, task, client, random.Random(cfg.run.seed * 7919 + index), stop)
+        rng = random.Random(cfg.run.seed * 7919 + index)
+        _loop(cfg, member, engine, task, client, rng, stop)
     finally:
         receiver.stop()
+        receiver_client.close()
         client.close()
         logger.info("%s stopped", member)
 
@@ -102,11 +107,3 @@ def _info(engine, stats: WorkerStats, tokens: RateMeter) -> dict:
             "rejected": stats.rejected, "gate_wait_s": round(stats.gate_wait_s, 3),
             "generate_s": round(stats.generate_s, 3), "tokens_per_s": round(tokens.rate(), 1),
             "tokens": tokens.total}
-
-
-def _device(cfg: Config) -> str:
-    if cfg.rollout.device != "auto":
-        return cfg.rollout.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,11 +7,11 @@ and what is allowed, so a user fixes a config in one round instead of one error 
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from pydantic import BaseModel, ValidationError
 
 from asyncrl.config.schema import Config

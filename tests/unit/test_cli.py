@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from asyncrl.cli import main
 from asyncrl.monitor import progress_line, render

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from asyncrl.config import ConfigError, load_config, parse_overrides
 from asyncrl.config.load import to_toml, validate_config
