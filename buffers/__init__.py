@@ -6,15 +6,26 @@ __all__ = ["Batch", "Buffer", "BufferClient", "ControlPlane", "Grant", "PutResul
            "make_buffer_client"]
 
 
-def make_buffer_client(config, address: str | None = None) -> BufferClient:
+def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
+                       groups_per_step: int | None = None) -> BufferClient:
     """The one factory: a client for ``config.type`` (a :class:`asyncrl.config.BufferConfig`).
 
     ``address`` (``tcp://host:port``) overrides the one derived from the config, for roles
-    pointed at a broker started elsewhere.
+    pointed at a ZMQ broker started elsewhere. Redis has no broker process, so every client
+    applies the gate itself and needs what the ZMQ broker is started with: ``run_id`` (the
+    run name; keys live under ``buffer.namespace`` or ``asyncrl:<run_id>``) and
+    ``groups_per_step`` (``learner.groups_per_step``). Both are ignored for ZMQ.
     """
     if config.type == "zmq":
         from buffers.zmq_client import ZmqBufferClient
 
         return ZmqBufferClient(address or f"tcp://{config.host}:{config.port}",
                                timeout_s=config.request_timeout_s)
+    if config.type == "redis":
+        from buffers.redis_buffer import RedisBufferClient
+
+        if groups_per_step is None:
+            raise ValueError("buffer.type = 'redis' needs groups_per_step "
+                             "(learner.groups_per_step): every client applies the gate")
+        return RedisBufferClient(config, run_id=run_id, groups_per_step=groups_per_step)
     raise ValueError(f"buffer.type: unknown backend {config.type!r}")

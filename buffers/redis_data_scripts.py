@@ -1,0 +1,168 @@
+"""Lua of the Redis buffer's data plane: the gate, puts, takes, drops and acks.
+
+Each body runs after :data:`buffers.redis_scripts.PRELUDE` (key names ``K_*``, the gate
+parameters, and helpers such as ``touch``, ``reap``, ``gate_update`` and ``remove``); see
+:mod:`buffers.redis_scripts` for the key layout. Kept as plain strings so that Redis, not
+Python, is where each rule runs atomically.
+"""
+
+from __future__ import annotations
+
+ACQUIRE = """
+local producer, want, engine_version = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local now = now_ms()
+touch(producer, now)
+reap(now)
+local version, granted = num(K_STATE, 'version'), 0
+if run_status() == 'running' and version - engine_version <= S then
+  local room = MAX_GROUPS - redis.call('XLEN', K_GROUPS) - in_flight_total()
+  granted = math.max(0, math.min(want, allowance(), room))
+  if granted > 0 then add_in_flight(producer, granted) end
+end
+gate_update(now)
+return {granted, version, run_status()}
+"""
+
+RELEASE = """
+local now = now_ms()
+touch(ARGV[5], now)
+add_in_flight(ARGV[5], -tonumber(ARGV[6]))
+gate_update(now)
+return 1
+"""
+
+REJECT = """
+-- A put refused before it reached the stream: counted by reason, the slot is used up.
+local now = now_ms()
+touch(ARGV[5], now)
+redis.call('HINCRBY', K_REJECTED, ARGV[6], 1)
+add_in_flight(ARGV[5], -1)
+gate_update(now)
+return 1
+"""
+
+PUT = """
+-- ARGV: producer, minv, run_id, then the 5 frames. Returns {1, id} | {0, reason}.
+local producer = ARGV[5]
+local now = now_ms()
+touch(producer, now)
+local run_id = redis.call('HGET', K_STATE, 'run_id') or ''
+local reason = nil
+if run_status() ~= 'running' then reason = 'run'
+elseif run_id ~= '' and ARGV[7] ~= '' and ARGV[7] ~= run_id then reason = 'run' end
+if reason then
+  redis.call('HINCRBY', K_REJECTED, reason, 1)
+  add_in_flight(producer, -1)
+  gate_update(now)
+  return {0, reason}
+end
+if redis.call('XLEN', K_GROUPS) >= MAX_GROUPS then  -- backpressure: the producer waits
+  redis.call('HINCRBY', K_STATE, 'put_full', 1)
+  return {0, 'full'}
+end
+local id = redis.call('XADD', K_GROUPS, '*', 'h', ARGV[8], 't', ARGV[9], 'l', ARGV[10],
+                      'm', ARGV[11], 'v', ARGV[12], 'minv', ARGV[6], 'p', producer)
+redis.call('XADD', K_INDEX, id, 'minv', ARGV[6])
+redis.call('HINCRBY', K_STATE, 'accepted', 1)
+add_in_flight(producer, -1)
+gate_update(now)
+return {1, id}
+"""
+
+TAKE = """
+-- ARGV: consumer, need, learner_version, reclaim_idle_ms, then ids this consumer holds.
+-- All or nothing: claims/reads only when `need` fresh groups can be had right now, so
+-- consumers never strand partial batches. Returns {lost held ids, dropped, entries, tail id,
+-- stats}.
+local consumer, need = ARGV[5], tonumber(ARGV[6])
+local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+ensure_group()
+local function stale(minv) return minv >= 0 and learner_version - minv > S end
+local function index_minv(id)
+  local e = redis.call('XRANGE', K_INDEX, id, id)
+  if #e == 0 then return -1 end
+  return tonumber(e[1][2][2]) or -1
+end
+
+local lost = {}
+for i = 9, #ARGV do  -- held ids stay ours only if nobody reclaimed them; keep them fresh
+  local p = redis.call('XPENDING', K_GROUPS, GROUP, ARGV[i], ARGV[i], 1)
+  if #p == 0 or p[1][2] ~= consumer then table.insert(lost, ARGV[i])
+  else redis.call('XCLAIM', K_GROUPS, GROUP, consumer, 0, ARGV[i], 'JUSTID') end
+end
+
+local dropped, claim, start = 0, {}, '-'
+while #claim < need do  -- pending on other consumers for too long: theirs is presumed dead
+  local page = redis.call('XPENDING', K_GROUPS, GROUP, 'IDLE', reclaim_ms, start, '+', need)
+  if #page == 0 then break end
+  for _, e in ipairs(page) do
+    if e[2] ~= consumer and #claim < need then
+      if stale(index_minv(e[1])) then remove(e[1]); dropped = dropped + 1
+      else table.insert(claim, e[1]) end
+    end
+  end
+  start = '(' .. page[#page][1]
+end
+
+local ldi = '0-0'
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_GROUPS)) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  if f['name'] == GROUP then ldi = f['last-delivered-id'] end
+end
+local unread, cursor = 0, '(' .. ldi
+while #claim + unread < need do
+  local page = redis.call('XRANGE', K_INDEX, cursor, '+', 'COUNT', need - #claim - unread)
+  if #page == 0 then break end
+  for _, e in ipairs(page) do
+    if stale(tonumber(e[2][2]) or -1) then remove(e[1]); dropped = dropped + 1
+    else unread = unread + 1 end
+  end
+  cursor = '(' .. page[#page][1]
+end
+redis.call('HINCRBY', K_STATE, 'dropped_stale', dropped)
+
+local entries = {}
+if #claim + unread >= need then
+  for i = 1, #claim, 500 do
+    local ids = {unpack(claim, i, math.min(i + 499, #claim))}
+    for _, e in ipairs(redis.call('XCLAIM', K_GROUPS, GROUP, consumer, reclaim_ms,
+                                  unpack(ids))) do table.insert(entries, e) end
+  end
+  redis.call('HINCRBY', K_STATE, 'redelivered', #entries)
+  if unread > 0 then
+    local r = redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', unread,
+                         'STREAMS', K_GROUPS, '>')
+    if r then for _, e in ipairs(r[1][2]) do table.insert(entries, e) end end
+  end
+end
+local tail = redis.call('XREVRANGE', K_INDEX, '+', '-', 'COUNT', 1)
+local stats = {redis.call('XLEN', K_GROUPS), num(K_STATE, 'accepted'), in_flight_total(),
+               num(K_STATE, 'consumed'), num(K_STATE, 'dropped_stale'),
+               num(K_STATE, 'version'), run_status()}
+return {lost, dropped, entries, tail[1] and tail[1][1] or '0-0', stats}
+"""
+
+DISCARD = """
+-- ARGV: kind ('stale' | 'reject'), reason, ids. Entries a consumer refuses after reading.
+for i = 7, #ARGV do remove(ARGV[i]) end
+if ARGV[5] == 'stale' then redis.call('HINCRBY', K_STATE, 'dropped_stale', #ARGV - 6)
+else redis.call('HINCRBY', K_REJECTED, ARGV[6], #ARGV - 6) end
+return 1
+"""
+
+ACK = """
+-- ARGV: (id, staleness) pairs. Counts only entries still pending, so a duplicate ack (or
+-- one racing a reclaim) never counts a group twice.
+local n = 0
+for i = 5, #ARGV, 2 do
+  if redis.call('XACK', K_GROUPS, GROUP, ARGV[i]) == 1 then
+    redis.call('XDEL', K_GROUPS, ARGV[i])
+    redis.call('XDEL', K_INDEX, ARGV[i])
+    redis.call('HINCRBY', K_HIST, ARGV[i + 1], 1)
+    n = n + 1
+  end
+end
+redis.call('HINCRBY', K_STATE, 'consumed', n)
+return n
+"""

@@ -1,0 +1,190 @@
+"""Key layout and Lua scripts of the Redis buffer: every rule that moves two counters together.
+
+Why Lua: the gate (``accepted + in_flight`` against ``(V + s + 1) × gps``), a put (stream entry
++ ``accepted`` + the producer's ``in_flight``) and a take (claim + read + drop) must each be
+one atomic step across several keys, and they need Redis' own clock (``TIME``) so that the
+clocks of different machines never decide whether a member is alive.
+
+Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>``):
+
+=================  =======  ==================================================================
+``ns:state``       hash     version, accepted, consumed, dropped_stale, run_status, run_id,
+                            started (ms), gate_closed_ms, gate_closed_since, redelivered,
+                            reaped, put_full
+``ns:inflight``    hash     producer → groups granted and not yet put/released (> 0 only)
+``ns:seen``        hash     member → last seen (Redis ms); alive while within the heartbeat
+                            timeout
+``ns:roles``       hash     member → role
+``ns:info``        hash     member → orjson of its last heartbeat info
+``ns:groups``      stream   one entry per accepted group: fields h t l m v (the 5 wire frames,
+                            binary), minv (oldest token version), p (producer); consumer
+                            group ``learners``. Acked, dropped and rejected entries are
+                            deleted, so XLEN is the depth (unread + pending)
+``ns:index``       stream   same entry ids, field minv only: lets a take see how many fresh
+                            groups are unread without copying their payloads into Lua
+``ns:rejected``    hash     reason → count
+``ns:hist``        hash     staleness at consumption → count
+``ns:kv``          hash     key → orjson value (rendezvous, announcements, run/status)
+``ns:kvseq``       hash     key → sequence number (starts at 1)
+``ns:notify``      stream   one entry per set_key (field k), capped: wakes get_key long-polls
+=================  =======  ==================================================================
+
+Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order) and the gate parameters
+as ``ARGV[1..4]`` = max_staleness, groups_per_step, max_groups, heartbeat_timeout_ms; its own
+arguments start at ``ARGV[5]``. Give ``namespace`` a ``{hash tag}`` to use Redis Cluster.
+The data-plane scripts (gate, put, take, ack) live in :mod:`buffers.redis_data_scripts`;
+the shared Lua helpers (:data:`PRELUDE`) and the control-plane scripts here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT, REJECT, RELEASE, TAKE
+
+GROUP = "learners"
+KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "groups", "index", "rejected",
+             "hist", "kv", "kvseq", "notify")
+NOTIFY_MAXLEN = 1000  # notifications only wake waiters; trimming them loses no data
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """The key names of one run."""
+
+    namespace: str
+
+    def __getattr__(self, name: str) -> str:
+        if name in KEY_NAMES:
+            return f"{self.namespace}:{name}"
+        raise AttributeError(name)
+
+    def all(self) -> list[str]:
+        return [f"{self.namespace}:{name}" for name in KEY_NAMES]
+
+
+PRELUDE = """
+local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_GROUPS, K_INDEX, K_REJECTED, K_HIST,
+      K_KV, K_KVSEQ, K_NOTIFY = unpack(KEYS)
+local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
+local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
+local GROUP = 'learners'
+
+local function fmt(n) return string.format('%d', n) end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function num(key, field) return tonumber(redis.call('HGET', key, field) or '0') or 0 end
+local function run_status() return redis.call('HGET', K_STATE, 'run_status') or 'running' end
+local function touch(member, now)
+  redis.call('HSET', K_SEEN, member, fmt(now))
+  redis.call('HSETNX', K_ROLES, member, 'producer')
+end
+local function in_flight_total()
+  local n = 0
+  for _, v in ipairs(redis.call('HVALS', K_INFLIGHT)) do n = n + tonumber(v) end
+  return n
+end
+local function add_in_flight(producer, delta)
+  local n = num(K_INFLIGHT, producer) + delta
+  if n > 0 then redis.call('HSET', K_INFLIGHT, producer, fmt(n))
+  else redis.call('HDEL', K_INFLIGHT, producer) end
+end
+local function reap(now)  -- silent producers' in-flight groups go back to the gate
+  local flat = redis.call('HGETALL', K_INFLIGHT)
+  for i = 1, #flat, 2 do
+    if now - num(K_SEEN, flat[i]) > HB_MS then
+      redis.call('HDEL', K_INFLIGHT, flat[i])
+      redis.call('HINCRBY', K_STATE, 'reaped', tonumber(flat[i + 1]))
+    end
+  end
+end
+local function allowance()
+  local cap = (num(K_STATE, 'version') + S + 1) * GPS
+  return math.max(0, cap - num(K_STATE, 'accepted') - in_flight_total())
+end
+local function gate_update(now)  -- closed time accrues between the calls that see it closed
+  local closed = run_status() == 'running' and allowance() == 0
+  local since = redis.call('HGET', K_STATE, 'gate_closed_since')
+  if closed and not since then
+    redis.call('HSET', K_STATE, 'gate_closed_since', fmt(now))
+  elseif since and not closed then
+    redis.call('HINCRBY', K_STATE, 'gate_closed_ms', fmt(now - tonumber(since)))
+    redis.call('HDEL', K_STATE, 'gate_closed_since')
+  end
+end
+local function ensure_group()  -- after a restart without persistence, start empty
+  if redis.call('EXISTS', K_GROUPS) == 0 then
+    redis.call('XGROUP', 'CREATE', K_GROUPS, GROUP, '0', 'MKSTREAM')
+    return
+  end
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_GROUPS)) do
+    for i = 1, #g, 2 do
+      if g[i] == 'name' and g[i + 1] == GROUP then return end
+    end
+  end
+  redis.call('XGROUP', 'CREATE', K_GROUPS, GROUP, '0')
+end
+local function remove(id)  -- acked (or never delivered) and gone from both streams
+  redis.call('XACK', K_GROUPS, GROUP, id)
+  redis.call('XDEL', K_GROUPS, id)
+  redis.call('XDEL', K_INDEX, id)
+end
+"""
+
+INIT = """
+local now = now_ms()
+redis.call('HSETNX', K_STATE, 'run_status', 'running')
+redis.call('HSETNX', K_STATE, 'version', '0')
+redis.call('HSETNX', K_STATE, 'started', fmt(now))
+redis.call('HSETNX', K_STATE, 'run_id', ARGV[5])
+ensure_group()
+return redis.call('HGET', K_STATE, 'run_id')
+"""
+
+PUBLISH_VERSION = """
+local version, current = tonumber(ARGV[5]), num(K_STATE, 'version')
+if version < current then
+  return redis.error_reply('version ' .. ARGV[5] .. ' is behind ' .. fmt(current))
+end
+redis.call('HSET', K_STATE, 'version', ARGV[5])
+gate_update(now_ms())
+return version
+"""
+
+HEARTBEAT = """
+-- ARGV: member, role ('' keeps the known one), orjson info.
+local now = now_ms()
+touch(ARGV[5], now)
+if ARGV[6] ~= '' then redis.call('HSET', K_ROLES, ARGV[5], ARGV[6]) end
+redis.call('HSET', K_INFO, ARGV[5], ARGV[7])
+reap(now)
+gate_update(now)
+return {num(K_STATE, 'version'), run_status()}
+"""
+
+SET_KEY = """
+-- ARGV: key, orjson value, new run status ('' unless key is run/status).
+local seq = redis.call('HINCRBY', K_KVSEQ, ARGV[5], 1)
+redis.call('HSET', K_KV, ARGV[5], ARGV[6])
+if ARGV[7] ~= '' then
+  redis.call('HSET', K_STATE, 'run_status', ARGV[7])
+  gate_update(now_ms())
+end
+redis.call('XADD', K_NOTIFY, 'MAXLEN', '~', '""" + str(NOTIFY_MAXLEN) + """', '*', 'k', ARGV[5])
+return seq
+"""
+
+REAP = """
+ensure_group()
+local now = now_ms()
+reap(now)
+gate_update(now)
+return 1
+"""
+
+SCRIPTS = {"init": INIT, "acquire": ACQUIRE, "release": RELEASE, "reject": REJECT, "put": PUT,
+           "take": TAKE, "discard": DISCARD, "ack": ACK, "publish_version": PUBLISH_VERSION,
+           "heartbeat": HEARTBEAT, "set_key": SET_KEY, "reap": REAP}
+"""Script name → body; each runs as ``PRELUDE + body``."""

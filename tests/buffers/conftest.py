@@ -1,0 +1,223 @@
+"""Real servers for the buffer suites, on loopback, restartable in place.
+
+- :class:`RedisServer`: a private ``redis-server`` on a free port, AOF on with
+  ``appendfsync always`` (so a SIGKILL loses no acknowledged write), in the test's directory;
+  restarting reuses port and directory, so the AOF is replayed.
+- :class:`BrokerProcess`: the ZMQ broker as ``python -m asyncrl.cli buffer`` on a fixed port
+  with a ``buffer.spill_path``, so it can be killed and started again at the same address.
+- ``backend``: parametrized over "zmq" and "redis"; ``backend.start(**config)`` returns a
+  :class:`Deployment` that makes clients through the real factory and restarts its server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrl.config.load import to_toml
+from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
+from buffers import BufferClient, make_buffer_client
+from tests.buffers import eventually
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 20.0
+RUN_ID = "contract"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+class RedisServer:
+    """One ``redis-server`` process, bound to 127.0.0.1, that can be stopped and restarted."""
+
+    def __init__(self, directory: Path, extra: Sequence[str] = (), tls: bool = False) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.extra = list(extra)
+        self.tls = tls
+        self.proc: subprocess.Popen | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "redis.log"
+
+    def start(self) -> None:
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else \
+            ["--port", str(self.port)]
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        self.proc = subprocess.Popen(
+            ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.directory),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--logfile", str(self.log), *self.extra], stdin=subprocess.DEVNULL)
+
+        def ready() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self._tail()
+            return self.log.exists() and \
+                b"Ready to accept connections" in self.log.read_bytes()[offset:]
+
+        eventually(ready, START_TIMEOUT_S, f"redis-server on port {self.port}")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
+        self.start()
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+
+
+class BrokerProcess:
+    """The ZMQ broker through the CLI, on a fixed port, spilling to ``directory/spill``."""
+
+    def __init__(self, directory: Path, config: BufferConfig, groups_per_step: int) -> None:
+        self.directory = directory
+        self.config_path = directory / "buffer.toml"
+        self.address_file = directory / "buffer.addr"
+        cfg = Config(run=RunConfig(name=RUN_ID), buffer=config,
+                     learner=LearnerConfig(groups_per_step=groups_per_step))
+        self.config_path.write_text(to_toml(cfg))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.address_file.unlink(missing_ok=True)
+        log = (self.directory / "broker.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.cli", "buffer", str(self.config_path),
+             "--address-file", str(self.address_file)], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=child_env(), cwd=ROOT)
+        log.close()
+
+        def ready() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, \
+                (self.directory / "broker.log").read_text(errors="replace")[-2000:]
+            return self.address_file.exists()
+
+        eventually(ready, START_TIMEOUT_S, "the ZMQ broker's address file")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
+        self.start()
+
+
+@dataclass
+class Deployment:
+    """One running buffer (a broker, or a Redis) and the clients opened on it."""
+
+    name: str
+    config: BufferConfig
+    groups_per_step: int
+    server: RedisServer | BrokerProcess
+    address: str | None = None
+    clients: list[BufferClient] = field(default_factory=list)
+
+    def client(self, **overrides: Any) -> BufferClient:
+        """A client through the real factory; ``overrides`` change client-side config."""
+        config = self.config.model_copy(update=overrides)
+        client = make_buffer_client(config, self.address, run_id=RUN_ID,
+                                    groups_per_step=self.groups_per_step)
+        self.clients.append(client)
+        return client
+
+    def drop(self, client: BufferClient) -> None:
+        """Close one client now (a consumer going away) and forget it."""
+        self.clients.remove(client)
+        client.close()
+
+    def restart(self, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, or SIGKILL with ``kill``) and start it again in place."""
+        self.server.restart(kill)
+
+    def spec(self) -> str:
+        """JSON that lets a subprocess open the same kind of client."""
+        return json.dumps({"config": self.config.model_dump(mode="json"), "address": self.address,
+                           "run_id": RUN_ID, "groups_per_step": self.groups_per_step})
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.server.stop(signal.SIGKILL)
+
+
+class Backend:
+    """Starts deployments of one backend; stops all of them at teardown."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.name = name
+        self.directory = directory
+        self.deployments: list[Deployment] = []
+
+    def start(self, groups_per_step: int = 2, **overrides: Any) -> Deployment:
+        directory = self.directory / f"{self.name}-{len(self.deployments)}"
+        directory.mkdir(parents=True)
+        fields = {"max_staleness": 1, "request_timeout_s": 5.0, **overrides}
+        if self.name == "redis":
+            server = RedisServer(directory)
+            config = BufferConfig(type="redis", url=server.url, **fields)
+            server.start()
+            deployment = Deployment(self.name, config, groups_per_step, server)
+        else:
+            config = BufferConfig(port=free_port(), spill_path=str(directory / "spill"), **fields)
+            broker = BrokerProcess(directory, config, groups_per_step)
+            broker.start()
+            deployment = Deployment(self.name, config, groups_per_step, broker,
+                                    address=f"tcp://127.0.0.1:{config.port}")
+        self.deployments.append(deployment)
+        return deployment
+
+    def close(self) -> None:
+        for deployment in self.deployments:
+            deployment.close()
+
+
+@pytest.fixture(params=["zmq", "redis"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    backend = Backend(request.param, tmp_path)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private, started ``redis-server`` (AOF on); add flags with ``redis_server.extra``
+    and ``restart()`` to apply them."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)

@@ -1,0 +1,420 @@
+"""The buffer contract, run against every backend (``backend`` is "zmq" and "redis").
+
+What a rollouter and a learner may rely on whatever carries the groups: FIFO per producer,
+the staleness gate and drops, at-least-once delivery with acks (a dead consumer's batch comes
+back, an acked one never does), backpressure instead of trimming, surviving a restart of the
+broker or of ``redis-server``, many producers and consumers, and bad input rejected with a
+counted reason. Servers are real (a ``redis-server``, a broker process) on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+import orjson
+import pytest
+
+from asyncrl.wire import encode_group
+from buffers import Batch, Buffer, BufferClient, ControlPlane, PutResult
+from tests.buffers import eventually, make_group
+from tests.buffers.conftest import ROOT, child_env
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ids(batch: Batch | None) -> list[str]:
+    assert batch is not None, "expected a batch"
+    return [g.group_id for g in batch.groups]
+
+
+def take_all(client: BufferClient, total: int, count: int, timeout_s: float = 10.0) -> list[str]:
+    """Take and ack batches until ``total`` groups were served."""
+    served: list[str] = []
+    while len(served) < total:
+        batch = client.get_batch("learner", count, 0, timeout_s)
+        served += ids(batch)
+        client.ack("learner", batch)
+    return served
+
+
+def test_clients_satisfy_both_protocols(backend):
+    c = backend.start().client()
+    assert isinstance(c, Buffer) and isinstance(c, ControlPlane)
+
+
+def test_fifo_per_producer_and_oldest_first(backend):
+    c = backend.start(groups_per_step=8).client()
+    order = [f"{p}-{i}" for i in range(4) for p in "abc"]
+    for name in order:
+        assert c.put(name[0], make_group(name)).accepted
+    assert take_all(c, len(order), count=3) == order
+    status = c.status()
+    assert (status["depth"], status["consumed"], status["accepted"]) == (0, 12, 12)
+
+
+def test_batch_waits_until_count_groups_exist(backend):
+    d = backend.start(groups_per_step=4)
+    producer, consumer = d.client(), d.client()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(consumer.get_batch, "learner", 3, 0, 20.0)
+        producer.put("w", make_group("a"))
+        producer.put("w", make_group("b"))
+        with pytest.raises(FutureTimeout):
+            future.result(timeout=0.3)  # 2 < 3 groups: still waiting
+        producer.put("w", make_group("c"))
+        producer.put("w", make_group("d"))
+        batch = future.result(timeout=10)
+    assert ids(batch) == ["a", "b", "c"] and len(batch.receipts) == 3
+    consumer.ack("learner", batch)
+    assert producer.status()["depth"] == 1
+
+
+def test_get_batch_times_out_with_none_and_consumes_nothing(backend):
+    c = backend.start().client()
+    c.put("w", make_group("a"))
+    start = time.monotonic()
+    assert c.get_batch("learner", 2, 0, timeout_s=0.3) is None
+    assert 0.3 <= time.monotonic() - start < 3.0
+    assert c.get_batch("learner", 2, 0, timeout_s=0.0) is None
+    assert c.status()["depth"] == 1
+    c.put("w", make_group("b"))
+    assert ids(c.get_batch("learner", 2, 0, timeout_s=5.0)) == ["a", "b"]
+
+
+def test_gate_arithmetic_end_to_end(backend):
+    c = backend.start(groups_per_step=2, max_staleness=1).client()
+    assert c.acquire("w", 10, 0).granted == 4  # (V + s + 1) * gps = 4 at V=0
+    assert c.acquire("w", 10, 0).granted == 0
+    status = c.status()
+    assert not status["gate_open"] and status["gate_allowance"] == 0
+    eventually(lambda: c.status()["gate_closed_s"] > 0, what="gate_closed_s grows")
+    for i in range(4):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    assert c.acquire("w", 10, 0).granted == 0  # accepted counts too, consumed or not
+    c.publish_version(1)
+    grant = c.acquire("w", 10, 1)
+    assert (grant.granted, grant.version) == (2, 1)
+    c.release("w", 2)  # e.g. both filtered out
+    assert c.status()["in_flight"] == 0
+    assert c.acquire("w", 1, 1).granted == 1
+    c.publish_version(3)
+    assert c.acquire("w", 10, 3).granted == 10 - 4 - 1
+    with pytest.raises(RuntimeError, match="behind"):
+        c.publish_version(2)
+    assert c.status()["version"] == 3
+
+
+def test_max_groups_bounds_grants(backend):
+    c = backend.start(groups_per_step=8, max_groups=3).client()
+    assert c.acquire("w", 10, 0).granted == 3
+    c.put("w", make_group("a"))
+    assert c.acquire("w", 10, 0).granted == 0  # depth 1 + in flight 2 = max_groups
+
+
+def test_engine_too_stale_may_not_start(backend):
+    c = backend.start(max_staleness=1).client()
+    c.publish_version(3)
+    assert c.acquire("w", 1, engine_version=1).granted == 0  # 3 - 1 > s
+    assert c.acquire("w", 1, engine_version=2).granted == 1
+
+
+def test_stale_groups_are_dropped_counted_and_never_served(backend):
+    c = backend.start(max_staleness=1).client()
+    c.put("w", make_group("old", versions=[0, 2]))  # the oldest token is what counts
+    c.put("w", make_group("fresh", version=2))
+    c.put("w", make_group("ok", version=1))
+    batch = c.get_batch("learner", 2, learner_version=2, timeout_s=5.0)
+    assert ids(batch) == ["fresh", "ok"] and batch.dropped_stale == 1
+    c.ack("learner", batch)
+    status = c.status()
+    assert status["dropped_stale"] == 1 and status["consumed"] == 2 and status["depth"] == 0
+    assert status["staleness_hist"] == {"0": 1, "1": 1}
+    assert c.get_batch("learner", 1, 2, timeout_s=0.1) is None
+
+
+def test_run_done_stops_grants_and_puts(backend):
+    c = backend.start().client()
+    c.acquire("w", 1, 0)
+    assert c.set_key("run/status", {"status": "done"}) == 1
+    grant = c.acquire("w", 1, 0)
+    assert (grant.granted, grant.run_status) == (0, "done")
+    assert c.heartbeat("w", "rollout", {})["run_status"] == "done"
+    assert c.put("w", make_group("late")) == PutResult(accepted=False, reason="run")
+    status = c.status()
+    assert status["run_status"] == "done" and not status["gate_open"]
+    assert status["rejected"] == {"run": 1}
+    with pytest.raises(RuntimeError):
+        c.set_key("run/status", {"status": "paused"})
+
+
+def _bad_group_frames() -> dict[str, list[bytes]]:
+    good = encode_group(make_group("bad"))
+    header = orjson.loads(good[0])
+    return {
+        "truncated": good[:4],
+        "short_array": [*good[:1], good[1][:-1], *good[2:]],
+        "nan_reward": encode_group(make_group("nan", reward=math.nan)),
+        "schema": [orjson.dumps({**header, "schema": 99}), *good[1:]],
+    }
+
+
+def test_malformed_groups_are_rejected_with_a_counted_reason(backend):
+    c = backend.start(groups_per_step=8).client()
+    c.acquire("w", 4, 0)
+    results = {name: c.put_frames("w", frames) for name, frames in _bad_group_frames().items()}
+    assert not any(r.accepted for r in results.values())
+    assert results["truncated"].reason == "frames"
+    assert results["short_array"].reason == "length"
+    assert results["schema"].reason == "schema"
+    assert results["nan_reward"].reason in {"reward", "header"}  # orjson writes NaN as null
+    status = c.status()
+    assert status["rejected"] == dict(Counter(r.reason for r in results.values()))
+    assert status["in_flight"] == 0 and status["accepted"] == 0  # the slots were used up
+    assert c.put("w", make_group("good")).accepted
+    assert ids(c.get_batch("learner", 1, 0, timeout_s=5.0)) == ["good"]
+
+
+def test_oversized_groups_are_rejected_with_a_counted_reason(backend):
+    c = backend.start(max_message_bytes=2048).client()
+    c.acquire("w", 2, 0)
+    big = make_group("big", tokens=300)  # 2 × 300 int32 tokens alone are 2400 bytes
+    assert c.put("w", big) == PutResult(accepted=False, reason="oversized")
+    status = c.status()
+    assert status["rejected"] == {"oversized": 1} and status["in_flight"] == 1
+    assert c.put("w", make_group("small")).accepted
+    assert ids(c.get_batch("learner", 1, 0, timeout_s=5.0)) == ["small"]
+
+
+def test_a_dead_consumers_batch_is_redelivered_and_an_acked_one_never(backend):
+    d = backend.start(groups_per_step=4, reclaim_idle_s=0.5)
+    producer, dying, survivor = d.client(), d.client(), d.client()
+    for i in range(4):
+        producer.put("w", make_group(f"g{i}"))
+    assert ids(dying.get_batch("learner-a", 2, 0, timeout_s=5.0)) == ["g0", "g1"]
+    d.drop(dying)  # gone without acking
+    batch = survivor.get_batch("learner-b", 4, 0, timeout_s=10.0)
+    assert sorted(ids(batch)) == ["g0", "g1", "g2", "g3"]
+    survivor.ack("learner-b", batch)
+    assert survivor.get_batch("learner-b", 1, 0, timeout_s=1.5) is None  # > reclaim_idle_s
+    status = survivor.status()
+    assert (status["consumed"], status["depth"]) == (4, 0)
+
+
+def test_a_live_consumers_batch_is_not_served_twice_within_reclaim_idle(backend):
+    d = backend.start(reclaim_idle_s=30.0)
+    first, second = d.client(), d.client()
+    first.put("w", make_group("a"))
+    first.put("w", make_group("b"))
+    batch = first.get_batch("learner-a", 2, 0, timeout_s=5.0)
+    assert second.get_batch("learner-b", 1, 0, timeout_s=0.3) is None
+    first.ack("learner-a", batch)
+    assert (first.status()["consumed"], first.status()["depth"]) == (2, 0)
+
+
+def test_a_late_ack_after_redelivery_counts_each_group_once(backend):
+    d = backend.start(reclaim_idle_s=0.3)
+    slow, fast = d.client(), d.client()
+    slow.put("w", make_group("a"))
+    late = slow.get_batch("learner-a", 1, 0, timeout_s=5.0)
+    again = fast.get_batch("learner-b", 1, 0, timeout_s=10.0)  # after reclaim_idle_s
+    assert ids(again) == ["a"]
+    fast.ack("learner-b", again)
+    slow.ack("learner-a", late)
+    status = fast.status()
+    assert (status["consumed"], status["depth"]) == (1, 0)
+
+
+def test_backpressure_makes_producers_wait_and_never_trims(backend):
+    d = backend.start(groups_per_step=8, max_groups=3)
+    producer, waiter, learner = d.client(), d.client(), d.client()
+    for i in range(3):
+        assert producer.put("w", make_group(f"g{i}")).accepted
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(waiter.put, "w2", make_group("g3"))
+        with pytest.raises(FutureTimeout):
+            future.result(timeout=0.5)  # full: the put waits
+        batch = learner.get_batch("learner", 2, 0, timeout_s=5.0)
+        learner.ack("learner", batch)
+        assert future.result(timeout=10).accepted
+    assert ids(batch) + take_all(learner, 2, count=2) == ["g0", "g1", "g2", "g3"]
+    status = learner.status()
+    assert status["accepted"] == 4 and status["rejected"] == {} and status["depth"] == 0
+
+
+def test_a_put_into_a_full_buffer_times_out_and_keeps_the_data(backend):
+    d = backend.start(groups_per_step=8, max_groups=2)
+    producer = d.client(request_timeout_s=0.5)
+    producer.put("w", make_group("g0"))
+    producer.put("w", make_group("g1"))
+    with pytest.raises(TimeoutError):
+        producer.put("w", make_group("g2"))
+    learner = d.client()
+    assert take_all(learner, 2, count=2) == ["g0", "g1"]
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
+def test_restart_loses_nothing_accepted_and_unacked(backend, kill):
+    d = backend.start(groups_per_step=8, reclaim_idle_s=0.5)
+    c = d.client()
+    for i in range(6):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    c.ack("learner", c.get_batch("learner", 2, 0, timeout_s=5.0))
+    assert ids(c.get_batch("learner", 2, 0, timeout_s=5.0)) == ["g2", "g3"]  # never acked
+    d.restart(kill=kill)
+    after = d.client()
+    assert sorted(take_all(after, 4, count=2)) == ["g2", "g3", "g4", "g5"]
+    assert after.get_batch("learner", 1, 0, timeout_s=1.0) is None  # acked g0, g1 stay gone
+    assert after.put("w", make_group("g6")).accepted
+    assert ids(after.get_batch("learner", 1, 0, timeout_s=5.0)) == ["g6"]
+
+
+def _produce(client: BufferClient, producer: str, names: list[str], deadline: float) -> None:
+    """A rollout worker: acquire slots from the gate, put one group per slot."""
+    pending = list(names)
+    while pending:
+        assert time.monotonic() < deadline, f"{producer}: gate never opened"
+        granted = client.acquire(producer, min(5, len(pending)), 0).granted
+        for _ in range(granted):
+            assert client.put(producer, make_group(pending.pop(0))).accepted
+        if not granted:
+            time.sleep(0.01)  # a real worker would also wait for the gate
+
+
+def _consume(client: BufferClient, name: str, total: int, served: dict[str, list[str]],
+             lock: threading.Lock, deadline: float) -> None:
+    """A learner rank: take batches of 2 and ack them until ``total`` groups were served
+    (by all consumers together, recorded in ``served``)."""
+    while time.monotonic() < deadline:
+        with lock:
+            if sum(map(len, served.values())) >= total:
+                return
+        batch = client.get_batch(name, 2, 0, timeout_s=0.2)
+        if batch is not None:
+            client.ack(name, batch)
+            with lock:
+                served[name] += ids(batch)
+
+
+def test_many_producers_and_consumers_each_group_once_fifo_per_producer(backend):
+    d = backend.start(groups_per_step=10, max_staleness=20)
+    producers = {f"p{k}": [f"p{k}-{i:02d}" for i in range(25)] for k in range(4)}
+    total = sum(map(len, producers.values()))
+    served: dict[str, list[str]] = {f"learner-{k}": [] for k in range(4)}
+    lock, deadline = threading.Lock(), time.monotonic() + 40
+    with ThreadPoolExecutor(len(producers) + len(served)) as pool:
+        futures = [pool.submit(_produce, d.client(), p, names, deadline)
+                   for p, names in producers.items()]
+        futures += [pool.submit(_consume, d.client(), name, total, served, lock, deadline)
+                    for name in served]
+        for future in futures:
+            future.result(timeout=60)
+    every = [g for mine in served.values() for g in mine]
+    assert Counter(every) == Counter(n for names in producers.values() for n in names)
+    assert sum(1 for mine in served.values() if mine) > 1, "one consumer took everything"
+    for mine in served.values():  # each consumer sees each producer's groups in order
+        for p in producers:
+            theirs = [g for g in mine if g.startswith(f"{p}-")]
+            assert theirs == sorted(theirs)
+    status = d.client().status()
+    assert (status["accepted"], status["consumed"], status["in_flight"], status["depth"]) == \
+        (total, total, 0, 0)
+
+
+def test_heartbeat_timeout_releases_a_dead_producers_in_flight(backend):
+    c = backend.start(groups_per_step=2, max_staleness=0, heartbeat_timeout_s=0.3).client()
+    c.heartbeat("dead", "rollout", {"engine_version": 0})
+    assert c.acquire("dead", 2, 0).granted == 2
+    assert c.acquire("alive", 2, 0).granted == 0
+    eventually(lambda: c.acquire("alive", 2, 0).granted == 2,  # also keeps "alive" alive
+               what="the dead producer's slots are released")
+    members = c.status()["members"]
+    assert members["dead"]["alive"] is False and members["dead"]["in_flight"] == 0
+    assert members["dead"]["info"] == {"engine_version": 0}
+    assert members["dead"]["role"] == "rollout"
+    assert members["alive"]["alive"] is True and members["alive"]["in_flight"] == 2
+    c.heartbeat("dead", "rollout", {})
+    assert c.status()["members"]["dead"]["alive"] is True
+
+
+def test_get_key_long_poll_wakes_on_set(backend):
+    d = backend.start()
+    waiter, setter = d.client(), d.client()
+    assert waiter.get_key("rdzv") is None
+    start = time.monotonic()
+    assert waiter.get_key("rdzv", timeout_s=0.2) is None
+    assert time.monotonic() - start >= 0.2
+    assert setter.set_key("rdzv", {"epoch": 1}) == 1
+    assert waiter.get_key("rdzv") == (1, {"epoch": 1})
+    assert setter.set_key("other", {}) == 1  # sequence numbers are per key
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(waiter.get_key, "rdzv", 1, 20.0)
+        with pytest.raises(FutureTimeout):
+            future.result(timeout=0.3)  # parked: nothing newer than 1 yet
+        start = time.monotonic()
+        assert setter.set_key("rdzv", {"epoch": 2}) == 2
+        assert future.result(timeout=10) == (2, {"epoch": 2})
+    assert time.monotonic() - start < 2.0
+    assert setter.status()["keys"] == ["other", "rdzv"]
+
+
+def test_status_has_every_documented_key(backend):
+    c = backend.start().client()
+    c.heartbeat("learner-0", "learner", {"step": 0})
+    status = c.status()
+    expected = {"version", "run_status", "run_id", "max_staleness", "groups_per_step",
+                "max_groups", "depth", "accepted", "in_flight", "consumed", "dropped_stale",
+                "rejected", "gate_open", "gate_allowance", "gate_closed_s", "staleness_hist",
+                "members", "uptime_s", "keys"}
+    assert expected <= status.keys()
+    assert set(status["members"]["learner-0"]) >= {"role", "alive", "last_seen_s_ago", "info"}
+    assert status["gate_open"] is True and status["gate_allowance"] == 4
+    assert status["run_id"] == "contract"
+
+
+def _read_ids(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def test_sigkill_of_a_consumer_mid_run_loses_no_group(backend, tmp_path):
+    """N producers put M groups while a consumer process trains and acks, then is SIGKILLed
+    holding an unacked batch; a second consumer finishes. Every group is acked exactly once,
+    and the killed consumer's unacked batch is among the second one's (redelivered)."""
+    d = backend.start(groups_per_step=4, max_staleness=20, reclaim_idle_s=1.0)
+    producers = {f"p{k}": [f"p{k}-{i:02d}" for i in range(20)] for k in range(3)}
+    produced = {n for names in producers.values() for n in names}
+    out = tmp_path / "victim"
+    out.mkdir()
+    victim = subprocess.Popen([sys.executable, "-m", "tests.buffers.fault_consumer", d.spec(),
+                               str(out), "4", "5"], cwd=ROOT, env=child_env(),
+                              stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 40
+    try:
+        with ThreadPoolExecutor(len(producers)) as pool:
+            futures = [pool.submit(_produce, d.client(), p, names, deadline)
+                       for p, names in producers.items()]
+            eventually(lambda: (out / "holding").exists() or victim.poll() is not None,
+                       timeout_s=30, what="the victim holds a batch")
+            victim.kill()  # SIGKILL, mid-run: producers are still putting
+            for future in futures:
+                future.result(timeout=40)
+    finally:
+        victim.kill()
+        victim.wait()
+    acked_by_victim, holding = _read_ids(out / "acked"), _read_ids(out / "holding")
+    assert len(acked_by_victim) == 20 and len(holding) == 4, "the victim did not get that far"
+    survivor = d.client()
+    acked_by_survivor = take_all(survivor, len(produced) - len(acked_by_victim), count=4)
+    assert not set(acked_by_victim) & set(acked_by_survivor), "a group was acked twice"
+    assert Counter(acked_by_victim + acked_by_survivor) == Counter(produced), "lost or extra"
+    assert set(holding) <= set(acked_by_survivor), "the unacked batch was not redelivered"
+    assert survivor.get_batch("learner", 1, 0, timeout_s=1.5) is None
+    status = survivor.status()
+    assert (status["consumed"], status["depth"], status["accepted"]) == (60, 0, 60)

@@ -1,0 +1,243 @@
+"""Redis-only behaviour: AOF durability, reclaim, validation by consumers, auth, ACL, TLS.
+
+Every test runs a private ``redis-server`` on a free loopback port (``redis_server`` fixture,
+AOF on). The TLS test is real: this ``redis-server`` is built with TLS (it accepts
+``--tls-port``), and certificates are made with the ``openssl`` command line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from asyncrl.config.schema import BufferConfig
+from asyncrl.wire import encode_group
+from buffers import make_buffer_client
+from buffers.redis_buffer import RedisBufferClient
+from buffers.redis_connect import connect, connection_kwargs
+from buffers.redis_scripts import GROUP
+from tests.buffers import make_group
+from tests.buffers.conftest import RedisServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def open_client(redis_server: RedisServer) -> Iterator[Any]:
+    """``open_client(**BufferConfig fields)``: clients on the private server, closed after."""
+    clients: list[RedisBufferClient] = []
+
+    def open_(groups_per_step: int = 2, **fields: Any) -> RedisBufferClient:
+        config = BufferConfig(type="redis", url=redis_server.url, namespace="asyncrl:t",
+                              **{"max_staleness": 1, "request_timeout_s": 5.0, **fields})
+        clients.append(RedisBufferClient(config, run_id="t", groups_per_step=groups_per_step))
+        return clients[-1]
+
+    yield open_
+    for client in clients:
+        client.close()
+
+
+def admin(server: RedisServer, **kwargs: Any) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=server.port, **kwargs)
+
+
+def test_sigkill_of_redis_with_aof_loses_nothing_and_clients_reconnect(redis_server,
+                                                                        open_client):
+    c = open_client(reclaim_idle_s=0.5)
+    c.publish_version(2)
+    c.set_key("rdzv", {"epoch": 7})
+    c.heartbeat("worker-0", "rollout", {"engine_version": 2})
+    for i in range(4):
+        assert c.put("w", make_group(f"g{i}", version=2)).accepted
+    c.ack("learner", c.get_batch("learner", 1, 2, timeout_s=5.0))
+    assert [g.group_id for g in c.get_batch("learner", 1, 2, 5.0).groups] == ["g1"]  # no ack
+    c.put_frames("w", encode_group(make_group("bad"))[:3])
+    before = c.status()
+    redis_server.restart(kill=True)
+    after = c.status()  # the same client: it reconnects, the scripts are loaded again
+    for key in ("version", "accepted", "consumed", "rejected", "depth", "staleness_hist",
+                "keys", "run_id", "pending"):
+        assert after[key] == before[key], key
+    assert after["members"]["worker-0"]["info"] == {"engine_version": 2}
+    assert c.get_key("rdzv") == (1, {"epoch": 7})
+    assert c.set_key("rdzv", {"epoch": 8}) == 2
+    batch = c.get_batch("other-learner", 3, 2, timeout_s=10.0)  # g1 once reclaimable
+    assert sorted(g.group_id for g in batch.groups) == ["g1", "g2", "g3"]
+    c.ack("other-learner", batch)
+    assert c.status()["consumed"] == 4
+
+
+def test_reclaim_moves_a_dead_consumers_entries_and_counts_the_redelivery(redis_server,
+                                                                         open_client):
+    dead, alive = open_client(reclaim_idle_s=0.3), open_client(reclaim_idle_s=0.3)
+    for i in range(2):
+        dead.put("w", make_group(f"g{i}"))
+    taken = dead.get_batch("learner", 2, 0, timeout_s=5.0)
+    owner = admin(redis_server).xpending_range("asyncrl:t:groups", GROUP, "-", "+", 10)
+    assert {e["consumer"].decode() for e in owner} == {dead._consumers["learner"]}
+    again = alive.get_batch("learner", 2, 0, timeout_s=10.0)  # same name, other process role
+    assert again.receipts == taken.receipts
+    pending = admin(redis_server).xpending_range("asyncrl:t:groups", GROUP, "-", "+", 10)
+    assert {e["consumer"].decode() for e in pending} == {alive._consumers["learner"]}
+    assert all(e["times_delivered"] == 2 for e in pending)
+    assert alive._consumers["learner"] != dead._consumers["learner"]
+    alive.ack("learner", again)
+    status = alive.status()
+    assert (status["redelivered"], status["consumed"], status["pending"]) == (2, 2, 0)
+
+
+def test_a_consumer_never_reclaims_its_own_slow_batch(open_client):
+    c = open_client(reclaim_idle_s=0.2)
+    c.put("w", make_group("a"))
+    batch = c.get_batch("learner", 1, 0, timeout_s=5.0)
+    assert c.get_batch("learner", 1, 0, timeout_s=0.6) is None  # idle > reclaim: still ours
+    c.ack("learner", batch)
+    assert c.status()["consumed"] == 1
+
+
+def _raw_entry(name: str, **replace: bytes) -> dict[bytes, bytes]:
+    group = make_group(name)
+    fields = dict(zip((b"h", b"t", b"l", b"m", b"v"), encode_group(group)))
+    fields.update({b"minv": str(group.min_version()).encode(), b"p": b"rogue"})
+    fields.update({k.encode(): v for k, v in replace.items()})
+    return {k: v for k, v in fields.items() if v != b"<drop>"}
+
+
+def test_consumers_reject_entries_that_bypassed_the_client(redis_server, open_client):
+    """A producer writing the stream directly cannot crash or poison learners: each bad entry
+    is rejected with a counted reason, acked and deleted, and batches stay exactly full."""
+    c = open_client(groups_per_step=8, max_message_bytes=2048)
+    raw = admin(redis_server)
+    header = orjson.loads(encode_group(make_group("x"))[0])
+    bad = {"frames": _raw_entry("r1", t=b"<drop>"),
+           "schema": _raw_entry("r2", h=orjson.dumps({**header, "schema": 9})),
+           "oversized": _raw_entry("r3", t=b"\0" * 4096),
+           "version": _raw_entry("r4", minv=b"5")}
+    c.put("w", make_group("g0"))
+    for fields in bad.values():
+        raw.xadd("asyncrl:t:groups", fields)  # no index entry, no counters: a rogue writer
+    c.put("w", make_group("g1"))
+    c.put("w", make_group("g2"))
+    batch = c.get_batch("learner", 3, 0, timeout_s=5.0)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
+    c.ack("learner", batch)
+    status = c.status()
+    assert status["rejected"] == {reason: 1 for reason in bad}
+    assert (status["depth"], status["pending"], status["consumed"]) == (0, 0, 3)
+
+
+def test_waiting_blocks_in_redis_instead_of_spinning(redis_server, open_client):
+    c = open_client(reclaim_idle_s=60.0)
+    stats = admin(redis_server)
+
+    def commands() -> int:  # what the client sent: commands inside scripts are not counted
+        info = stats.info("commandstats")
+        return sum(info.get(f"cmdstat_{name}", {}).get("calls", 0)
+                   for name in ("evalsha", "eval", "xread", "exec"))
+
+    before = commands()
+    assert c.get_batch("learner", 1, 0, timeout_s=1.5) is None
+    assert c.get_key("nothing", timeout_s=1.5) is None
+    assert commands() - before < 20  # a spinning loop would issue thousands
+
+
+def test_password_is_passed_through(tmp_path):
+    server = RedisServer(tmp_path / "auth", extra=["--requirepass", "s3cret"])
+    server.start()
+    try:
+        config = BufferConfig(type="redis", url=server.url, password="s3cret")
+        with RedisBufferClient(config, run_id="auth", groups_per_step=1) as c:
+            assert c.put("w", make_group("a")).accepted
+        for password in ("", "wrong"):
+            start = time.monotonic()
+            with pytest.raises(redis.AuthenticationError):
+                RedisBufferClient(config.model_copy(update={"password": password}), "auth", 1)
+            assert time.monotonic() - start < 2.0  # a refused login is not retried
+    finally:
+        server.stop()
+
+
+def test_acl_user_is_passed_through_and_confined_to_its_namespace(redis_server):
+    admin(redis_server).acl_setuser("learner", enabled=True, passwords=["+pw"],
+                                    keys=["asyncrl:acl:*"], commands=["+@all", "-@dangerous"])
+    config = BufferConfig(type="redis", url=redis_server.url, username="learner", password="pw",
+                          namespace="asyncrl:acl")
+    with RedisBufferClient(config, groups_per_step=1) as c:
+        assert c.put("w", make_group("a")).accepted
+        assert c.status()["accepted"] == 1
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        RedisBufferClient(config.model_copy(update={"namespace": "asyncrl:other"}),
+                          groups_per_step=1)
+
+
+def test_tls_options_reach_redis_py():
+    config = BufferConfig(type="redis", url="rediss://127.0.0.1:6390/0", username="u",
+                          password="p", tls_ca_file="ca.crt", tls_cert_file="c.crt",
+                          tls_key_file="c.key")
+    kwargs = connection_kwargs(config)
+    assert {k: kwargs[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "username",
+                                   "password")} == \
+        {"ssl_ca_certs": "ca.crt", "ssl_certfile": "c.crt", "ssl_keyfile": "c.key",
+         "username": "u", "password": "p"}
+    pool_kwargs = connect(config).connection_pool.connection_kwargs
+    assert pool_kwargs["ssl_ca_certs"] == "ca.crt" and pool_kwargs["ssl_keyfile"] == "c.key"
+    with pytest.raises(ValueError, match="rediss"):
+        connection_kwargs(config.model_copy(update={"url": "redis://127.0.0.1:6390/0"}))
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_certificates(directory: Path) -> None:
+    """A CA, a server certificate for IP 127.0.0.1 and a client certificate, all EC."""
+    directory.mkdir(parents=True)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+             "-subj", "/CN=asyncrl-test-ca", cwd=directory)
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        _openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN={name}", cwd=directory)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "1",
+                 "-extfile", "san.ext", cwd=directory)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_mutual_tls_against_a_real_tls_server(tmp_path):
+    certs = tmp_path / "certs"
+    make_certificates(certs)
+    server = RedisServer(tmp_path / "tls", tls=True, extra=[
+        "--tls-cert-file", str(certs / "server.crt"), "--tls-key-file", str(certs / "server.key"),
+        "--tls-ca-cert-file", str(certs / "ca.crt"), "--tls-auth-clients", "yes"])
+    server.start()
+    try:
+        config = BufferConfig(type="redis", url=server.url, tls_ca_file=str(certs / "ca.crt"),
+                              tls_cert_file=str(certs / "client.crt"),
+                              tls_key_file=str(certs / "client.key"), request_timeout_s=1.0)
+        with make_buffer_client(config, run_id="tls", groups_per_step=1) as c:
+            assert c.put("w", make_group("a")).accepted
+            batch = c.get_batch("learner", 1, 0, timeout_s=5.0)
+            c.ack("learner", batch)
+            assert c.status()["consumed"] == 1
+        no_client_cert = config.model_copy(update={"tls_cert_file": "", "tls_key_file": "",
+                                                   "request_timeout_s": 0.2})
+        with pytest.raises(redis.ConnectionError):
+            RedisBufferClient(no_client_cert, "tls", 1)
+    finally:
+        server.stop()
+
+
+def test_factory_needs_groups_per_step_for_redis():
+    with pytest.raises(ValueError, match="groups_per_step"):
+        make_buffer_client(BufferConfig(type="redis"))
