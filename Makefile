@@ -10,7 +10,6 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade --quiet pip
 	$(BIN)/pip install -e ".[cpu,dev]"
 	touch $(STAMP)
 

@@ -47,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def buffer_address(cfg: Config, explicit: str | None) -> str:
-    """--buffer, else the address `asyncrl up` recorded in the run directory, else the config."""
+def buffer_address(cfg: Config, explicit: str | None) -> str | None:
+    """--buffer, else the address `asyncrl up` recorded in the run directory, else the config.
+    None with Redis: ``buffer.url`` is the address."""
+    if cfg.buffer.type == "redis":
+        return None
     if explicit:
         return explicit
     recorded = cfg.run_dir / "buffer.addr"
@@ -73,6 +76,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return LocalLauncher(cfg).up()
     if args.command == "buffer":
+        if cfg.buffer.type != "zmq":
+            raise ConfigError(f"buffer.type = {cfg.buffer.type!r}: Redis is the broker, there is "
+                              "no `asyncrl buffer` process to run; point the roles at buffer.url")
         return roles.serve_buffer(cfg, args.address_file)
     if args.command in ("monitor", "status"):
         return _observe(cfg, args)
@@ -86,9 +92,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _observe(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.monitor import render, watch
     from asyncrl.roles import stop_on_signals
-    from buffers import make_buffer_client
+    from buffers import connect_buffer
 
-    client = make_buffer_client(cfg.buffer, buffer_address(cfg, args.buffer))
+    client = connect_buffer(cfg, buffer_address(cfg, args.buffer))
     try:
         if args.command == "monitor":
             watch(client, cfg.launcher.refresh_s / 2, stop_on_signals())

@@ -37,8 +37,16 @@ class Role:
 
 
 def write_run_dir(cfg: Config) -> Path:
-    """Create ``runs/<name>/`` with the resolved config that every role is started from."""
+    """Create ``runs/<name>/`` with the resolved config that every role is started from.
+
+    `up` starts a new run: an earlier run's metrics are kept, renamed, never appended to."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "eval.json"):
+        old = cfg.run_dir / name
+        if old.exists():
+            kept = old.with_name(f"{old.stem}.{int(old.stat().st_mtime)}{old.suffix}")
+            old.rename(kept)
+            logger.info("kept the previous run's %s as %s", name, kept.name)
     path = cfg.run_dir / "config.toml"
     path.write_text(to_toml(cfg))
     return path
@@ -60,17 +68,29 @@ class LocalLauncher:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop.set())
         try:
-            self._start("buffer", config_path, "--address-file", str(address_file))
-            address = self._wait_for_address(address_file)
+            address = self._start_buffer(config_path, address_file)
             self._prepare_model()
-            learner = self._start("learner", config_path, "--buffer", address)
-            self._start("rollout", config_path, "--buffer", address,
-                        "--workers", str(self.cfg.rollout.workers))
+            at = ["--buffer", address] if address else []
+            learner = self._start("learner", config_path, *at)
+            self._start("rollout", config_path, *at, "--workers", str(self.cfg.rollout.workers))
             self._supervise(learner, address)
             return learner.proc.returncode if learner.proc.returncode is not None else 130
         finally:
             self.shutdown()
             self._print_final()
+
+    def _start_buffer(self, config_path: Path, address_file: Path) -> str | None:
+        """ZMQ: start the broker and learn its address. Redis: the server is the broker; clear
+        what an earlier run of the same name left there, since `up` starts a new run."""
+        if self.cfg.buffer.type == "redis":
+            from buffers.redis_buffer import reset_run
+
+            deleted = reset_run(self.cfg.buffer, self.cfg.run.name)
+            logger.info("redis %s: fresh run %r (%d old keys removed)", self.cfg.buffer.url,
+                        self.cfg.run.name, deleted)
+            return None
+        self._start("buffer", config_path, "--address-file", str(address_file))
+        return self._wait_for_address(address_file)
 
     def _start(self, role: str, config_path: Path, *args: str) -> Role:
         log = (self.cfg.run_dir / "logs" / f"{role}.log").open("ab")
@@ -95,10 +115,10 @@ class LocalLauncher:
 
         prepare_model_dir(self.cfg.model, self.cfg.run_dir, self.cfg.run.seed)
 
-    def _supervise(self, learner: Role, address: str) -> None:
-        from buffers import make_buffer_client
+    def _supervise(self, learner: Role, address: str | None) -> None:
+        from buffers import connect_buffer
 
-        client = make_buffer_client(self.cfg.buffer, address)
+        client = connect_buffer(self.cfg, address)
         try:
             while learner.proc.poll() is None and not self.stop.is_set():
                 self._check_alive()

@@ -72,7 +72,7 @@ def serve_buffer(cfg: Config, address_file: Path | None) -> int:
     return 0
 
 
-def run_learner(cfg: Config, address: str) -> int:
+def run_learner(cfg: Config, address: str | None) -> int:
     from learners.dist import free_port
     from learners.loop import run_learner_rank
 
@@ -86,7 +86,7 @@ def run_learner(cfg: Config, address: str) -> int:
                          cfg.launcher.stop_timeout_s)
 
 
-def run_rollout(cfg: Config, address: str, workers: int, first_index: int = 0) -> int:
+def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:
     from rollouters.worker import run_rollout_worker
 
     if workers == 1:

@@ -3,7 +3,13 @@
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
 __all__ = ["Batch", "Buffer", "BufferClient", "ControlPlane", "Grant", "PutResult",
-           "make_buffer_client"]
+           "connect_buffer", "make_buffer_client"]
+
+
+def connect_buffer(cfg, address: str | None = None) -> BufferClient:
+    """A client for the run described by the root config ``cfg`` (what every role opens)."""
+    return make_buffer_client(cfg.buffer, address, run_id=cfg.run.name,
+                              groups_per_step=cfg.learner.groups_per_step)
 
 
 def make_buffer_client(config, address: str | None = None, *, run_id: str = "",

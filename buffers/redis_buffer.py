@@ -279,3 +279,17 @@ class RedisBufferClient:
 
 def _dumps(value: dict[str, Any]) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def reset_run(config: BufferConfig, run_id: str) -> int:
+    """Delete every key of run ``run_id``'s namespace; returns how many were deleted.
+
+    ``asyncrl up`` starts a new run: without this, a second run of the same name would inherit
+    the first one's version, gate counters and leftover groups from Redis.
+    """
+    keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}").all()
+    client = connect(config)
+    try:
+        return int(client.unlink(*keys))
+    finally:
+        client.close()

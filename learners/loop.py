@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.metrics import MetricsWriter, Timers
-from buffers import BufferClient, make_buffer_client
+from buffers import BufferClient, connect_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RankContext:
     member: str
 
 
-def run_learner_rank(cfg: Config, rank: int, world: int, address: str, master_port: int,
+def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, master_port: int,
                      stop: threading.Event | None = None) -> None:
     """One training rank; rank 0 also owns the weight broadcast, metrics and evaluation."""
     import torch
@@ -49,7 +49,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str, master_po
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed + rank)
     device = init_learner_group(rank, world, master_port=master_port, device=cfg.learner.device)
-    ctx = RankContext(cfg, rank, world, make_buffer_client(cfg.buffer, address),
+    ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address),
                       f"learner-{rank}")
     try:
         model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
@@ -79,6 +79,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         with timers("compute"):
             metrics = trainer.train_step(collate(batch.groups, cfg.learner.advantage_std_norm,
                                                  PAD_ID))
+        ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
         metrics.update(_consumed_versions(batch.groups, trainer.version - 1, ctx.world))
         with timers("gather"):
             state = trainer.full_state_dict()

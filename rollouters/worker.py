@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from asyncrl.config import Config
 from asyncrl.metrics import RateMeter
-from buffers import BufferClient, make_buffer_client
+from buffers import BufferClient, connect_buffer
 from buffers.protocol import DONE
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class WorkerStats:
     generate_s: float = 0.0
 
 
-def run_rollout_worker(cfg: Config, index: int, address: str,
+def run_rollout_worker(cfg: Config, index: int, address: str | None,
                        stop: threading.Event | None = None) -> None:
     """Run worker ``index`` against the buffer at ``address`` until the run is done or stopped."""
     import torch
@@ -52,8 +52,8 @@ def run_rollout_worker(cfg: Config, index: int, address: str,
                          eos_id=EOS_ID, pad_id=PAD_ID, device=device,
                          seed=cfg.run.seed * 1000 + index)
     task = make_task(cfg.task, cfg.run.seed)
-    client = make_buffer_client(cfg.buffer, address)
-    receiver_client = make_buffer_client(cfg.buffer, address)  # clients are per thread
+    client = connect_buffer(cfg, address)
+    receiver_client = connect_buffer(cfg, address)  # clients are per thread
     receiver = WeightReceiver(receiver_client, member,
                               lambda named, version: engine.load_weights(named.items(), version))
     try:
