@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.wire import TrajectoryGroup
-from learners.losses import grpo_advantages
+from learners.losses.advantages import batch_advantages
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,10 @@ class TrainBatch:
     behaviour_logprobs: Tensor   # [B, T] float32, engine logprob of the target
     versions: Tensor             # [B, T] int64, policy version of the target (-1 if none)
     advantages: Tensor           # [B, T] float32, the sample's advantage on its positions
+    #                              (zeros for advantage "gae": the trainer's critic fills them)
     rewards: Tensor              # [B] float32
     min_versions: Tensor         # [B] int64, oldest generated-token version (-1 if none)
+    group_index: Tensor          # [B] int64, index of the sample's group within this batch
 
     @property
     def num_samples(self) -> int:
@@ -55,17 +57,20 @@ class TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int) -> TrainBatch:
+def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
+            advantage: str = "grpo") -> TrainBatch:
     """Right-pad every sample of ``groups`` into one :class:`TrainBatch`.
 
-    Advantages are normalised within each group (:func:`grpo_advantages`), so a batch can be
-    split across ranks only at group boundaries if it is to keep its advantages.
+    Advantages by estimator ``advantage`` (``learner.loss.advantage``; see
+    :func:`learners.losses.advantages.batch_advantages`, where ``std_norm`` applies to
+    ``grpo``) are computed within each group, so a batch can be split across ranks only at
+    group boundaries if it is to keep its advantages.
     """
     samples = [(group, s) for group in groups for s in group.sample_slices()]
     if not samples:
         raise ValueError("collate needs at least one sample")
-    advantages = torch.cat([grpo_advantages(torch.tensor(g.rewards, dtype=torch.float32),
-                                            std_norm=std_norm) for g in groups])
+    advantages = batch_advantages([torch.tensor(g.rewards, dtype=torch.float32) for g in groups],
+                                  advantage, std_norm=std_norm)
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
     width = max(s.stop - s.start for _, s in samples)
     rows = [_pad_sample(group, s, width, pad_id) for group, s in samples]
@@ -82,6 +87,8 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int) -> T
         advantages=advantages.unsqueeze(1) * (positions < lengths.unsqueeze(1) - 1),
         rewards=rewards,
         min_versions=torch.tensor([_min_version(g, s) for g, s in samples], dtype=torch.int64),
+        group_index=torch.tensor([i for i, g in enumerate(groups) for _ in range(g.size)],
+                                 dtype=torch.int64),
     )
 
 

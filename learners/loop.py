@@ -68,6 +68,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event) -> None:
     from asyncrl.models import PAD_ID
     from learners.batching import collate
+    from learners.losses.filters import filter_groups, zero_loss_mask
 
     cfg, timers = ctx.cfg, Timers()
     share = cfg.learner.groups_per_step // ctx.world
@@ -76,10 +77,15 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
             batch = _next_batch(ctx, trainer, driver, share, stop)
         if batch is None:
             break
+        groups, filter_counts = filter_groups(batch.groups, cfg.learner.loss)
+        # train_step is collective: a rank whose groups were all filtered still takes part,
+        # with a group that trains no token.
+        groups = groups or [zero_loss_mask(batch.groups[0])]
         with timers("compute"):
-            metrics = trainer.train_step(collate(batch.groups, cfg.learner.advantage_std_norm,
-                                                 PAD_ID))
+            metrics = trainer.train_step(collate(groups, cfg.learner.advantage_std_norm, PAD_ID,
+                                                 advantage=cfg.learner.loss.advantage))
         ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
+        metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
         metrics.update(_consumed_versions(batch.groups, trainer.version - 1, ctx.world))
         with timers("gather"):
             state = trainer.full_state_dict()

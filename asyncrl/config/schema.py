@@ -80,7 +80,19 @@ class BufferConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch"] = Field("torch", description="Inference engine.")
+    engine: Literal["torch", "vllm", "vllm-server"] = Field(
+        "torch", description="Inference engine: pure-torch reference, in-process vLLM, or an "
+                             "external vLLM OpenAI server fleet at `url` (attached, not started).")
+    url: str = Field("", description="vllm-server: base URL(s) of the server(s), comma-"
+                                     "separated; worker i attaches to entry i mod len.")
+    kv_cache_memory_mb: int = Field(64, ge=0, description="vllm: KV cache size (MB); 0 sizes it "
+                                                          "from gpu_memory_utilization.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
+                                          description="vllm on GPU: fraction of the device's "
+                                                      "memory the engine may take.")
+    enforce_eager: bool = Field(True, description="vllm: no CUDA graphs / torch.compile (fast "
+                                                  "start; turn off for long GPU runs).")
+    request_timeout_s: float = Field(120.0, gt=0, description="vllm-server: HTTP timeout.")
     workers: int = Field(2, ge=1, description="Rollout worker processes (one engine each).")
     group_size: int = Field(16, ge=1, description="Samples per prompt (G).")
     groups_per_batch: int = Field(8, ge=1, description="Groups generated in one engine call.")
@@ -88,6 +100,64 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(8, ge=1, description="Generation length limit.")
     threads: int = Field(1, ge=1, description="torch threads per worker.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="Engine device.")
+
+    @model_validator(mode="after")
+    def _check_server_url(self) -> RolloutConfig:
+        if self.engine == "vllm-server" and not self.url.strip():
+            raise ValueError("rollout.engine = 'vllm-server' needs rollout.url (the server fleet)")
+        return self
+
+
+class LossConfig(Section):
+    """The learner's objective: policy loss, advantage estimator, aggregation, KL, filters.
+
+    Defaults reproduce plain token-level PPO-clip with GRPO advantages and no KL.
+    """
+
+    policy_loss: Literal["ppo_clip", "decoupled_ppo", "tis", "gspo", "reinforce"] = Field(
+        "ppo_clip", description="ppo_clip: clip against the behaviour logprobs; decoupled_ppo: "
+                                "clip against proximal logprobs recomputed by the learner, "
+                                "behaviour/proximal weight capped at tis_cap; tis: policy "
+                                "gradient with the importance weight truncated at tis_cap; "
+                                "gspo: clipped sequence-level (length-normalised) ratio; "
+                                "reinforce: −A·log π, no ratio.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
+        "grpo", description="grpo: (r − group mean)/group std (std only if "
+                            "learner.advantage_std_norm); dr_grpo: r − group mean; rloo: "
+                            "leave-one-out baseline; reinforce_pp: r − group mean, divided by "
+                            "the std over the rank's batch; gae: GAE with a learned critic "
+                            "(a value head on a copy of the model, trained alongside).")
+    gae_gamma: float = Field(1.0, gt=0, le=1, description="GAE discount γ per token.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE λ: 0 trusts the critic, 1 is "
+                                                            "Monte-Carlo.")
+    critic_lr: float | None = Field(None, gt=0, description="Critic AdamW lr; None uses "
+                                                            "learner.lr.")
+    aggregation: Literal["token", "sequence", "group"] = Field(
+        "token", description="token: mean over all trained tokens; sequence: mean over "
+                             "samples of each sample's token mean; group: mean over groups of "
+                             "each group's token mean.")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="Upper clip 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); "
+                                "None uses learner.clip_eps.")
+    tis_cap: float = Field(2.0, gt=0, description="Truncation C of importance weights (tis, "
+                                                  "decoupled_ppo): min(w, C).")
+    kl_coef: float = Field(0.0, ge=0, description="β of the KL to the frozen reference model; "
+                                                  "0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL(π‖π_ref) estimator per token: k1 = log r, k2 = ½(log r)², "
+                          "k3 = 1/r − 1 + log r with r = π/π_ref.")
+    kl_in_reward: bool = Field(False, description="Subtract β·KL from the reward (as a return-"
+                                                  "to-go added to the advantage) instead of "
+                                                  "adding it to the loss.")
+    drop_equal_reward_groups: bool = Field(False, description="DAPO dynamic sampling: drop "
+                                                              "groups whose rewards are all "
+                                                              "equal (zero advantage).")
+    drop_finish_reasons: list[str] = Field(
+        default_factory=list, description="Mask out the loss of samples with these finish "
+                                          "reasons, e.g. [\"length\"] (overlong filtering); a "
+                                          "group left with no trained token is dropped.")
+    mismatch_warn_abs_logp: float = Field(
+        0.5, gt=0, description="Warn when the mean |logp_train − logp_rollout| passes this.")
 
 
 class LearnerConfig(Section):
@@ -100,6 +170,8 @@ class LearnerConfig(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
     advantage_std_norm: bool = Field(True, description="GRPO: divide by the group's std.")
+    loss: LossConfig = Field(default_factory=LossConfig,
+                             description="Policy loss, advantages, aggregation, KL, filters.")
     threads: int = Field(1, ge=1, description="torch threads per rank.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cuda uses NCCL.")
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 = free.")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.schema import LearnerConfig
+from asyncrl.config.schema import LearnerConfig, LossConfig
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
 from learners.dist import free_port
@@ -23,6 +23,16 @@ STEPS = 3
 VOCAB = 16
 JOIN_TIMEOUT_S = 120.0
 CFG = LearnerConfig(lr=1e-3, grad_clip=1.0, clip_eps=0.2)
+# One-rank variants: KL to the frozen (sharded) reference; decoupled PPO with group aggregation.
+VARIANTS = {
+    "kl": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k3")}),
+    "decoupled": CFG.model_copy(update={"loss": LossConfig(policy_loss="decoupled_ppo",
+                                                           aggregation="group", tis_cap=1.5)}),
+}
+# 1 rank vs 2 ranks again, with per-sample units, the reference and the GAE critic sharded over
+# both ranks.
+SEQ_KL = CFG.model_copy(update={"loss": LossConfig(aggregation="sequence", kl_coef=0.5,
+                                                   clip_eps_high=0.28, advantage="gae")})
 
 
 def make_groups(n_groups: int = 4, group_size: int = 3, seed: int = 0) -> list[TrajectoryGroup]:
@@ -49,7 +59,8 @@ def rank_groups(rank: int, world: int) -> list[TrajectoryGroup]:
     return groups[rank * share:(rank + 1) * share]
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+             cfg: LearnerConfig = CFG) -> None:
     """One learner process: train STEPS steps, write metrics, state dict and a checkpoint."""
     torch.set_num_threads(1)
     from learners.backends.fsdp2 import Fsdp2Trainer
@@ -57,8 +68,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> 
 
     device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
     try:
-        trainer = Fsdp2Trainer(model_dir, CFG, device)
-        batch = collate(rank_groups(rank, world), std_norm=CFG.advantage_std_norm, pad_id=0)
+        trainer = Fsdp2Trainer(model_dir, cfg, device)
+        batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0,
+                        advantage=cfg.loss.advantage)
         metrics = [trainer.train_step(batch) for _ in range(STEPS)]
         state = trainer.full_state_dict()
         trainer.save_pretrained(Path(out_dir) / "checkpoint")
@@ -68,11 +80,13 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> 
         shutdown_learner_group()
 
 
-def spawn_world(world: int, model_dir: Path, out_dir: Path) -> list[mp.process.BaseProcess]:
+def spawn_world(world: int, model_dir: Path, out_dir: Path,
+                cfg: LearnerConfig = CFG) -> list[mp.process.BaseProcess]:
     ctx = mp.get_context("spawn")
     port = free_port()
     out_dir.mkdir()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, str(model_dir), str(out_dir)))
+    procs = [ctx.Process(target=run_rank,
+                         args=(r, world, port, str(model_dir), str(out_dir), cfg))
              for r in range(world)]
     for proc in procs:
         proc.start()
@@ -113,6 +127,17 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return out
 
 
+@pytest.fixture(scope="module")
+def variant_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> dict[str, Path]:
+    """Each of VARIANTS on one rank (both at once, 2 processes)."""
+    out = {name: tmp_path_factory.mktemp("variant") / name for name in VARIANTS}
+    procs = [p for name, path in out.items()
+             for p in spawn_world(1, tiny_model_dir, path, VARIANTS[name])]
+    join_all(procs)
+    return out
+
+
 def _load(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
@@ -122,7 +147,31 @@ def test_ranks_have_uneven_token_counts() -> None:
     assert counts[0] != counts[1]   # so the global-count normalisation is actually exercised
 
 
+@pytest.fixture(scope="module")
+def seq_kl_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> dict[int, Path]:
+    out = {world: tmp_path_factory.mktemp("seq_kl") / f"world{world}" for world in (1, 2)}
+    procs = [p for world, path in out.items()
+             for p in spawn_world(world, tiny_model_dir, path, SEQ_KL)]
+    join_all(procs)
+    return out
+
+
 def test_two_ranks_match_one_rank(runs: dict[int, Path], tiny_model_dir: Path) -> None:
+    _assert_worlds_match(runs, tiny_model_dir)
+
+
+def test_two_ranks_match_one_rank_sequence_kl_gae(seq_kl_runs: dict[int, Path],
+                                              tiny_model_dir: Path) -> None:
+    _assert_worlds_match(seq_kl_runs, tiny_model_dir)
+    metrics = _load(seq_kl_runs[2] / "rank0.pt")["metrics"]
+    assert metrics[-1]["learner/kl_ref"] > 0
+    # The zero-initialised critic predicts 0 at first, then learns the rewards' scale.
+    assert metrics[0]["critic/value_mean"] == 0.0
+    assert metrics[-1]["critic/value_mean"] != 0.0
+
+
+def _assert_worlds_match(runs: dict[int, Path], tiny_model_dir: Path) -> None:
     single, multi = _load(runs[1] / "rank0.pt"), _load(runs[2] / "rank0.pt")
     initial = _initial_state(tiny_model_dir)
     assert single["version"] == multi["version"] == STEPS
@@ -157,3 +206,30 @@ def _initial_state(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(model_dir / "model.safetensors")
+
+
+def test_kl_to_sharded_reference(variant_runs: dict[str, Path], tiny_model_dir: Path) -> None:
+    run = _load(variant_runs["kl"] / "rank0.pt")
+    kl = [m["learner/kl_ref"] for m in run["metrics"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)   # the reference IS the initial policy
+    assert kl[1] > 0 and kl[2] > 0                 # ...and stays frozen while the actor moves
+    initial = _initial_state(tiny_model_dir)
+    assert max((run["state"][n] - initial[n]).abs().max().item() for n in initial) > 1e-3
+
+
+def test_decoupled_ppo_runs(variant_runs: dict[str, Path]) -> None:
+    run = _load(variant_runs["decoupled"] / "rank0.pt")
+    for metrics in run["metrics"]:
+        # One update per batch: the proximal policy IS the current one, so the ratio is 1.
+        assert metrics["learner/clip_frac"] == 0.0
+        assert 0.0 <= metrics["learner/is_capped_frac"] <= 1.0
+        assert metrics["mismatch/tokens"] == metrics["learner/tokens"]
+    assert run["version"] == STEPS
+
+
+def test_mismatch_metrics_reported(runs: dict[int, Path]) -> None:
+    first = _load(runs[1] / "rank0.pt")["metrics"][0]
+    # Behaviour logprobs are −log V + N(0, 0.4) noise: the mismatch is large and visible.
+    assert first["mismatch/abs_logp"] > 0.1
+    assert first["mismatch/is_q01"] <= first["mismatch/is_q50"] <= first["mismatch/is_q99"]
+    assert first["mismatch/is_q99"] <= first["mismatch/is_max"]

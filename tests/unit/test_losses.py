@@ -1,4 +1,4 @@
-"""Losses and batching against numbers worked out by hand."""
+"""Policy losses, aggregation, the objective and batching against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import torch
 
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
-from learners.losses import grpo_advantages, ppo_clip_loss
+from learners.losses import (
+    aggregation_weights,
+    decoupled_ppo_token_loss,
+    grpo_advantages,
+    gspo_token_loss,
+    ppo_clip_loss,
+    reinforce_token_loss,
+    tis_token_loss,
+)
+
+torch.set_num_threads(1)
 
 CLIP_EPS = 0.2
 # Two samples × 3 tokens. Ratios r = exp(logp − logp_behaviour) chosen as round numbers.
@@ -141,6 +151,7 @@ def test_collate_layout_literal() -> None:
         [[1.0, 1.0, 1.0, 1.0, 0.0], [-1.0, -1.0, 0.0, 0.0, 0.0],
          [0.0] * 5, [0.0] * 5]), atol=1e-5, rtol=0)
     assert batch.num_tokens == 7 and batch.num_samples == 4
+    assert batch.group_index.tolist() == [0, 0, 1, 1]
 
 
 def test_collate_behaviour_logprob_sits_where_its_token_is_predicted() -> None:
@@ -155,3 +166,89 @@ def test_collate_behaviour_logprob_sits_where_its_token_is_predicted() -> None:
             assert batch.targets[b, j - 1] == tokens[j]
             assert batch.behaviour_logprobs[b, j - 1].item() == pytest.approx(logprobs[j])
             assert batch.loss_mask[b, j - 1]
+
+
+def _logprobs_with_ratios(behaviour: list[list[float]], ratios: list[list[float]]
+                          ) -> torch.Tensor:
+    """Leaf logprobs ``behaviour + log(ratio)``, so that ``exp(logp − behaviour) = ratio``."""
+    return (torch.tensor(behaviour) + torch.log(torch.tensor(ratios))).requires_grad_(True)
+
+
+def test_ppo_clip_higher_literal() -> None:
+    # Same batch as above with ε_high = 0.28 (DAPO): only the upper bound moves, to 1.28.
+    #   s0 (A=+2): r=1.5 → min(3.0, 2.56) → −2.56 CLIPPED; r=1.1 → −2.2; r=0.5 → −1.0
+    #   s1 (A=−1): r=1.5 → +1.5; r=0.5 → min(−0.5, −0.8) → +0.8 CLIPPED (lower bound unchanged)
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.5, -2.0]])
+    logprobs = behaviour + torch.log(torch.tensor(RATIOS))
+    advantages = torch.tensor(ADVANTAGES).unsqueeze(1).expand(2, 3)
+    loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, torch.tensor(MASK).bool(),
+                                CLIP_EPS, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-2.56 - 2.2 - 1.0 + 1.5 + 0.8, abs=1e-5)   # −3.46
+    assert stats["clip_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_decoupled_ppo_literal() -> None:
+    # w = min(π_prox/μ, C=3) = [2, 0.5, 3 (capped from 4)]; r = π/π_prox = [1.0, 1.5, 0.9];
+    # A = [1, 1, −2], ε = 0.2. ℓ = −w·min(r·A, clip(r)·A):
+    #   t0: −2·min(1.0, 1.0) = −2.0          grad −w·r·A = −2.0
+    #   t1: −0.5·min(1.5, 1.2) = −0.6 CLIPPED grad 0
+    #   t2: −3·min(−1.8, −1.6) = +5.4         grad −3·0.9·(−2) = +5.4
+    behaviour = torch.tensor([[-1.0, -2.0, -0.5]])
+    proximal = behaviour + torch.log(torch.tensor([[2.0, 0.5, 4.0]]))
+    logprobs = _logprobs_with_ratios(proximal.tolist(), [[1.0, 1.5, 0.9]])
+    per_token, stats = decoupled_ppo_token_loss(
+        logprobs, proximal, behaviour, torch.tensor([[1.0, 1.0, -2.0]]), torch.ones(1, 3),
+        clip_low=0.2, clip_high=0.2, weight_cap=3.0)
+    per_token.sum().backward()
+    torch.testing.assert_close(per_token, torch.tensor([[-2.0, -0.6, 5.4]]).detach(),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0, 0.0, 5.4]]), atol=1e-5,
+                               rtol=0)
+    assert stats["clip_frac"].item() == pytest.approx(1 / 3)
+    assert stats["is_capped_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_tis_literal() -> None:
+    # r = [0.5, 1.0, 4.0], cap C = 2 → weight [0.5, 1.0, 2.0]; A = [2, −1, 1];
+    # logp = [−1, −2, −0.25]: ℓ = −w·A·logp = [1.0, −2.0, 0.5]; grad −w·A = [−1, 1, −2].
+    logprobs = torch.tensor([[-1.0, -2.0, -0.25]], requires_grad=True)
+    behaviour = logprobs.detach() - torch.log(torch.tensor([[0.5, 1.0, 4.0]]))
+    per_token, stats = tis_token_loss(logprobs, behaviour, torch.tensor([[2.0, -1.0, 1.0]]),
+                                      torch.ones(1, 3), cap=2.0)
+    per_token.sum().backward()
+    torch.testing.assert_close(per_token.detach(), torch.tensor([[1.0, -2.0, 0.5]]),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 1.0, -2.0]]), atol=1e-5,
+                               rtol=0)
+    assert stats["clip_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_gspo_literal() -> None:
+    # Row 0: δ = [0.0, 0.2] → s = exp(0.1) = 1.105171 ∈ [0.8, 1.2], A = +1: ℓ = −1.105171 per
+    #        token; gradient per token −s·A = −1.105171 (token sum) or −s·A/2 (sequence mean).
+    # Row 1: δ = [−0.3, masked 5.0] → s = exp(−0.3) = 0.740818 < 0.8, A = −1:
+    #        min(−0.740818, −0.8) = −0.8 → ℓ = +0.8, CLIPPED (no gradient).
+    behaviour = [[-1.0, -2.0], [-0.5, -3.0]]
+    mask = torch.tensor([[1, 1], [1, 0]])
+    logprobs = _logprobs_with_ratios(behaviour, [[1.0, math.exp(0.2)],
+                                                 [math.exp(-0.3), math.exp(5.0)]])
+    advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    per_token, stats = gspo_token_loss(logprobs, torch.tensor(behaviour), advantages, mask,
+                                       0.2, 0.2)
+    weights, _ = aggregation_weights(mask, torch.tensor([0, 1]), "sequence")
+    (per_token * weights).sum().backward()
+    assert (per_token * mask).sum().item() == pytest.approx(-2 * 1.105171 + 0.8, abs=1e-5)
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5525855, -0.5525855],
+                                                            [0.0, 0.0]]), atol=1e-5, rtol=0)
+    assert stats["clip_frac"].item() == pytest.approx(1 / 3)
+
+
+def test_reinforce_literal() -> None:
+    # ℓ = −A·logp: logp [−1, −2], A [3, −1] → [3, −2]; gradient −A = [−3, 1].
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    per_token, stats = reinforce_token_loss(logprobs, torch.tensor([[3.0, -1.0]]),
+                                            torch.ones(1, 2))
+    per_token.sum().backward()
+    assert per_token.tolist() == [[3.0, -2.0]]
+    assert logprobs.grad.tolist() == [[-3.0, 1.0]]
+    assert stats["clip_frac"].item() == 0.0

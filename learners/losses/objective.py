@@ -1,0 +1,49 @@
+"""The configured objective on one rank's batch: policy loss + KL to the reference, aggregated.
+
+``loss = Σ_{b,t} w_bt·(ℓ_bt + β·kl_bt) / U`` where ``ℓ`` is the configured per-token policy loss
+(:mod:`.policy`), ``w`` and the unit count ``U`` come from the aggregation level
+(:mod:`.aggregation`), and the KL term is present only with ``kl_coef > 0`` and not
+``kl_in_reward``. With ``kl_in_reward`` the advantage becomes ``A_t − β·Σ_{s≥t} kl_s`` instead.
+This module returns the numerator and the LOCAL ``U``; the trainer divides by the global one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from learners.losses.aggregation import aggregate, aggregation_weights
+from learners.losses.kl import kl_estimate, kl_reward_to_go
+from learners.losses.policy import masked_mean, policy_token_loss
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import LearnerConfig
+    from learners.batching import TrainBatch
+
+
+def objective(cfg: LearnerConfig, batch: TrainBatch, logprobs: Tensor,
+              proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None
+              ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``(Σ w·(ℓ + β·kl), local units, stats)``; stats are detached token means plus
+    ``tokens``. ``ref_logprobs`` is required when ``cfg.loss.kl_coef > 0``."""
+    loss = cfg.loss
+    mask = batch.loss_mask
+    advantages = batch.advantages
+    stats: dict[str, Tensor] = {}
+    kl = None
+    if loss.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs the reference model's logprobs")
+        kl = kl_estimate(logprobs, ref_logprobs, loss.kl_estimator)
+        stats["kl_ref"] = masked_mean(kl.detach(), mask)
+        if loss.kl_in_reward:
+            advantages = advantages - loss.kl_coef * kl_reward_to_go(kl, mask)
+    per_token, policy_stats = policy_token_loss(cfg, logprobs, batch.behaviour_logprobs,
+                                                advantages, mask, proximal_logprobs)
+    stats.update(policy_stats)
+    if kl is not None and not loss.kl_in_reward:
+        per_token = per_token + loss.kl_coef * kl
+    weights, units = aggregation_weights(mask, batch.group_index, loss.aggregation)
+    stats["tokens"] = mask.sum().float()
+    return aggregate(per_token, weights), units, stats
