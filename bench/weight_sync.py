@@ -1,0 +1,281 @@
+"""Weight sync: ``WeightBroadcaster.sync`` against a raw gloo broadcast of the same bytes.
+
+This process is learner rank 0 (a real ZMQ broker thread, a real control-plane client); the
+engines are receiver processes (``bench/weight_sync.py receiver ...``), each holding a
+``TorchEngine`` over the same randomly initialised model and applying every update with
+``engine.load_weights``, the time the engine's lock is held: its pause. The model is a Qwen2
+built in code (default hidden 768, 12 layers, vocab 32000, untied: ~134M parameters).
+
+For each engine count (1, then 2) and bucket size, one warm-up sync (which also builds the
+group), then ``--rounds`` x (one timed sync, one raw round), interleaved so both see the same
+load on a shared machine. A raw round is the same buckets (pre-packed, pre-allocated)
+broadcast between the same processes over a bare ``ProcessGroupGloo``, ended by a
+one-element allreduce so the learner's clock stops when every engine has the bytes (sync's
+clock stops at the last ack). ``ratio`` = raw time / sync time (1.0 = no
+protocol overhead). Medians are printed as a markdown table.
+
+``--malloc-env`` re-runs everything with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` at 2 GiB: the sync allocates fresh bucket buffers on both sides for
+every update, and by default glibc serves each from a fresh ``mmap`` (first-touch page faults,
+~10x slower than a warm copy here); with the env the heap keeps and reuses those pages.
+
+    python bench/weight_sync.py [--bucket-mb 32 128 512] [--rounds 3] [--engines 1 2]
+                                [--malloc-env]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.config.schema import BufferConfig, WeightsConfig
+from buffers.zmq_broker import start_broker_thread
+from buffers.zmq_client import ZmqBufferClient
+from learners.weights import WeightBroadcaster, WeightReceiver
+from learners.weights_group import (
+    broadcast,
+    dial_store,
+    new_group,
+    serve_store,
+)
+from learners.weights_plan import pack_bucket, plan_buckets
+
+logger = logging.getLogger("bench.weight_sync")
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31 - 1), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+RAW_KEY = "bench/raw"  # learner → engines: {"store", "epoch", "members", "sizes", "rounds"}
+
+
+def build_model(hidden: int, layers: int, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=hidden // 64, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+# --- engine process ---------------------------------------------------------------------------
+
+def receiver_main(address: str, member: str, args: argparse.Namespace) -> None:
+    """Heartbeat as a rollout member, apply updates into a TorchEngine, serve raw rounds."""
+    from rollouters.engines.torch_engine import TorchEngine
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(build_model(args.hidden, args.layers, args.vocab, args.torch_dtype),
+                         eos_id=0, pad_id=0)
+    beats, own = ZmqBufferClient(address, 60.0), ZmqBufferClient(address, 60.0)
+    applies: list[float] = []
+
+    def apply(named: dict[str, torch.Tensor], version: int) -> None:
+        start = time.perf_counter()
+        engine.load_weights(named.items(), version)
+        applies.append(time.perf_counter() - start)
+        own.set_key(f"bench/apply/{member}", {"apply_s": applies[-1], "version": version})
+
+    receiver = WeightReceiver(own, member, apply)
+    receiver.start()
+    seq = 0
+    while True:
+        beats.heartbeat(member, "rollout", {"engine_version": receiver.last_version})
+        got = beats.get_key(RAW_KEY, newer_than=seq, timeout_s=1.0)  # paces the heartbeat
+        if got is None:
+            continue
+        seq, raw = got
+        if raw.get("stop"):
+            break
+        if member in raw["members"]:
+            serve_raw(raw, raw["members"].index(member) + 1)
+    receiver.stop()
+    beats.close()
+    own.close()
+
+
+def serve_raw(raw: dict[str, Any], rank: int) -> None:
+    store = dial_store(raw["store"], 120.0)
+    group = new_group("gloo", store, raw["epoch"], rank, len(raw["members"]) + 1, 120.0,
+                      "127.0.0.1")
+    buffers = [torch.empty(n, dtype=torch.uint8) for n in raw["sizes"]]
+    done = torch.zeros(1)
+    for _ in range(raw["rounds"]):
+        for flat in buffers:
+            broadcast(group, flat)
+        group.allreduce([done]).wait()
+    group.abort()
+
+
+# --- learner side -----------------------------------------------------------------------------
+
+def spawn(address: str, member: str, argv: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, __file__, "receiver", address, member, *argv],
+                            env=env, cwd=ROOT)
+
+
+def wait_members(control: ZmqBufferClient, count: int, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    seq = 0
+    while time.monotonic() < deadline:
+        members = [m for m, e in control.status().get("members", {}).items()
+                   if e.get("role") == "rollout" and e.get("alive")]
+        if len(members) >= count:
+            return
+        got = control.get_key("weights/none", newer_than=seq, timeout_s=1.0)  # bounded wait
+        seq = got[0] if got else seq
+    raise TimeoutError(f"{count} engines did not come up in {timeout_s:.0f}s")
+
+
+class RawGroup:
+    """The baseline: the same buckets, pre-packed, over a bare gloo group with the engines."""
+
+    def __init__(self, control: ZmqBufferClient, state: dict[str, torch.Tensor],
+                 bucket_mb: float, rounds: int, members: list[str], epoch: int) -> None:
+        plan = plan_buckets(state, int(bucket_mb * 2**20))
+        self.buckets = [pack_bucket(plan, i, state).clone() for i in range(len(plan.bucket_nbytes))]
+        self.store = serve_store("127.0.0.1", 120.0)
+        control.set_key(RAW_KEY, {"store": f"127.0.0.1:{self.store.port}", "epoch": epoch,
+                                  "members": members, "sizes": list(plan.bucket_nbytes),
+                                  "rounds": rounds})
+        self.group = new_group("gloo", self.store, epoch, 0, len(members) + 1, 120.0,
+                               "127.0.0.1")
+
+    def round(self) -> float:
+        """Seconds until every engine holds every bucket (the allreduce ends the round)."""
+        start = time.perf_counter()
+        for flat in self.buckets:
+            broadcast(self.group, flat)
+        self.group.allreduce([torch.zeros(1)]).wait()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.group.abort()
+
+
+def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucket_mb: float,
+                 rounds: int, members: list[str], epoch: int, version: int
+                 ) -> tuple[dict[str, list[float]], int]:
+    """One warm-up sync, then ``rounds`` x (one sync, one raw round), interleaved so that
+    both see the same machine load; returns the samples and the next version."""
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=bucket_mb, timeout_s=120))
+    samples: dict[str, list[float]] = {"sync": [], "raw": [], "pause": []}
+    raw = None
+    try:
+        for i in range(rounds + 1):
+            metrics = broadcaster.sync(state, version)
+            version += 1
+            if metrics["weights/bytes"] == 0:
+                raise RuntimeError(f"sync reached no engine: {metrics}")
+            if i == 0:
+                raw = RawGroup(control, state, bucket_mb, rounds, members, epoch)
+                continue
+            samples["sync"].append(metrics["weights/sync_s"])
+            samples["pause"].append(apply_times(control, members))
+            samples["raw"].append(raw.round())
+    finally:
+        broadcaster.close()
+        if raw is not None:
+            raw.close()
+    return samples, version
+
+
+def apply_times(control: ZmqBufferClient, members: list[str]) -> float:
+    """The engines' apply (pause) time for the last update, worst engine."""
+    got = [control.get_key(f"bench/apply/{m}", 0, 0.0) for m in members]
+    return max(g[1]["apply_s"] for g in got if g is not None)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
+    state = build_model(args.hidden, args.layers, args.vocab, args.torch_dtype).state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    params = sum(t.numel() for t in state.values())
+    logger.info("model: %.1fM parameters, %.1f MB", params / 1e6, nbytes / 1e6)
+    address, stop_broker = start_broker_thread(
+        BufferConfig(port=0, heartbeat_timeout_s=600.0), groups_per_step=1)  # raw rounds block beats
+    control = ZmqBufferClient(address, 120.0)
+    procs: list[subprocess.Popen] = []
+    rows, version, epoch = [], 1, 1000  # raw groups' store prefixes: epoch1001, ...
+    try:
+        for count in sorted(args.engines):
+            while len(procs) < count:
+                procs.append(spawn(address, f"engine-{len(procs)}", argv))
+            wait_members(control, count)
+            members = [f"engine-{i}" for i in range(count)]
+            for bucket_mb in args.bucket_mb:
+                epoch += 1
+                got, version = bench_config(control, state, bucket_mb, args.rounds, members,
+                                            epoch, version)
+                sync, raw = statistics.median(got["sync"]), statistics.median(got["raw"])
+                pause_s = statistics.median(got["pause"])
+                rows.append({"engines": count, "bucket_mb": bucket_mb, "params_m": params / 1e6,
+                             "mb": nbytes / 1e6, "sync_s": sync, "raw_s": raw,
+                             "sync_gbs": nbytes / sync / 1e9, "raw_gbs": nbytes / raw / 1e9,
+                             "ratio": raw / sync, "pause_s": pause_s})
+                logger.info("%s", rows[-1])
+    finally:
+        control.set_key(RAW_KEY, {"stop": True})
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        control.close()
+        stop_broker()
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| engines | bucket MB | params | MB | sync s | sync GB/s | raw s | raw GB/s "
+            "| raw/sync | engine pause s |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"| {r['engines']} | {r['bucket_mb']:g} | {r['params_m']:.0f}M | {r['mb']:.0f} "
+             f"| {r['sync_s']:.3f} | {r['sync_gbs']:.2f} | {r['raw_s']:.3f} "
+             f"| {r['raw_gbs']:.2f} | {r['ratio']:.0%} | {r['pause_s']:.3f} |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--malloc-env", action="store_true",
+                        help="re-exec with MALLOC_MMAP/TRIM_THRESHOLD_ at 2 GiB (all processes)")
+    args = parser.parse_args(argv)
+    args.torch_dtype = getattr(torch, args.dtype)
+    return args
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    if len(sys.argv) > 1 and sys.argv[1] == "receiver":
+        address, member, rest = sys.argv[2], sys.argv[3], sys.argv[4:]
+        receiver_main(address, member, parse(rest))
+        return
+    argv = sys.argv[1:]
+    args = parse(argv)
+    if args.malloc_env and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, __file__, *argv], {**os.environ, **MALLOC_ENV})
+    malloc = "MALLOC_MMAP_THRESHOLD_" in os.environ
+    print(f"malloc env: {'tuned' if malloc else 'default'}")
+    print(table(run(args, argv)))
+
+
+if __name__ == "__main__":
+    main()
