@@ -25,8 +25,7 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     if config.type == "zmq":
         from buffers.zmq_client import ZmqBufferClient
 
-        return ZmqBufferClient(address or f"tcp://{config.host}:{config.port}",
-                               timeout_s=config.request_timeout_s)
+        return ZmqBufferClient.from_config(config, address)
     if config.type == "redis":
         from buffers.redis_buffer import RedisBufferClient
 

@@ -1,10 +1,12 @@
 """The embedded ZMQ broker: the buffer's data and control plane in one event loop.
 
 One ROUTER socket, one thread, no locks: every request is handled to completion in turn, so
-the gate counters can never race. Requests that have to wait (``get_batch``, ``get_key``) are
-parked as *pending* and answered when a ``put``/``set_key`` makes them servable or when their
-deadline passes: a learner waiting for data costs the broker nothing. The rules themselves live
-in :class:`~buffers.zmq_state.BrokerState`; this module only moves messages.
+the gate counters can never race. Requests that have to wait are parked
+(:mod:`buffers.zmq_waits`): batches until enough groups are queued, keys until they change,
+puts while ``max_groups`` are held (backpressure). The rules live in
+:class:`~buffers.zmq_state.BrokerState`, the socket's hardening in
+:func:`~buffers.zmq_auth.bind_router`; this module only moves messages. Groups are received as
+``zmq.Frame`` objects, kept as such and sent on with ``copy=False``: never copied in Python.
 """
 
 from __future__ import annotations
@@ -13,42 +15,37 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from asyncrl.config.schema import BufferConfig
+from buffers.zmq_auth import CurveServer, bind_router
+from buffers.zmq_control import batch_stats, status_of
 from buffers.zmq_protocol import (
     ProtocolError,
     Reply,
     Request,
     arg_dict,
-    arg_float,
     arg_int,
     arg_str,
+    arg_str_list,
     decode_request,
     encode_reply,
     error,
 )
+from buffers.zmq_replay import open_spill, snapshot_of
 from buffers.zmq_state import BrokerState, QueuedGroup, StateError
+from buffers.zmq_waits import Parked, Waits, park
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # upper bound on how late a stop event or a deadline is noticed
+COMMANDS = ("acquire", "put", "release", "get_batch", "ack", "publish_version", "heartbeat",
+            "set_key", "get_key", "status", "shutdown")
+TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
+DRAIN_MAX = 64  # requests handled per wake-up before the housekeeping runs again
 CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) leave the socket
-
-
-@dataclass
-class _Pending:
-    """A parked long-poll request: who to answer, what it waits for, until when."""
-
-    identity: bytes
-    request_id: bytes
-    name: str  # consumer (get_batch) or key (get_key)
-    wanted: int  # count (get_batch) or newer_than (get_key)
-    learner_version: int
-    deadline: float
 
 
 class ZmqBroker:
@@ -56,43 +53,33 @@ class ZmqBroker:
 
     def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "") -> None:
         self.config = config
-        self.state = BrokerState(config, groups_per_step, run_id)
+        journal, recovered = (open_spill(config.spill_path) if config.spill_path
+                              else (None, None))
+        self.state = BrokerState(config, groups_per_step, run_id, journal=journal,
+                                 recovered=recovered)
         self.bad_requests: Counter[str] = Counter()
         self._context = zmq.Context()
+        self._curve: CurveServer | None = None
         self._socket: zmq.Socket | None = None
-        self._batches: list[_Pending] = []
-        self._key_waits: list[_Pending] = []
-        self._shutdown = False
+        self._waits = Waits()
+        self._next_tick = 0.0
+        self._stopping = False
         self._handlers: dict[str, Callable[[Request], Reply | None]] = {
-            "acquire": self._acquire, "put": self._put, "release": self._release,
-            "get_batch": self._get_batch, "publish_version": self._publish_version,
-            "heartbeat": self._heartbeat, "set_key": self._set_key, "get_key": self._get_key,
-            "status": self._status, "shutdown": self._shutdown_cmd,
-        }
+            name: getattr(self, f"_{name}") for name in COMMANDS}
 
     def bind(self) -> str:
         """Bind ``tcp://host:port`` (port 0 picks a free one); returns the address to dial."""
-        socket = self._context.socket(zmq.ROUTER)
-        port = self.config.port or "*"
-        socket.bind(f"tcp://{self.config.host}:{port}")
-        self._socket = socket
-        endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        actual_port = int(endpoint.rsplit(":", 1)[1])
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "*", "") else self.config.host
-        address = f"tcp://{host}:{actual_port}"
-        logger.info("buffer broker listening on %s (bound %s)", address, endpoint)
+        self._socket, self._curve, address = bind_router(self._context, self.config)
         return address
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Handle requests until ``stop`` is set or a client sends ``shutdown``."""
         if self._socket is None:
             raise RuntimeError("ZmqBroker.serve() called before bind()")
-        while not self._shutdown and not (stop is not None and stop.is_set()):
+        while not self._stopping and not (stop is not None and stop.is_set()):
             if self._socket.poll(self._poll_ms()):
-                self._handle(self._socket.recv_multipart())
-            self.state.reap()
-            self._expire()
-            self.state.update_gate_clock()
+                self._drain()
+            self._housekeeping()
         self._fail_pending("broker shutting down")
         logger.info("buffer broker stopped")
 
@@ -100,17 +87,45 @@ class ZmqBroker:
         if self._socket is not None:
             self._socket.close(linger=CLOSE_LINGER_MS)
             self._socket = None
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
+        if self.state.journal is not None:
+            self.state.journal.state(snapshot_of(self.state))
+            self.state.journal.close()
         self._context.term()
-
-    # --- the loop's plumbing ----------------------------------------------------------------
 
     def _poll_ms(self) -> int:
         now = self.state.clock()
-        deadlines = [p.deadline for p in self._batches + self._key_waits]
-        wait = min([POLL_S, *(d - now for d in deadlines)])
+        deadline = self._waits.next_deadline()
+        wait = min(POLL_S, deadline - now) if deadline is not None else POLL_S
         return max(0, int(wait * 1000))
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _drain(self) -> None:
+        assert self._socket is not None
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _housekeeping(self) -> None:
+        """Deadlines and the gate clock every time; liveness, reclaim, fsync every TICK_S."""
+        self._expire()
+        self.state.update_gate_clock()
+        now = self.state.clock()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + TICK_S
+        self.state.reap()
+        if self.state.reclaim():
+            self._serve_batches()
+        self._admit_parked_puts()
+        if self.state.journal is not None:
+            self.state.journal.sync_if_due()
+
+    def _handle(self, frames: list[Any]) -> None:
         try:
             request = decode_request(frames)
             handler = self._handlers.get(request.command)
@@ -123,7 +138,7 @@ class ZmqBroker:
             logger.exception("broker failed on a request")
             reply = self._reject("internal", repr(exc))
         if reply is not None and len(frames) >= 2:
-            self._send(frames[0], frames[1], reply)
+            self._send(frames[0].bytes, frames[1].bytes, reply)
 
     def _reject(self, reason: str, detail: str) -> Reply:
         self.bad_requests[reason] += 1
@@ -133,33 +148,26 @@ class ZmqBroker:
 
     def _send(self, identity: bytes, request_id: bytes, reply: Reply) -> None:
         assert self._socket is not None
-        self._socket.send_multipart(encode_reply(identity, request_id, reply))
+        self._socket.send_multipart(encode_reply(identity, request_id, reply), copy=False)
 
-    def _answer(self, pending: _Pending, reply: Reply) -> None:
-        self._send(pending.identity, pending.request_id, reply)
+    def _answer(self, parked: Parked, reply: Reply) -> None:
+        self._send(parked.identity, parked.request_id, reply)
 
     def _expire(self) -> None:
         now = self.state.clock()
-        for p in [p for p in self._batches if p.deadline <= now]:
-            self._batches.remove(p)
+        batches, keys, puts = self._waits.pop_expired(now)
+        for p in batches:
             self._answer(p, self._batch_reply(p.name, None))
-        for p in [p for p in self._key_waits if p.deadline <= now]:
-            self._key_waits.remove(p)
+        for p in keys:
             self._answer(p, Reply(True, {"found": False}))
+        for p in puts:
+            self._answer(p, error("full", f"the buffer held max_groups="
+                                          f"{self.config.max_groups} for {now - p.since:.1f}s"))
 
     def _fail_pending(self, detail: str) -> None:
-        for p in self._batches + self._key_waits:
+        for p in self._waits:
             self._answer(p, error("shutdown", detail))
-        self._batches.clear()
-        self._key_waits.clear()
-
-    def _park(self, request: Request, name: str, wanted: int, learner_version: int = 0
-              ) -> _Pending:
-        timeout = max(0.0, arg_float(request.args, "timeout_s", 0.0))
-        return _Pending(request.identity, request.request_id, name, wanted, learner_version,
-                        self.state.clock() + timeout)
-
-    # --- data plane -------------------------------------------------------------------------
+        self._waits.clear()
 
     def _acquire(self, request: Request) -> Reply:
         args = request.args
@@ -169,11 +177,30 @@ class ZmqBroker:
         return Reply(True, {"granted": granted, "version": self.state.version,
                             "run_status": self.state.run_status})
 
-    def _put(self, request: Request) -> Reply:
-        reason = self.state.put(arg_str(request.args, "producer"), request.payload)
+    def _put(self, request: Request) -> Reply | None:
+        producer = arg_str(request.args, "producer")
+        checked = self.state.check(producer, request.payload)
+        if isinstance(checked, str):
+            return Reply(True, {"accepted": False, "reason": checked})
+        if not self._waits.puts and self.state.has_room():
+            return self._accept(producer, checked)
+        parked = park(request, producer, self.state.clock(),
+                      default_timeout_s=self.config.request_timeout_s)
+        parked.group = checked
+        self._waits.add_put(parked)
+        return None
+
+    def _accept(self, producer: str, group: QueuedGroup) -> Reply:
+        reason = self.state.accept(producer, group)
         if not reason:
             self._serve_batches()
         return Reply(True, {"accepted": not reason, "reason": reason})
+
+    def _admit_parked_puts(self) -> None:
+        """Accept waiting puts in arrival order while there is room (FIFO per producer)."""
+        while self._waits.puts and self.state.has_room():
+            parked = self._waits.pop_put(self.state.clock())
+            self._answer(parked, self._accept(parked.name, parked.group))
 
     def _release(self, request: Request) -> Reply:
         self.state.release(arg_str(request.args, "producer"),
@@ -185,28 +212,33 @@ class ZmqBroker:
         count = arg_int(args, "count", minimum=1)
         if count > self.config.max_groups:
             raise ProtocolError("args", f"count {count} > max_groups {self.config.max_groups}")
-        self._batches.append(self._park(request, arg_str(args, "consumer"), count,
-                                        arg_int(args, "learner_version")))
+        self._waits.batches.append(park(request, arg_str(args, "consumer"), self.state.clock(),
+                                        count, arg_int(args, "learner_version")))
         self._serve_batches()
+        self._admit_parked_puts()  # stale drops may have made room
         self._expire()  # a zero timeout answers now
-        return None
 
     def _serve_batches(self) -> None:
         """Answer parked batch requests in arrival order, each as soon as it can be filled."""
-        for p in list(self._batches):
+        for p in list(self._waits.batches):
             groups = self.state.take(p.name, p.wanted, p.learner_version)
             if groups is not None:
-                self._batches.remove(p)
+                self._waits.batches.remove(p)
                 self._answer(p, self._batch_reply(p.name, groups))
 
     def _batch_reply(self, consumer: str, groups: list[QueuedGroup] | None) -> Reply:
-        body: dict[str, Any] = {"found": groups is not None,
-                                "count": len(groups) if groups else 0,
+        groups = groups or []
+        body: dict[str, Any] = {"found": bool(groups), "count": len(groups),
+                                "receipts": [self.state.receipt(g) for g in groups],
                                 "dropped_stale": self.state.pop_dropped(consumer) if groups
-                                else 0, "stats": self.state.batch_stats()}
-        return Reply(True, body, [f for g in groups or () for f in g.frames])
+                                else 0, "stats": batch_stats(self.state)}
+        return Reply(True, body, [f for g in groups for f in g.frames])
 
-    # --- control plane ----------------------------------------------------------------------
+    def _ack(self, request: Request) -> Reply:
+        acked = self.state.ack(arg_str(request.args, "consumer"),
+                               arg_str_list(request.args, "receipts"))
+        self._admit_parked_puts()
+        return Reply(True, {"acked": acked})
 
     def _publish_version(self, request: Request) -> Reply:
         self.state.publish_version(arg_int(request.args, "version", minimum=0))
@@ -214,41 +246,35 @@ class ZmqBroker:
 
     def _heartbeat(self, request: Request) -> Reply:
         args = request.args
-        self.state.heartbeat(arg_str(args, "member"), arg_str(args, "role", ""),
-                             arg_dict(args, "info"))
+        self.state.members.heartbeat(arg_str(args, "member"), arg_str(args, "role", ""),
+                                     arg_dict(args, "info"))
         return Reply(True, {"version": self.state.version, "run_status": self.state.run_status})
 
     def _set_key(self, request: Request) -> Reply:
         key = arg_str(request.args, "key")
         seq = self.state.set_key(key, arg_dict(request.args, "value"))
-        for p in [p for p in self._key_waits if p.name == key and p.wanted < seq]:
-            self._key_waits.remove(p)
-            self._answer(p, self._key_reply(key, p.wanted))
+        for p in self._waits.pop_key_waiters(key, seq):
+            self._answer(p, Reply(True, self.state.keys.lookup(key, p.wanted)))
         return Reply(True, {"seq": seq})
 
     def _get_key(self, request: Request) -> Reply | None:
         key = arg_str(request.args, "key")
         newer_than = arg_int(request.args, "newer_than", 0)
         if self.state.keys.get(key, newer_than) is not None:
-            return self._key_reply(key, newer_than)
-        self._key_waits.append(self._park(request, key, newer_than))
+            return Reply(True, self.state.keys.lookup(key, newer_than))
+        self._waits.keys.append(park(request, key, self.state.clock(), newer_than))
         self._expire()
         return None
 
-    def _key_reply(self, key: str, newer_than: int) -> Reply:
-        entry = self.state.keys.get(key, newer_than)
-        if entry is None:
-            return Reply(True, {"found": False})
-        return Reply(True, {"found": True, "seq": entry[0], "value": entry[1]})
-
     def _status(self, request: Request) -> Reply:
-        waiting = {"get_batch": len(self._batches), "get_key": len(self._key_waits)}
-        return Reply(True, {**self.state.status(), "bad_requests": dict(self.bad_requests),
-                            "waiting": waiting})
+        return Reply(True, {**status_of(self.state), "bad_requests": dict(self.bad_requests),
+                            "waiting": self._waits.counts(),
+                            "backpressure": dict(self._waits.backpressure),
+                            "auth": self.config.auth})
 
-    def _shutdown_cmd(self, request: Request) -> Reply:
+    def _shutdown(self, request: Request) -> Reply:
         logger.info("shutdown requested")
-        self._shutdown = True
+        self._stopping = True
         return Reply(True, {})
 
 

@@ -4,6 +4,14 @@ Not thread-safe, by design (ZMQ sockets are not): open one client per thread. Ev
 waits for its reply; a request that times out raises :class:`TimeoutError` and the socket is
 replaced, so a late reply can never be mistaken for the answer to a later request (request
 ids guard the same thing on a live socket).
+
+Delivery is at-least-once: every :class:`~buffers.protocol.Batch` carries receipts, and
+:meth:`ZmqBufferClient.ack` after the optimizer step settles them; unacked groups come back
+after ``buffer.reclaim_idle_s``. A put into a full buffer waits (backpressure) up to the
+request timeout and then raises :class:`TimeoutError`: the group was not accepted and is still
+the producer's to put again or release. A group travels as one packed frame
+(:func:`~buffers.zmq_protocol.pack_group`): one copy when the producer packs it, none after
+(the consumer's arrays are views of the received frame).
 """
 
 from __future__ import annotations
@@ -15,29 +23,57 @@ from typing import Any, NoReturn
 
 import zmq
 
+from asyncrl.config.schema import BufferConfig
 from asyncrl.wire import TrajectoryGroup, decode_group, encode_group
 from buffers.protocol import Batch, Grant, PutResult
-from buffers.zmq_protocol import GROUP_FRAMES, BrokerError, Reply, decode_reply, encode_request
+from buffers.zmq_auth import apply_curve_client
+from buffers.zmq_protocol import (
+    BrokerError,
+    Reply,
+    decode_reply,
+    encode_request,
+    pack_group,
+    unpack_group,
+)
 
 logger = logging.getLogger(__name__)
+
+PUT_WINDOW = 8  # put_many: requests in flight (a bound on what waits in socket buffers)
+PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
 
 
 class ZmqBufferClient:
     """Talks to :class:`~buffers.zmq_broker.ZmqBroker` at ``address`` (``tcp://host:port``)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve_keys_dir: str | None = None,
+                 curve_name: str = "client") -> None:
+        """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
+        ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``."""
         self.address = address
         self.timeout_s = timeout_s
+        self._curve = (curve_keys_dir, curve_name) if curve_keys_dir else None
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._next_id = 0
         self._socket = self._connect()
 
+    @classmethod
+    def from_config(cls, config: BufferConfig, address: str | None = None
+                    ) -> ZmqBufferClient:
+        """The client a :class:`BufferConfig` describes (address, timeout, CURVE keys)."""
+        keys = config.curve_keys_dir if config.auth == "curve" else None
+        if config.auth == "curve" and not keys:
+            raise ValueError("buffer.auth = \"curve\" needs buffer.curve_keys_dir")
+        return cls(address or f"tcp://{config.host}:{config.port}",
+                   timeout_s=config.request_timeout_s, curve_keys_dir=keys)
+
     def _connect(self) -> zmq.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+        if self._curve is not None:
+            apply_curve_client(socket, *self._curve)
         socket.connect(self.address)
         return socket
 
@@ -54,24 +90,43 @@ class ZmqBufferClient:
 
     # --- one request, one reply -----------------------------------------------------------
 
-    def _call(self, command: str, args: dict[str, Any], payload: Sequence[bytes] = (),
+    def _call(self, command: str, args: dict[str, Any], payload: Sequence[Any] = (),
               wait_s: float = 0.0) -> Reply:
         """Send and wait up to ``timeout_s + wait_s`` for the matching reply."""
+        request_id = self._send(command, args, payload)
+        return self._receive({request_id}, command, wait_s)[request_id]
+
+    def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
         request_id = self._next_id.to_bytes(8, "little")
         try:
-            self._socket.send_multipart(encode_request(request_id, command, args, payload))
+            self._socket.send_multipart(encode_request(request_id, command, args, payload),
+                                        copy=False)
         except zmq.Again:
             self._timed_out(command, "send")
+        return request_id
+
+    def _receive(self, request_ids: set[bytes], command: str, wait_s: float = 0.0,
+                 want: int = 0) -> dict[bytes, Reply]:
+        """Replies to ``want`` (default: all) of ``request_ids``, each checked; a late
+        reply to a request given up on is discarded."""
+        replies: dict[bytes, Reply] = {}
         deadline = time.monotonic() + self.timeout_s + wait_s
-        while True:
+        while len(replies) < (want or len(request_ids)):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000))):
                 self._timed_out(command, "reply")
-            reply_id, reply = decode_reply(self._socket.recv_multipart())
-            if reply_id == request_id:
-                break
-            logger.debug("discarding a late reply to request %s", reply_id.hex())
+            reply_id, reply = decode_reply(self._socket.recv_multipart(copy=False))
+            if reply_id not in request_ids:
+                logger.debug("discarding a late reply to request %s", reply_id.hex())
+                continue
+            replies[reply_id] = self._checked(command, reply)
+        return replies
+
+    def _checked(self, command: str, reply: Reply) -> Reply:
+        if not reply.ok and reply.body.get("reason") == "full":
+            raise TimeoutError(f"buffer broker {self.address}: {command} waited for room: "
+                               f"{reply.body.get('error')}")
         if not reply.ok:
             raise BrokerError(f"buffer broker {self.address} refused {command}: "
                               f"{reply.body.get('error', reply.body)}")
@@ -92,13 +147,31 @@ class ZmqBufferClient:
                      run_status=body["run_status"])
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
-        body = self._call("put", {"producer": producer}, encode_group(group)).body
-        return PutResult(accepted=body["accepted"], reason=body["reason"])
+        """Hand a group in; waits while the buffer is full (TimeoutError after the timeout)."""
+        return self.put_frames(producer, encode_group(group))
 
     def put_frames(self, producer: str, frames: Sequence[bytes]) -> PutResult:
         """Put already-encoded frames as they are (forwarding, and tests of bad input)."""
-        body = self._call("put", {"producer": producer}, frames).body
+        body = self._call("put", {"producer": producer, "timeout_s": self.timeout_s},
+                          [pack_group(frames)], wait_s=PUT_MARGIN_S).body
         return PutResult(accepted=body["accepted"], reason=body["reason"])
+
+    def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
+                 window: int = PUT_WINDOW) -> list[PutResult]:
+        """Put several groups with up to ``window`` requests in flight (the broker still
+        accepts them in order), so encoding and sending overlap the broker's work. A
+        TimeoutError leaves it unknown which of the groups were accepted."""
+        args = {"producer": producer, "timeout_s": self.timeout_s}
+        sent: list[bytes] = []
+        replies: dict[bytes, Reply] = {}
+        for group in groups:
+            if len(sent) - len(replies) >= window:
+                replies.update(self._receive(set(sent) - replies.keys(), "put",
+                                             PUT_MARGIN_S, want=1))
+            sent.append(self._send("put", args, [pack_group(encode_group(group))]))
+        replies.update(self._receive(set(sent) - replies.keys(), "put", PUT_MARGIN_S))
+        return [PutResult(accepted=replies[i].body["accepted"], reason=replies[i].body["reason"])
+                for i in sent]
 
     def release(self, producer: str, count: int) -> None:
         self._call("release", {"producer": producer, "count": count})
@@ -110,11 +183,14 @@ class ZmqBufferClient:
                                          "timeout_s": timeout_s}, wait_s=timeout_s)
         if not reply.body["found"]:
             return None
-        frames = reply.payload
-        groups = [decode_group(frames[i:i + GROUP_FRAMES])
-                  for i in range(0, len(frames), GROUP_FRAMES)]
+        groups = [decode_group(unpack_group(packed)) for packed in reply.payload]
         return Batch(groups=groups, dropped_stale=reply.body["dropped_stale"],
-                     stats=reply.body["stats"])
+                     stats=reply.body["stats"], receipts=list(reply.body["receipts"]))
+
+    def ack(self, consumer: str, batch: Batch) -> None:
+        """The step that used ``batch`` is done: its groups are never redelivered."""
+        if batch.receipts:
+            self._call("ack", {"consumer": consumer, "receipts": batch.receipts})
 
     # --- ControlPlane -------------------------------------------------------------------------
 

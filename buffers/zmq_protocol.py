@@ -6,24 +6,34 @@ broker, so there is no empty delimiter frame)::
     request  [request_id, command, orjson args, *payload]
     reply    [request_id, b"ok" | b"err", orjson body, *payload]
 
-The ROUTER prepends the client's identity frame on receive and strips it on send. Payloads
-are trajectory groups as the 5 raw frames of :func:`asyncrl.wire.encode_group`, so the broker
-validates and forwards them without re-encoding, and nothing is ever unpickled.
+The ROUTER prepends the client's identity frame on receive and strips it on send. A payload
+frame is one trajectory group: the 5 frames of :func:`asyncrl.wire.encode_group` packed as
+``<u16 count><count × u32 length>`` + the frames (:func:`pack_group`). One ZMQ frame per group
+rather than five because ZMQ over TCP costs about 10 µs per frame of this size (measured on
+loopback: packed groups move ~25 % faster than multipart ones). The broker validates and
+forwards the packed bytes without re-encoding them, and nothing is ever unpickled.
 
 The request id lets a client discard late replies to requests it already gave up on.
+
+Frames may arrive as ``zmq.Frame`` objects (``copy=False``): the small routing and argument
+frames are turned into bytes here, the payload is passed on untouched (no copy).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
+
+from asyncrl.wire import TrajectoryGroup, WireError, decode_group
 
 OK = b"ok"
 ERR = b"err"
-GROUP_FRAMES = 5  # header + 4 arrays, see asyncrl.wire.group
+_COUNT = struct.Struct("<H")
 
 
 class ProtocolError(ValueError):
@@ -82,13 +92,19 @@ def decode_request(frames: Sequence[bytes]) -> Request:
     """
     if len(frames) < 4:
         raise ProtocolError("frames", f"expected at least 4 frames, got {len(frames)}")
-    identity, request_id, command, args = frames[:4]
+    identity, request_id, command, args = (_bytes(f) for f in frames[:4])
     try:
-        name = bytes(command).decode("ascii")
+        name = command.decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("command", "command is not ASCII") from None
-    return Request(identity=bytes(identity), request_id=bytes(request_id), command=name,
-                   args=_loads_object(bytes(args), "args"), payload=list(frames[4:]))
+    return Request(identity=identity, request_id=request_id, command=name,
+                   args=_loads_object(args, "args"), payload=list(frames[4:]))
+
+
+def _bytes(frame: Any) -> bytes:
+    """``zmq.Frame.bytes`` is cached by pyzmq; plain bytes pass through."""
+    value = getattr(frame, "bytes", frame)
+    return value if isinstance(value, bytes) else bytes(value)
 
 
 def encode_reply(identity: bytes, request_id: bytes, reply: Reply) -> list[bytes]:
@@ -97,10 +113,55 @@ def encode_reply(identity: bytes, request_id: bytes, reply: Reply) -> list[bytes
 
 def decode_reply(frames: Sequence[bytes]) -> tuple[bytes, Reply]:
     """Parse what the DEALER received into (request id, reply)."""
-    if len(frames) < 3 or frames[1] not in (OK, ERR):
+    status = _bytes(frames[1]) if len(frames) >= 3 else b""
+    if status not in (OK, ERR):
         raise ProtocolError("frames", f"malformed reply of {len(frames)} frames")
-    body = _loads_object(bytes(frames[2]), "reply body")
-    return bytes(frames[0]), Reply(ok=frames[1] == OK, body=body, payload=list(frames[3:]))
+    body = _loads_object(_bytes(frames[2]), "reply body")
+    return _bytes(frames[0]), Reply(ok=status == OK, body=body, payload=list(frames[3:]))
+
+
+def pack_group(frames: Sequence[bytes]) -> bytes:
+    """The group's frames as one ZMQ frame (one memcpy; see the module docstring)."""
+    head = struct.pack(f"<H{len(frames)}I", len(frames), *(len(f) for f in frames))
+    return b"".join([head, *frames])
+
+
+def unpack_group(packed: Any) -> list[memoryview]:
+    """Zero-copy views of the frames of :func:`pack_group` output (bytes or ``zmq.Frame``);
+    raises :class:`WireError` ``frames`` when the lengths do not add up."""
+    view = memoryview(packed)
+    if view.nbytes < _COUNT.size:
+        raise WireError("frames", "empty group payload")
+    (count,) = _COUNT.unpack_from(view)
+    offset = _COUNT.size + 4 * count
+    if view.nbytes < offset:
+        raise WireError("frames", f"group payload too short for {count} frame lengths")
+    lengths = struct.unpack_from(f"<{count}I", view, _COUNT.size)
+    if offset + sum(lengths) != view.nbytes:
+        raise WireError("frames", "group frame lengths do not add up to the payload")
+    frames = []
+    for length in lengths:
+        frames.append(view[offset:offset + length])
+        offset += length
+    return frames
+
+
+def decode_put(payload: Sequence[Any], nbytes: int, max_bytes: int) -> TrajectoryGroup:
+    """Validate a put's payload (one packed group), its size first, before decoding it."""
+    if nbytes > max_bytes:
+        raise WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
+    if len(payload) != 1:
+        raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
+    return decode_group(unpack_group(payload[0]))
+
+
+def oldest_version(versions: np.ndarray) -> int:
+    """:meth:`TrajectoryGroup.min_version`, 10x faster: as uint32 every negative int32 is
+    above every non-negative one, so one unmasked ``min`` finds the oldest generated token."""
+    if versions.size == 0:
+        return -1
+    oldest = int(versions.view(np.uint32).min())
+    return oldest if oldest < 2**31 else -1
 
 
 def error(reason: str, detail: str) -> Reply:
@@ -123,6 +184,13 @@ def arg_int(args: dict[str, Any], name: str, default: int | None = None,
         raise ProtocolError("args", f"{name!r} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise ProtocolError("args", f"{name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def arg_str_list(args: dict[str, Any], name: str) -> list[str]:
+    value = args.get(name)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ProtocolError("args", f"{name!r} must be a list of strings")
     return value
 
 

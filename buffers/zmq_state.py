@@ -1,22 +1,33 @@
 """What the ZMQ broker knows and the rules it applies, with no sockets.
 
-Kept apart from the event loop so the gate, drop and membership arithmetic reads as plain
+Kept apart from the event loop so the gate, drop, ack and membership arithmetic reads as plain
 code, and so the loop only moves messages. Time comes from an injectable monotonic clock.
+
+Delivery is at-least-once, like a Redis consumer group: a served group moves from the FIFO
+``queue`` to ``pending`` (keyed by its sequence number, which its receipt names) and leaves
+only when acked after the optimizer step; one not acked within ``reclaim_idle_s`` goes back to
+the front of the queue. With a :class:`~buffers.zmq_spill.SpillLog` every change that must
+survive a restart is journaled before the broker replies.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
-from asyncrl.wire import Rejections, WireError, decode_group
+from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUNNING
+from buffers.zmq_control import GateClock, KeyStore, Members
+from buffers.zmq_protocol import decode_put, oldest_version
+from buffers.zmq_replay import restore, snapshot_of
+from buffers.zmq_spill import ACKED, DROP, Recovered, SpillLog
 
 logger = logging.getLogger(__name__)
 
@@ -31,165 +42,220 @@ class StateError(ValueError):
         self.reason = reason
 
 
-@dataclass
+@dataclass(eq=False)
 class QueuedGroup:
-    """An accepted group, kept as the validated frames it arrived in (never re-encoded)."""
+    """An accepted group, kept as the validated frames it arrived in (never re-encoded).
 
-    frames: list[bytes]
+    Frames may be ``zmq.Frame`` objects: the broker forwards them without copying.
+    """
+
+    frames: list[Any]
     min_version: int
+    nbytes: int
+    seq: int = 0
+    consumer: str = ""  # set while delivered and not acked
+    delivered_staleness: int = 0
+    delivered_at: float = 0.0
 
     def staleness(self, learner_version: int) -> int:
         return learner_version - self.min_version if self.min_version >= 0 else 0
 
 
-@dataclass
-class Member:
-    role: str
-    last_seen: float
-    info: dict[str, Any] = field(default_factory=dict)
-    alive: bool = True
-
-
-class GateClock:
-    """Wall seconds the gate spent closed, accumulated on open/closed transitions."""
-
-    def __init__(self) -> None:
-        self._closed_since: float | None = None
-        self._total = 0.0
-
-    def update(self, closed: bool, now: float) -> None:
-        if closed and self._closed_since is None:
-            self._closed_since = now
-        elif not closed and self._closed_since is not None:
-            self._total += now - self._closed_since
-            self._closed_since = None
-
-    def seconds(self, now: float) -> float:
-        ongoing = now - self._closed_since if self._closed_since is not None else 0.0
-        return self._total + ongoing
-
-
-class KeyStore:
-    """Small JSON values with per-key sequence numbers that only go up."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, tuple[int, dict[str, Any]]] = {}
-
-    def set(self, key: str, value: dict[str, Any]) -> int:
-        seq = self._values.get(key, (0, {}))[0] + 1
-        self._values[key] = (seq, value)
-        return seq
-
-    def get(self, key: str, newer_than: int = 0) -> tuple[int, dict[str, Any]] | None:
-        entry = self._values.get(key)
-        return entry if entry is not None and entry[0] > newer_than else None
-
-    def names(self) -> list[str]:
-        return sorted(self._values)
-
-
 class BrokerState:
-    """Queue, gate counters, published version, members and keys of one run."""
+    """Queue, pending deliveries, gate counters, published version, members and keys."""
 
     def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, journal: SpillLog | None = None,
+                 recovered: Recovered | None = None) -> None:
         self.config = config
         self.gate = StalenessGate(config.max_staleness, groups_per_step)
         self.run_id = run_id
         self.clock = clock
         self.started = clock()
+        self.epoch = secrets.token_hex(4)  # in receipts: a restarted broker never mis-acks
+        self.next_seq = 1
         self.queue: deque[QueuedGroup] = deque()
+        self.pending: dict[int, QueuedGroup] = {}  # by seq, in delivery order
+        self.held_bytes = 0
         self.version = 0
         self.run_status = RUNNING
-        self.accepted = 0
-        self.consumed = 0
-        self.dropped_stale = 0
+        self.accepted = self.consumed = self.dropped_stale = 0
+        self.redelivered = self.acks_unknown = 0
         self.in_flight: Counter[str] = Counter()
         self.rejections = Rejections()
         self.staleness_hist: Counter[int] = Counter()
-        self.members: dict[str, Member] = {}
+        self.members = Members(config.heartbeat_timeout_s, clock)
         self.keys = KeyStore()
         self.gate_clock = GateClock()
+        self.journal = journal
+        self.requeued: set[int] = set()  # queued seqs that may have been delivered: ackable
         self._dropped_for: Counter[str] = Counter()  # per consumer, since its last batch
+        if recovered is not None:
+            restore(self, recovered)
+        self._journal_state()
 
-    # --- gate ---------------------------------------------------------------------------
+    # --- gate and admission ----------------------------------------------------------------
 
     @property
     def in_flight_total(self) -> int:
         return sum(self.in_flight.values())
 
+    @property
+    def held(self) -> int:
+        """Groups the broker holds: queued plus delivered-but-unacked (both bounded)."""
+        return len(self.queue) + len(self.pending)
+
+    def has_room(self) -> bool:
+        return self.held < self.config.max_groups
+
     def allowance(self) -> int:
         return self.gate.allowance(self.version, self.accepted, self.in_flight_total)
 
     def update_gate_clock(self) -> None:
-        """Call after every change: the gate is 'closed' while running with allowance 0."""
+        """Call after changes: the gate is 'closed' while running with allowance 0."""
         self.gate_clock.update(self.run_status == RUNNING and self.allowance() == 0,
                                self.clock())
 
     def acquire(self, producer: str, want: int, engine_version: int) -> int:
-        self.touch(producer)
+        self.members.touch(producer)
         if self.run_status != RUNNING or not self.gate.engine_may_start(self.version,
                                                                         engine_version):
             return 0
-        room = self.config.max_groups - len(self.queue) - self.in_flight_total
+        room = self.config.max_groups - self.held - self.in_flight_total
         granted = max(0, min(want, self.allowance(), room))
         self.in_flight[producer] += granted
         return granted
 
     def release(self, producer: str, count: int) -> None:
-        self.touch(producer)
+        self.members.touch(producer)
         self.in_flight[producer] = max(0, self.in_flight[producer] - count)
 
-    def put(self, producer: str, frames: Sequence[bytes]) -> str:
-        """Validate and enqueue one group; returns "" or the rejection reason (counted)."""
-        self.release(producer, 1)  # the slot is used up, accepted or not
+    def check(self, producer: str, payload: Sequence[Any]) -> QueuedGroup | str:
+        """Validate a put (one packed group) before it may wait for room; a rejection
+        (counted) returns its reason and uses up the producer's slot. Size is checked before
+        anything is decoded."""
+        self.members.touch(producer)
+        nbytes = sum(memoryview(f).nbytes for f in payload)
         try:
-            group = decode_group(frames)
-            self._check_run(group.run_id)
+            group = decode_put(payload, nbytes, self.config.max_message_bytes)
+            if self.run_id and group.run_id and group.run_id != self.run_id:
+                raise WireError("run", f"group of run {group.run_id!r}, broker is "
+                                       f"{self.run_id!r}")
         except WireError as exc:
-            self.rejections.add(exc, producer)
-            return exc.reason
-        self.queue.append(QueuedGroup([bytes(f) for f in frames], group.min_version()))
+            return self.reject(producer, exc)
+        return QueuedGroup(list(payload), oldest_version(group.versions), nbytes)
+
+    def accept(self, producer: str, group: QueuedGroup) -> str:
+        """Enqueue a checked group (journaled first); returns "" or the rejection reason."""
+        if self.run_status != RUNNING:
+            return self.reject(producer, WireError("run", "the run is done"))
+        group.seq, self.next_seq = self.next_seq, self.next_seq + 1
+        if self.journal is not None:  # a failed write leaves the slot to the producer
+            self.journal.put(group.seq, group.min_version, group.frames)
+        self.release(producer, 1)
+        self.queue.append(group)
+        self.held_bytes += group.nbytes
         self.accepted += 1
         return ""
 
-    def _check_run(self, group_run_id: str) -> None:
-        if self.run_status != RUNNING:
-            raise WireError("run", "the run is done")
-        if self.run_id and group_run_id and group_run_id != self.run_id:
-            raise WireError("run", f"group of run {group_run_id!r}, broker is {self.run_id!r}")
-        if len(self.queue) >= self.config.max_groups:
-            raise WireError("full", f"buffer holds max_groups={self.config.max_groups}")
+    def reject(self, producer: str, exc: WireError) -> str:
+        self.release(producer, 1)  # the slot is used up
+        self.rejections.add(exc, producer)
+        self._journal_state()
+        return exc.reason
 
     # --- consumption ----------------------------------------------------------------------
 
     def take(self, consumer: str, count: int, learner_version: int) -> list[QueuedGroup] | None:
-        """Drop every stale group, then pop the ``count`` oldest if there are that many."""
-        fresh = deque(g for g in self.queue
-                      if g.staleness(learner_version) <= self.gate.max_staleness)
-        dropped = len(self.queue) - len(fresh)
-        if dropped:
-            self.queue = fresh
-            self.dropped_stale += dropped
-            self._dropped_for[consumer] += dropped
-            logger.warning("dropped %d groups staler than %d at learner version %d",
-                           dropped, self.gate.max_staleness, learner_version)
+        """Drop every stale group, then deliver the ``count`` oldest if there are that many."""
+        self._drop_stale(consumer, learner_version)
         if len(self.queue) < count:
             return None
+        now = self.clock()
         groups = [self.queue.popleft() for _ in range(count)]
-        self.consumed += count
-        self.staleness_hist.update(g.staleness(learner_version) for g in groups)
+        for g in groups:
+            g.consumer, g.delivered_at = consumer, now
+            g.delivered_staleness = g.staleness(learner_version)
+            self.pending[g.seq] = g
+            self.requeued.discard(g.seq)
         return groups
+
+    def _drop_stale(self, consumer: str, learner_version: int) -> None:
+        cutoff = learner_version - self.gate.max_staleness
+        if not any(0 <= g.min_version < cutoff for g in self.queue):
+            return
+        stale = [g for g in self.queue if 0 <= g.min_version < cutoff]
+        self.queue = deque(g for g in self.queue if not 0 <= g.min_version < cutoff)
+        self._forget(stale)
+        self.dropped_stale += len(stale)
+        self._dropped_for[consumer] += len(stale)
+        logger.warning("dropped %d groups staler than %d at learner version %d",
+                       len(stale), self.gate.max_staleness, learner_version)
+        self._journal_removed(DROP, [(g.seq, g.staleness(learner_version)) for g in stale])
 
     def pop_dropped(self, consumer: str) -> int:
         return self._dropped_for.pop(consumer, 0)
+
+    def receipt(self, group: QueuedGroup) -> str:
+        return f"{self.epoch}:{group.seq}"
+
+    def ack(self, consumer: str, receipts: Sequence[str]) -> int:
+        """Settle delivered groups (idempotent: unknown receipts are only counted)."""
+        self.members.touch(consumer, "learner")
+        done = [g for g in map(self._settle, receipts) if g is not None]
+        self.acks_unknown += len(receipts) - len(done)
+        self._forget(done)
+        self.consumed += len(done)
+        self.staleness_hist.update(g.delivered_staleness for g in done)
+        self._journal_removed(ACKED, [(g.seq, g.delivered_staleness) for g in done])
+        return len(done)
+
+    def _settle(self, receipt: str) -> QueuedGroup | None:
+        epoch, _, seq_text = receipt.partition(":") if isinstance(receipt, str) else ("", "", "")
+        if epoch != self.epoch or not seq_text.isdigit():
+            return None
+        seq = int(seq_text)
+        group = self.pending.pop(seq, None)
+        if group is None and seq in self.requeued:  # its first consumer was slow, not dead
+            self.requeued.discard(seq)
+            group = next(g for g in self.queue if g.seq == seq)
+            self.queue.remove(group)
+        return group
+
+    def _forget(self, groups: Sequence[QueuedGroup]) -> None:
+        for g in groups:
+            self.held_bytes -= g.nbytes
+            self.requeued.discard(g.seq)
+
+    def reclaim(self) -> int:
+        """Requeue, oldest first at the front, deliveries not acked within reclaim_idle_s."""
+        deadline = self.clock() - self.config.reclaim_idle_s
+        expired = []
+        for group in self.pending.values():  # delivery order: stop at the first recent one
+            if group.delivered_at > deadline:
+                break
+            expired.append(group)
+        if not expired:
+            return 0
+        for group in expired:
+            del self.pending[group.seq]
+            self.requeued.add(group.seq)
+        self.queue.extendleft(sorted(expired, key=lambda g: g.seq, reverse=True))
+        self.redelivered += len(expired)
+        logger.warning("%d groups delivered to %s not acked within %.1fs: requeued",
+                       len(expired), sorted({g.consumer for g in expired}),
+                       self.config.reclaim_idle_s)
+        self._journal_state()
+        return len(expired)
 
     # --- control plane --------------------------------------------------------------------
 
     def publish_version(self, version: int) -> None:
         if version < self.version:
             raise StateError("version", f"version {version} is behind {self.version}")
-        self.version = version
+        if version != self.version:
+            self.version = version
+            self._journal_state()
 
     def set_key(self, key: str, value: dict[str, Any]) -> int:
         if key == RUN_STATUS_KEY:
@@ -199,52 +265,28 @@ class BrokerState:
             if status != self.run_status:
                 logger.info("run status %s -> %s", self.run_status, status)
             self.run_status = status
-        return self.keys.set(key, value)
-
-    def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> None:
-        self.touch(member, role)
-        self.members[member].info = info
-
-    def touch(self, member: str, role: str = "") -> None:
-        """``member`` was seen now (any heartbeat, acquire, put or release)."""
-        entry = self.members.get(member)
-        if entry is None:
-            entry = self.members[member] = Member(role=role or "producer", last_seen=0.0)
-        elif role:
-            entry.role = role
-        if not entry.alive:
-            logger.info("member %s is back", member)
-        entry.last_seen = self.clock()
-        entry.alive = True
+        seq = self.keys.set(key, value)
+        if self.journal is not None:
+            self.journal.key(key, seq, value)
+        if key == RUN_STATUS_KEY:
+            self._journal_state()
+        return seq
 
     def reap(self) -> None:
-        """Mark silent members dead and give back their in-flight groups."""
-        now = self.clock()
-        for name, entry in self.members.items():
-            if entry.alive and now - entry.last_seen > self.config.heartbeat_timeout_s:
-                entry.alive = False
-                released = self.in_flight.pop(name, 0)
-                logger.warning("member %s (%s) silent for %.1fs: dead, released %d in flight",
-                               name, entry.role, now - entry.last_seen, released)
+        self.members.reap(self.in_flight)
 
-    def batch_stats(self) -> dict[str, Any]:
-        return {"depth": len(self.queue), "accepted": self.accepted,
-                "in_flight": self.in_flight_total, "consumed": self.consumed,
-                "dropped_stale": self.dropped_stale, "version": self.version,
-                "run_status": self.run_status}
+    # --- durability -----------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        now = self.clock()
-        allowance = self.allowance()
-        members = {name: {"role": m.role, "alive": m.alive, "last_seen_s_ago": now - m.last_seen,
-                          "in_flight": self.in_flight.get(name, 0), "info": m.info}
-                   for name, m in self.members.items()}
-        return {**self.batch_stats(),
-                "run_id": self.run_id, "max_staleness": self.gate.max_staleness,
-                "groups_per_step": self.gate.groups_per_step,
-                "max_groups": self.config.max_groups,
-                "rejected": dict(self.rejections.counts),
-                "gate_open": self.run_status == RUNNING and allowance > 0,
-                "gate_allowance": allowance, "gate_closed_s": self.gate_clock.seconds(now),
-                "staleness_hist": {str(k): n for k, n in sorted(self.staleness_hist.items())},
-                "members": members, "uptime_s": now - self.started, "keys": self.keys.names()}
+    def _journal_state(self) -> None:
+        if self.journal is not None:
+            self.journal.state(snapshot_of(self))
+
+    def _journal_removed(self, kind: int, items: list[tuple[int, int]]) -> None:
+        if self.journal is None or not items:
+            return
+        self.journal.removed(kind, items)
+        if self.journal.needs_compaction():
+            live = [*self.queue, *self.pending.values()]
+            keys = [(k, *v) for k, v in self.keys.values.items()]
+            self.journal.compact(snapshot_of(self), keys,
+                                 [(g.seq, g.min_version, g.frames) for g in live])

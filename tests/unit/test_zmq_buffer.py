@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 import zmq
@@ -19,18 +20,19 @@ from asyncrl.wire import TrajectoryGroup, encode_group
 from buffers import Buffer, ControlPlane, PutResult
 from buffers.zmq_broker import ZmqBroker, start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
-from buffers.zmq_protocol import BrokerError
+from buffers.zmq_protocol import BrokerError, oldest_version, pack_group
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def make_group(name: str, version: int = 0, versions: list[int] | None = None,
-               reward: float = 1.0) -> TrajectoryGroup:
-    """Two samples of 2 prompt + 2 generated tokens, generated at ``versions`` (or ``version``)."""
-    gen = versions or [version, version]
-    samples = [{"tokens": [5, 6, 7, 8], "logprobs": [0.0, 0.0, -0.5, -0.7],
-                "loss_mask": [0, 0, 1, 1], "versions": [-1, -1, *gen], "reward": reward,
-                "finish_reason": "stop"} for _ in range(2)]
+               reward: float = 1.0, generated: int = 2) -> TrajectoryGroup:
+    """Two samples of 2 prompt + ``generated`` tokens, generated at ``versions`` (or all at
+    ``version``)."""
+    gen = versions or [version] * generated
+    samples = [{"tokens": list(range(5, 7 + len(gen))), "logprobs": [0.0, 0.0, *[-0.5] * len(gen)],
+                "loss_mask": [0, 0, *[1] * len(gen)], "versions": [-1, -1, *gen],
+                "reward": reward, "finish_reason": "stop"} for _ in range(2)]
     return TrajectoryGroup.from_samples(name, f"prompt-{name}", samples)
 
 
@@ -79,8 +81,13 @@ def test_put_then_get_in_fifo_order(broker, client):
         assert c.put("w", make_group(f"g{i}")).accepted
     batch = c.get_batch("learner", 2, 0, timeout_s=1.0)
     assert batch is not None and [g.group_id for g in batch.groups] == ["g0", "g1"]
-    assert batch.stats["depth"] == 1 and batch.stats["consumed"] == 2
+    stats = batch.stats  # served but not acked: still held (pending), not yet consumed
+    assert (stats["depth"], stats["queued"], stats["pending"], stats["consumed"]) == (3, 1, 2, 0)
     assert batch.stats["in_flight"] == 0 and batch.dropped_stale == 0
+    assert len(set(batch.receipts)) == 2
+    c.ack("learner", batch)
+    status = c.status()
+    assert (status["depth"], status["pending"], status["consumed"]) == (1, 0, 2)
     batch = c.get_batch("learner", 1, 0, timeout_s=1.0)
     assert [g.group_id for g in batch.groups] == ["g2"]
     assert batch.groups[0].rewards == [1.0, 1.0] and batch.groups[0].min_version() == 0
@@ -99,7 +106,7 @@ def test_batch_waits_until_count_groups_exist(broker, client):
         producer.put("w", make_group("d"))
         batch = future.result(timeout=5)
     assert [g.group_id for g in batch.groups] == ["a", "b", "c"]
-    assert producer.status()["depth"] == 1
+    assert producer.status()["queued"] == 1
 
 
 def test_get_batch_times_out_with_none_and_consumes_nothing(broker, client):
@@ -156,17 +163,11 @@ def test_stale_groups_are_dropped_counted_and_never_served(broker, client):
     batch = c.get_batch("learner", 2, learner_version=2, timeout_s=1.0)
     assert [g.group_id for g in batch.groups] == ["fresh", "ok"]
     assert batch.dropped_stale == 1
+    c.ack("learner", batch)  # consumption (and its staleness) counts at the ack
     status = c.status()
     assert status["dropped_stale"] == 1 and status["consumed"] == 2
     assert status["staleness_hist"] == {"0": 1, "1": 1}
     assert c.get_batch("learner", 1, 2, timeout_s=0.1) is None
-
-
-def test_engine_too_stale_may_not_start(broker, client):
-    c = client(broker(max_staleness=1))
-    c.publish_version(3)
-    assert c.acquire("w", 1, engine_version=1).granted == 0  # 3 - 1 > s
-    assert c.acquire("w", 1, engine_version=2).granted == 1
 
 
 def test_run_done_stops_grants_and_puts(broker, client):
@@ -181,6 +182,22 @@ def test_run_done_stops_grants_and_puts(broker, client):
     assert status["run_status"] == "done" and not status["gate_open"]
     with pytest.raises(BrokerError):
         c.set_key("run/status", {"status": "paused"})
+
+
+def test_put_many_pipelines_puts_and_keeps_their_order(broker, client):
+    address = broker(groups_per_step=8, max_groups=3)
+    producer, learner = client(address), client(address)
+    groups = [make_group(f"g{i}") for i in range(6)]
+    with ThreadPoolExecutor(1) as pool:  # 6 puts into room for 3: the rest wait their turn
+        future = pool.submit(producer.put_many, "w", groups, 4)
+        taken = []
+        while len(taken) < 6:
+            batch = learner.get_batch("l", 1, 0, timeout_s=5.0)
+            learner.ack("l", batch)
+            taken += [g.group_id for g in batch.groups]
+        assert all(r.accepted for r in future.result(timeout=5))
+    assert taken == [g.group_id for g in groups]
+    assert learner.status()["backpressure"]["waits"] >= 1
 
 
 def _bad_group_frames() -> dict[str, list[bytes]]:
@@ -209,6 +226,15 @@ def test_rejections_are_counted_by_reason_and_broker_keeps_serving(broker, clien
     assert status["in_flight"] == 0 and status["accepted"] == 0  # the slots were used up
     assert c.put("w", make_group("good")).accepted
     assert c.get_batch("l", 1, 0, timeout_s=1.0).groups[0].group_id == "good"
+
+
+def test_malformed_packing_is_rejected_as_frames(broker, client):
+    c = client(broker())
+    packed = pack_group(encode_group(make_group("x")))
+    for payload in ([packed[:-1]], [packed, packed], [b"\x05"], []):
+        reply = c._call("put", {"producer": "w"}, payload).body
+        assert (reply["accepted"], reply["reason"]) == (False, "frames")
+    assert c.status()["rejected"] == {"frames": 4}
 
 
 def test_garbage_requests_get_errors_and_never_crash_the_broker(broker, client):
@@ -278,9 +304,10 @@ def test_status_has_every_documented_key(broker, client):
     c.heartbeat("learner-0", "learner", {"step": 0})
     status = c.status()
     expected = {"version", "run_status", "run_id", "max_staleness", "groups_per_step",
-                "max_groups", "depth", "accepted", "in_flight", "consumed", "dropped_stale",
+                "max_groups", "depth", "queued", "pending", "redelivered", "acks_unknown",
+                "held_bytes", "accepted", "in_flight", "consumed", "dropped_stale",
                 "rejected", "gate_open", "gate_allowance", "gate_closed_s", "staleness_hist",
-                "members", "uptime_s", "keys"}
+                "members", "uptime_s", "keys", "spill", "backpressure", "waiting", "auth"}
     assert expected <= status.keys()
     assert set(status["members"]["learner-0"]) >= {"role", "alive", "last_seen_s_ago", "info"}
     assert status["gate_open"] is True and status["gate_allowance"] == 4
@@ -318,3 +345,95 @@ def test_timeout_names_broker_and_recovers_with_a_fresh_socket():
     thread.join(timeout=5)
     assert time.monotonic() - start < 1.0  # the stop event is noticed within one poll
     broker.close()
+
+
+# --- at-least-once: acks and redelivery ----------------------------------------------------
+
+def test_unacked_groups_are_redelivered_first_and_acks_are_idempotent(broker, client):
+    address = broker(groups_per_step=8, reclaim_idle_s=0.3)
+    c, other = client(address), client(address)
+    for name in "abcd":
+        c.put("w", make_group(name))
+    dead = c.get_batch("dead-learner", 2, 0, timeout_s=1.0)  # never acked
+    assert [g.group_id for g in dead.groups] == ["a", "b"]
+    assert c.status()["pending"] == 2
+    eventually(lambda: c.status()["redelivered"] == 2)
+    status = c.status()
+    assert (status["pending"], status["queued"], status["depth"]) == (0, 4, 4)
+    batch = other.get_batch("learner", 3, 0, timeout_s=1.0)
+    assert [g.group_id for g in batch.groups] == ["a", "b", "c"]  # oldest first, in front
+    other.ack("learner", batch)
+    other.ack("learner", batch)  # twice: harmless, counted
+    c.ack("dead-learner", dead)  # late ack of groups already acked by another consumer
+    status = c.status()
+    assert (status["consumed"], status["depth"], status["acks_unknown"]) == (3, 1, 5)
+
+
+def test_late_ack_settles_a_group_waiting_for_redelivery(broker, client):
+    c = client(broker(reclaim_idle_s=0.2))
+    c.put("w", make_group("slow"))
+    c.put("w", make_group("next"))
+    batch = c.get_batch("slow-learner", 1, 0, timeout_s=1.0)
+    eventually(lambda: c.status()["redelivered"] == 1)
+    c.ack("slow-learner", batch)  # slow, not dead: its ack still counts, no second delivery
+    assert c.status()["consumed"] == 1
+    assert [g.group_id for g in c.get_batch("l", 1, 0, timeout_s=1.0).groups] == ["next"]
+    assert c.get_batch("l", 1, 0, timeout_s=0.0) is None
+
+
+def test_ack_rejects_malformed_receipts_and_ignores_foreign_ones(broker, client):
+    c = client(broker())
+    with pytest.raises(BrokerError, match="receipts"):
+        c._call("ack", {"consumer": "l", "receipts": [1, 2]})
+    c._call("ack", {"consumer": "l", "receipts": ["nope", "0123:1", ":", ""]})
+    assert c.status()["acks_unknown"] == 4
+
+
+# --- bounded memory: backpressure and oversized groups --------------------------------------
+
+def test_full_buffer_makes_puts_wait_until_an_ack_makes_room(broker, client):
+    address = broker(groups_per_step=8, max_groups=2)
+    producer, learner = client(address), client(address)
+    producer.put("w", make_group("a"))
+    producer.put("w", make_group("b"))
+    batch = learner.get_batch("l", 2, 0, timeout_s=1.0)  # pending still counts as held
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(producer.put, "w", make_group("c"))
+        eventually(lambda: learner.status()["waiting"]["put"] == 1)
+        assert not future.done()
+        learner.ack("l", batch)
+        assert future.result(timeout=5).accepted
+    status = learner.status()
+    assert (status["depth"], status["accepted"], status["backpressure"]["waits"]) == (1, 3, 1)
+
+
+def test_put_into_a_full_buffer_times_out_and_is_not_accepted(broker, client):
+    address = broker(groups_per_step=8, max_groups=1)
+    c = client(address, timeout_s=0.3)
+    c.put("w", make_group("a"))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="waited for room"):
+        c.put("w", make_group("b"))
+    assert time.monotonic() - start < 2.0
+    status = c.status()  # the same socket still works: the broker answered the timeout
+    assert (status["accepted"], status["waiting"]["put"]) == (1, 0)
+    assert status["backpressure"]["expired"] == 1
+
+
+def test_oversized_groups_are_rejected_and_huge_frames_disconnect_the_peer(broker, client):
+    address = broker(groups_per_step=8, max_message_bytes=1024)
+    c = client(address)
+    big = make_group("big", generated=200)  # ~ 5 kB of frames: over the limit
+    assert c.put("w", big) == PutResult(accepted=False, reason="oversized")
+    hostile = client(address, timeout_s=0.5)
+    with pytest.raises(TimeoutError):  # one 1 MB frame: libzmq drops the connection
+        hostile.put_frames("w", [b"\x00" * (1 << 20)])
+    assert hostile.status()["rejected"] == {"oversized": 1}  # it reconnects and is served
+    assert c.put("w", make_group("small")).accepted
+
+
+@pytest.mark.parametrize("versions", [[-1, -1], [-1, 3, 2, -1], [0], [7, 2**31 - 1], []])
+def test_oldest_version_matches_the_wire_definition(versions):
+    group = make_group("v")
+    group.versions = np.asarray(versions, dtype="<i4")
+    assert oldest_version(group.versions) == group.min_version()

@@ -1,0 +1,474 @@
+"""Buffer throughput: groups/s and MB/s through each backend, next to its raw transport.
+
+Every row moves the same trajectory groups (``--samples`` samples of ``--tokens`` tokens, i.e.
+13 bytes a token: int32 ids, float32 logprobs, uint8 mask, int32 versions) from ``P`` producers
+to one consumer that takes batches of ``--batch`` groups:
+
+- ``zmq``: the asyncrl ZMQ backend, broker in its own process (as ``asyncrl buffer`` runs):
+  producers ``acquire`` + ``put(group)`` (encode included), the consumer ``get_batch`` (decode
+  and validation included) + ``ack``.
+- ``zmq-raw``: PUSH → PULL of the 5 pre-encoded frames (multipart), direct: one hop, no
+  broker, no decode. ``zmq-raw-packed``: the same bytes as the one packed frame the backend
+  sends (:func:`buffers.zmq_protocol.pack_group`). ``zmq-raw-2hop``: packed, through
+  ``zmq.proxy`` in its own process (the broker's topology: the bytes cross loopback twice).
+- ``redis`` / ``redis raw``: the asyncrl Redis backend; raw ``XADD`` / ``XREADGROUP`` +
+  ``XACK`` + ``XDEL`` of the same five fields on a unique stream key (deleted afterwards).
+
+Producers are processes, not threads, so Python producers do not share one GIL (the consumer
+runs in this process, the ZMQ broker in another). The gate never closes (``max_staleness``
+huge); ``max_groups`` bounds what is held, so backpressure is part of the measure. Each row
+warms up, then counts what the consumer received over ``--seconds``; it is run ``--repeats``
+times (interleaved with the other rows) and the median is printed, as a shared machine is
+noisy. ``ratio`` is backend / the fastest raw transport of the same size and producer count
+(zmq: the better of ``zmq-raw`` and ``zmq-raw-packed``; redis: ``redis-raw``).
+
+    python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
+                                      [--producers 1 4] [--only zmq zmq-raw ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.config.schema import BufferConfig  # noqa: E402
+from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
+
+logger = logging.getLogger("bench.buffer_throughput")
+WARMUP_S = 0.5
+START_TIMEOUT_S = 60.0
+HWM = 64  # raw ZMQ high-water marks, in messages: bounded like max_groups
+FIELDS = (b"header", b"tokens", b"logprobs", b"loss_mask", b"versions")
+
+
+@dataclass(frozen=True)
+class Spec:
+    tokens: int
+    samples: int
+    batch: int
+    max_groups: int
+    redis_url: str
+    put_many: int = 0  # producers use put_many(chunk) where the backend has it
+    spill_dir: str = ""  # the ZMQ broker journals to a spill file there
+
+
+def make_group(spec: Spec, name: str) -> TrajectoryGroup:
+    """``samples`` sequences of ``tokens`` tokens: a quarter prompt, the rest generated."""
+    rng = np.random.default_rng(0)
+    prompt = spec.tokens // 4
+    gen = spec.tokens - prompt
+    samples = [{"tokens": rng.integers(0, 150_000, spec.tokens),
+                "logprobs": np.r_[np.zeros(prompt), -rng.random(gen)],
+                "loss_mask": np.r_[np.zeros(prompt), np.ones(gen)],
+                "versions": np.r_[np.full(prompt, -1), np.zeros(gen)],
+                "reward": 1.0, "finish_reason": "stop"} for _ in range(spec.samples)]
+    return TrajectoryGroup.from_samples(name, f"prompt-{name}", samples)
+
+
+def group_bytes(spec: Spec) -> int:
+    return sum(len(f) for f in encode_group(make_group(spec, "g-000000")))
+
+
+# --- producers (each in its own process) ---------------------------------------------------
+
+def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
+                      stop: Any) -> None:
+    """acquire + put, as a rollout worker does; ``put_many`` (8 at a time, one engine
+    batch) when the spec asks for it and the backend has it."""
+    client = make_client()
+    name, sent, granted = f"p{index}", 0, 0
+    chunk = spec.put_many if hasattr(client, "put_many") else 0
+    groups = [make_group(spec, "g") for _ in range(max(1, chunk))]
+    while not stop.is_set():
+        if granted < len(groups):
+            granted += client.acquire(name, 256, 0).granted
+            continue
+        for group in groups:
+            group.group_id, sent = f"{name}-{sent}", sent + 1
+        try:
+            if chunk:
+                client.put_many(name, groups)
+            else:
+                client.put(name, groups[0])
+        except TimeoutError:
+            continue  # the consumer stopped: the run is over
+        granted -= len(groups)
+    client.close()
+
+
+def _zmq_backend_client(address: str) -> Any:
+    from buffers.zmq_client import ZmqBufferClient
+
+    return ZmqBufferClient(address, timeout_s=2.0)
+
+
+def _redis_backend_client(spec: Spec, namespace: str) -> Any:
+    from buffers import make_buffer_client
+
+    return make_buffer_client(_redis_config(spec, namespace), run_id="bench", groups_per_step=1)
+
+
+def _redis_config(spec: Spec, namespace: str) -> BufferConfig:
+    return BufferConfig(type="redis", url=spec.redis_url, namespace=namespace,
+                        max_staleness=10**9, max_groups=spec.max_groups, request_timeout_s=2.0)
+
+
+def _zmq_raw_producer(spec: Spec, address: str, packed: bool, index: int, stop: Any) -> None:
+    import zmq
+
+    from buffers.zmq_protocol import pack_group
+
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, HWM)
+    push.setsockopt(zmq.SNDTIMEO, 200)
+    push.connect(address)
+    frames = encode_group(make_group(spec, f"p{index}"))
+    if packed:
+        frames = [pack_group(frames)]
+    while not stop.is_set():
+        try:
+            push.send_multipart(frames, copy=False)
+        except zmq.Again:
+            continue
+    push.close(linger=0)
+    context.term()
+
+
+def _redis_raw_producer(spec: Spec, stream: str, index: int, stop: Any) -> None:
+    import redis
+
+    r = redis.Redis.from_url(spec.redis_url)
+    fields = dict(zip(FIELDS, encode_group(make_group(spec, f"p{index}")), strict=True))
+    sent = 0
+    while not stop.is_set():
+        if sent % 8 == 0 and r.xlen(stream) >= spec.max_groups:
+            time.sleep(0.0005)  # the same bound as max_groups: wait for the consumer
+            continue
+        r.xadd(stream, fields)
+        sent += 1
+    r.close()
+
+
+# --- brokers (own processes) ---------------------------------------------------------------
+
+def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
+    from buffers.zmq_broker import ZmqBroker
+
+    spill = f"{spec.spill_dir}/bench-{uuid.uuid4().hex[:8]}.spill" if spec.spill_dir else ""
+    config = BufferConfig(port=0, max_staleness=10**9, max_groups=spec.max_groups,
+                          reclaim_idle_s=600.0, spill_path=spill)
+    broker = ZmqBroker(config, groups_per_step=1, run_id="")
+    address_queue.put(broker.bind())
+    try:
+        broker.serve(stop)
+    finally:
+        broker.close()
+        if spill:
+            Path(spill).unlink()
+
+
+def _zmq_proxy(front: str, back: str) -> None:
+    import zmq
+
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+    pull.bind(front)
+    push.bind(back)
+    zmq.proxy(pull, push)  # until this process is terminated
+
+
+# --- one row -------------------------------------------------------------------------------
+
+def measure(take: Callable[[], int], seconds: float) -> tuple[float, float]:
+    """Groups per second the consumer received over ``seconds``, after a warm-up that lasts
+    until data flows (spawned processes start slowly on a busy machine) plus WARMUP_S."""
+    start, flowing = time.perf_counter(), 0
+    give_up = start + START_TIMEOUT_S
+    while flowing == 0 or time.perf_counter() - start < WARMUP_S:
+        flowing += take()
+        if not flowing:
+            start = time.perf_counter()
+            if start > give_up:
+                raise RuntimeError(f"no data within {START_TIMEOUT_S:.0f}s: producers failed")
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        count += take()
+    return count / elapsed, elapsed
+
+
+def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tuple],
+            producers: int, take: Callable[[], int], seconds: float) -> float:
+    stop = ctx.Event()
+    procs = [ctx.Process(target=target, args=(*args_of(i), stop), daemon=True)
+             for i in range(producers)]
+    for p in procs:
+        p.start()
+    try:
+        rate, _ = measure(take, seconds)
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 5.0
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            take()  # keep draining so producers blocked on a full buffer see the stop
+        for p in procs:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return rate
+
+
+def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+    from buffers.zmq_client import ZmqBufferClient
+
+    queue, stop = ctx.Queue(), ctx.Event()
+    broker = ctx.Process(target=_zmq_broker, args=(spec, queue, stop), daemon=True)
+    broker.start()
+    address = queue.get(timeout=30)
+    consumer = ZmqBufferClient(address, timeout_s=30)
+
+    def take() -> int:
+        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2)
+        if batch is None:
+            return 0
+        consumer.ack("learner", batch)
+        return len(batch.groups)
+
+    try:
+        return run_row(ctx, _backend_producer, lambda i: (spec, _BoundClient(address), i),
+                       producers, take, seconds)
+    finally:
+        consumer.close()
+        stop.set()
+        broker.join(timeout=5)
+
+
+class _BoundClient:
+    """A picklable client factory for producer processes (``spawn`` pickles the target)."""
+
+    def __init__(self, address: str, namespace: str = "", spec: Spec | None = None) -> None:
+        self.address, self.namespace, self.spec = address, namespace, spec
+
+    def __call__(self) -> Any:
+        if self.spec is not None:
+            return _redis_backend_client(self.spec, self.namespace)
+        return _zmq_backend_client(self.address)
+
+
+def bench_zmq_raw(ctx: Any, spec: Spec, producers: int, seconds: float, hops: int,
+                  packed: bool) -> float:
+    import zmq
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, HWM)
+    front, proxy = _raw_endpoints(ctx, pull, hops)
+
+    def take() -> int:
+        count = 0
+        while count < spec.batch and pull.poll(200):
+            pull.recv_multipart(copy=False)
+            count += 1
+        return count
+
+    try:
+        return run_row(ctx, _zmq_raw_producer, lambda i: (spec, front, packed, i), producers,
+                       take, seconds)
+    finally:
+        pull.close(linger=0)
+        context.term()
+        if proxy is not None:
+            proxy.terminate()
+            proxy.join()
+
+
+def _raw_endpoints(ctx: Any, pull: Any, hops: int) -> tuple[str, Any]:
+    """Where raw producers push: ``pull`` itself (1 hop), or a zmq.proxy process (2 hops)."""
+    if hops == 1:
+        return f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}", None
+    front, back = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
+    proxy = ctx.Process(target=_zmq_proxy, args=(front, back), daemon=True)
+    proxy.start()
+    pull.connect(back)
+    return front, proxy
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+    import redis
+
+    namespace = f"asyncrl-bench:{uuid.uuid4().hex[:8]}"
+    consumer = _redis_backend_client(spec, namespace)
+
+    def take() -> int:
+        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2)
+        if batch is None:
+            return 0
+        consumer.ack("learner", batch)
+        return len(batch.groups)
+
+    try:
+        return run_row(ctx, _backend_producer,
+                       lambda i: (spec, _BoundClient("", namespace, spec), i), producers, take,
+                       seconds)
+    finally:
+        consumer.close()
+        r = redis.Redis.from_url(spec.redis_url)
+        keys = list(r.scan_iter(match=f"{namespace}*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def bench_redis_raw(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+    import redis
+
+    r = redis.Redis.from_url(spec.redis_url)
+    stream = f"asyncrl-bench-raw:{uuid.uuid4().hex[:8]}"
+    r.xgroup_create(stream, "g", id="$", mkstream=True)
+
+    def take() -> int:
+        reply = r.xreadgroup("g", "c", {stream: ">"}, count=spec.batch, block=200)
+        if not reply:
+            return 0
+        ids = [entry_id for entry_id, _ in reply[0][1]]
+        pipe = r.pipeline(transaction=False)
+        pipe.xack(stream, "g", *ids)
+        pipe.xdel(stream, *ids)
+        pipe.execute()
+        return len(ids)
+
+    try:
+        return run_row(ctx, _redis_raw_producer, lambda i: (spec, stream, i), producers, take,
+                       seconds)
+    finally:
+        r.delete(stream)
+        r.close()
+
+
+# --- the table -----------------------------------------------------------------------------
+
+def redis_available(spec: Spec) -> tuple[bool, bool]:
+    """(raw Redis reachable, asyncrl Redis backend importable)."""
+    import redis
+
+    try:
+        redis.Redis.from_url(spec.redis_url, socket_connect_timeout=1).ping()
+    except (redis.RedisError, OSError) as exc:  # skip those rows, and say why
+        logger.warning("redis at %s not reachable: %s", spec.redis_url, exc)
+        return False, False
+    try:
+        from buffers.redis_buffer import RedisBufferClient  # noqa: F401
+    except ImportError as exc:
+        logger.warning("redis backend not available: %s", exc)
+        return True, False
+    return True, True
+
+
+ROWS = ("zmq-raw", "zmq-raw-packed", "zmq-raw-2hop", "zmq", "zmq-put-many", "zmq-spill",
+        "redis-raw", "redis")
+ZMQ_RAW = ("zmq-raw", "zmq-raw-packed")
+RAW_OF = {"zmq-raw-2hop": ZMQ_RAW, "zmq": ZMQ_RAW, "zmq-put-many": ZMQ_RAW,
+          "zmq-spill": ZMQ_RAW, "redis": ("redis-raw",)}
+PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
+
+
+def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Namespace
+           ) -> Callable[[], float]:
+    seconds = args.seconds
+    return {
+        "zmq-raw": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 1, packed=False),
+        "zmq-raw-packed": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 1, packed=True),
+        "zmq-raw-2hop": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 2, packed=True),
+        "zmq": lambda: bench_zmq(ctx, spec, producers, seconds),
+        "zmq-put-many": lambda: bench_zmq(ctx, replace(spec, put_many=PUT_MANY), producers,
+                                          seconds),
+        "zmq-spill": lambda: bench_zmq(ctx, replace(spec, put_many=PUT_MANY,
+                                                    spill_dir=args.spill_dir), producers, seconds),
+        "redis-raw": lambda: bench_redis_raw(ctx, spec, producers, seconds),
+        "redis": lambda: bench_redis(ctx, spec, producers, seconds),
+    }[name]
+
+
+def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -> None:
+    """Every row of one (size, producers) cell, repeats interleaved; prints the medians."""
+    size = group_bytes(spec)
+    label = f"{spec.samples}×{spec.tokens} ({size / 1e6:.2f} MB)"
+    raw_redis, redis_backend = redis_available(spec)
+    missing = {"redis-raw": not raw_redis, "redis": not redis_backend,
+               "zmq-spill": not args.spill_dir}
+    names = [n for n in ROWS if (not args.only or n in args.only) and not missing.get(n)]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.repeats):
+        for name in names:
+            samples[name].append(runner(name, ctx, spec, producers, args)())
+    rates = {n: statistics.median(v) for n, v in samples.items()}
+    for name in ROWS:
+        if args.only and name not in args.only:
+            continue
+        if missing.get(name):
+            what = {"redis": "redis backend", "redis-raw": "redis server"}.get(name)
+            if what is None:
+                continue  # zmq-spill without --spill-dir: not asked for
+            print(f"| {label} | {producers} | {name} | {what} not available | | |")
+            continue
+        raws = [rates[r] for r in RAW_OF.get(name, ()) if r in rates]
+        ratio = f"{rates[name] / max(raws):.2f}" if raws else ""
+        spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
+        print(f"| {label} | {producers} | {name} | {rates[name]:,.0f} ({spread}) | "
+              f"{rates[name] * size / 1e6:,.0f} | {ratio} |", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured time per row")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row (median shown)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192],
+                        help="tokens per sample")
+    parser.add_argument("--samples", type=int, default=8, help="samples per group")
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--batch", type=int, default=8, help="groups per get_batch")
+    parser.add_argument("--max-groups", type=int, default=64, help="buffer bound (groups)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
+    parser.add_argument("--spill-dir", default="",
+                        help="also run zmq-spill: put_many with the broker's spill file here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ctx = mp.get_context("spawn")
+    print("| group | producers | backend | groups/s (min–max) | MB/s | ratio vs raw |")
+    print("|---|---|---|---:|---:|---:|")
+    for tokens in args.tokens:
+        for producers in args.producers:
+            spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url)
+            run_config(ctx, spec, producers, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The ZMQ broker's spill file: a restart (clean or SIGKILL) loses nothing accepted and unacked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config.schema import BufferConfig
+from asyncrl.wire import encode_group
+from buffers.zmq_broker import start_broker_thread
+from buffers.zmq_client import ZmqBufferClient
+from buffers.zmq_protocol import pack_group
+from buffers.zmq_replay import open_spill
+from buffers.zmq_spill import MAGIC, SpillError
+from buffers.zmq_state import BrokerState
+from tests.unit.test_zmq_buffer import eventually, make_group
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fill_and_half_consume(c: ZmqBufferClient) -> list[str]:
+    """Put g0..g5; g0, g1 delivered and never acked; g2, g3 acked; returns the unacked."""
+    for i in range(6):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    assert c.get_batch("dying", 2, 0, timeout_s=1.0) is not None  # never acked
+    done = c.get_batch("learner", 2, 0, timeout_s=1.0)
+    c.ack("learner", done)
+    c.publish_version(1)
+    c.set_key("rdzv", {"epoch": 3})
+    return ["g0", "g1", "g4", "g5"]
+
+
+def _assert_restored(c: ZmqBufferClient, unacked: list[str]) -> None:
+    status = c.status()
+    assert (status["version"], status["accepted"], status["consumed"]) == (1, 6, 2)
+    assert status["staleness_hist"] == {"0": 2} and status["depth"] == len(unacked)
+    assert c.get_key("rdzv") == (1, {"epoch": 3})
+    batch = c.get_batch("learner", len(unacked), 1, timeout_s=1.0)
+    assert [g.group_id for g in batch.groups] == unacked  # each exactly once, in order
+    c.ack("learner", batch)
+    assert c.get_batch("learner", 1, 1, timeout_s=0.0) is None
+    assert c.status()["consumed"] == 2 + len(unacked)
+
+
+def test_clean_restart_restores_unacked_groups_version_counters_and_keys(tmp_path):
+    config = BufferConfig(port=0, max_staleness=1, spill_path=str(tmp_path / "spill.log"))
+    address, stop = start_broker_thread(config, groups_per_step=8)
+    with ZmqBufferClient(address, timeout_s=5) as c:
+        unacked = _fill_and_half_consume(c)
+        keys_before = c.status()["keys"]
+    stop()
+    address, stop = start_broker_thread(config, groups_per_step=8)
+    try:
+        with ZmqBufferClient(address, timeout_s=5) as c:
+            assert c.status()["keys"] == keys_before
+            _assert_restored(c, unacked)
+    finally:
+        stop()
+
+
+def test_a_learner_that_outlives_the_broker_can_still_ack(tmp_path):
+    config = BufferConfig(port=0, spill_path=str(tmp_path / "spill.log"))
+    address, stop = start_broker_thread(config, groups_per_step=8)
+    with ZmqBufferClient(address, timeout_s=5) as c:
+        for name in "abc":
+            c.put("w", make_group(name))
+        training = c.get_batch("learner", 2, 0, timeout_s=1.0)
+    stop()
+    address, stop = start_broker_thread(config, groups_per_step=8)
+    try:
+        with ZmqBufferClient(address, timeout_s=5) as c:
+            c.ack("learner", training)  # receipts name the spill's epoch: still valid
+            batch = c.get_batch("learner", 1, 0, timeout_s=1.0)
+            assert [g.group_id for g in batch.groups] == ["c"]
+            assert c.status()["consumed"] == 2
+    finally:
+        stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def broker_process(tmp_path) -> Iterator:
+    """``start()`` runs ``asyncrl buffer`` as a subprocess on one fixed port and spill file."""
+    port, procs = _free_port(), []
+    config = tmp_path / "buffer.toml"
+    config.write_text(f"[buffer]\nport = {port}\nmax_staleness = 1\n"
+                      f"[learner]\ngroups_per_step = 8\n")
+    spill = tmp_path / "spill.log"
+
+    def start() -> tuple[str, subprocess.Popen]:
+        address_file = tmp_path / f"addr-{len(procs)}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), ASYNCRL_LOG_LEVEL="WARNING")
+        log = (tmp_path / f"broker-{len(procs)}.log").open("wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.cli", "buffer", str(config),
+             "--set", f"buffer.spill_path={spill}", "--address-file", str(address_file)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        eventually(address_file.exists, timeout_s=30)
+        return address_file.read_text().strip(), procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_sigkilled_broker_process_loses_nothing_acknowledged(broker_process):
+    address, first = broker_process()
+    with ZmqBufferClient(address, timeout_s=5) as c:
+        unacked = _fill_and_half_consume(c)
+        assert c.status()["depth"] == 4  # every request was answered: all is in the spill
+    first.send_signal(signal.SIGKILL)
+    assert first.wait(timeout=10) == -signal.SIGKILL
+    assert broker_process()[0] == address  # same port: the clients just reconnect
+    with ZmqBufferClient(address, timeout_s=10) as c:
+        _assert_restored(c, unacked)
+
+
+def _state(path: Path, **kwargs) -> BrokerState:
+    log, recovered = open_spill(path, **kwargs)
+    return BrokerState(BufferConfig(max_staleness=1), 4, journal=log, recovered=recovered)
+
+
+def _put(state: BrokerState, name: str, version: int = 0) -> None:
+    group = state.check("w", [pack_group(encode_group(make_group(name, version)))])
+    assert not isinstance(group, str) and state.accept("w", group) == ""
+
+
+def test_torn_tail_is_ignored_and_truncated(tmp_path):
+    path = tmp_path / "spill.log"
+    state = _state(path)
+    for name in "abc":
+        _put(state, name)
+    state.journal.close()
+    with path.open("r+b") as f:  # a crash in the middle of writing c's record
+        f.truncate(path.stat().st_size - 7)
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1, 2] and state.accepted == 2
+    _put(state, "d")  # appends after the last good record, not after the garbage
+    state.journal.close()
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1, 2, 3] and state.accepted == 3
+    state.journal.close()
+
+
+def test_corrupt_record_stops_replay_there(tmp_path):
+    path = tmp_path / "spill.log"
+    state = _state(path)
+    for name in "ab":
+        _put(state, name)
+    state.journal.close()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in b's record: its CRC no longer matches
+    path.write_bytes(bytes(data))
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1]
+    state.journal.close()
+
+
+def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
+    path = tmp_path / "spill.log"
+    state = _state(path, compact_min_bytes=4096)
+    state.set_key("rdzv", {"n": 1})
+    state.publish_version(2)
+    for i in range(40):
+        _put(state, f"g{i}", version=2)
+    for _ in range(7):
+        batch = state.take("l", 5, 2)
+        state.ack("l", [state.receipt(g) for g in batch])
+    assert state.journal.compactions >= 1
+    assert state.journal.file_bytes < 2 * state.journal.live_bytes + 4096
+    state.publish_version(3)
+    state.take("l", 2, 3)  # delivered, unacked: still live
+    state.journal.close()
+    state = _state(path)
+    assert [g.seq for g in state.queue] == list(range(36, 41))
+    assert (state.version, state.accepted, state.consumed) == (3, 40, 35)
+    assert state.keys.get("rdzv") == (1, {"n": 1}) and state.staleness_hist == {0: 35}
+    assert state.take("l", 5, 3) is not None
+    state.journal.close()
+
+
+def test_stale_drops_are_journaled_and_never_come_back(tmp_path):
+    path = tmp_path / "spill.log"
+    state = _state(path)
+    _put(state, "old", version=0)
+    _put(state, "new", version=5)
+    state.publish_version(5)
+    assert [g.seq for g in state.take("l", 1, 5)] == [2]
+    state.journal.close()
+    state = _state(path)
+    assert (state.dropped_stale, [g.seq for g in state.queue]) == (1, [2])
+    state.journal.close()
+
+
+def test_a_foreign_or_busy_file_is_refused(tmp_path):
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("precious")
+    with pytest.raises(SpillError, match="not an asyncrl spill"):
+        open_spill(foreign)
+    path = tmp_path / "spill.log"
+    log, _ = open_spill(path)
+    with pytest.raises(SpillError, match="in use"):
+        open_spill(path)
+    log.close()
+    assert path.read_bytes().startswith(MAGIC)
