@@ -155,10 +155,12 @@ def decode_group(frames: Sequence[bytes | memoryview]) -> TrajectoryGroup:
         if nbytes != total * dtype.itemsize:
             raise WireError("length", f"{name}: {nbytes} bytes for {total} tokens")
         arrays[name] = np.frombuffer(frame, dtype=dtype)
-    mask = arrays["loss_mask"].astype(bool)
-    if not np.isfinite(arrays["logprobs"][mask]).all():
+    # Whole-array checks first (no masked copies): this runs for every group a broker accepts.
+    mask = arrays["loss_mask"] != 0
+    logprobs = arrays["logprobs"]
+    if not np.isfinite(logprobs).all() and not np.isfinite(logprobs[mask]).all():
         raise WireError("logprob", "non-finite behaviour logprob on a trained token")
-    if (arrays["versions"][mask] < 0).any():
+    if np.logical_and(arrays["versions"] < 0, mask).any():
         raise WireError("version", "a trained token has no policy version")
     metadata = header.get("metadata") or {}
     if not isinstance(metadata, dict):
