@@ -37,20 +37,16 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     """Run worker ``index`` against the buffer at ``address`` until the run is done or stopped."""
     import torch
 
-    from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm, prepare_model_dir
-    from learners.dist import resolve_device
+    from asyncrl.models import prepare_model_dir
     from learners.weights_receiver import WeightReceiver
-    from rollouters.engines.torch_engine import TorchEngine
+    from rollouters.engines import make_engine
     from rollouters.tasks import make_task
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.rollout.threads)
     member = f"rollout-{index}-{os.getpid()}"
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-    device = str(resolve_device(cfg.rollout.device, index))
-    engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device),
-                         eos_id=EOS_ID, pad_id=PAD_ID, device=device,
-                         seed=cfg.run.seed * 1000 + index)
+    engine = make_engine(cfg, model_dir, index)
     task = make_task(cfg.task, cfg.run.seed)
     client = connect_buffer(cfg, address)
     receiver_client = connect_buffer(cfg, address)  # clients are per thread
@@ -66,6 +62,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
         receiver.stop()
         receiver_client.close()
         client.close()
+        engine.close()
         logger.info("%s stopped", member)
 
 

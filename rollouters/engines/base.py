@@ -33,3 +33,6 @@ class Engine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace weights by name and set :attr:`version`; safe to call from another thread
         while :meth:`generate` runs (takes effect at the next decode step)."""
+
+    def close(self) -> None:
+        """Release what the engine holds (processes, threads, sockets); idempotent."""

@@ -182,6 +182,9 @@ class SglangEngine:
         byte twice and need ``update_weights_from_tensor``'s same-host serialisation."""
         raise NotImplementedError("SglangEngine receives weights through SglangWeightPeer")
 
+    def close(self) -> None:
+        """Nothing to release: every HTTP call opens and closes its own connection."""
+
 
 def parse_completion(item: dict[str, Any], version: int) -> Completion:
     """One ``/generate`` output. ``meta_info.output_token_logprobs`` is a list of

@@ -157,6 +157,9 @@ class TorchEngine:
             self._version = version
         logger.debug("loaded %d tensors, version %d", len(items), version)
 
+    def close(self) -> None:
+        """Nothing to release: the model lives and dies with this object."""
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A detached copy of every parameter and buffer, tied names included."""
         with self._lock, torch.no_grad():

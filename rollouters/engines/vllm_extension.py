@@ -1,0 +1,64 @@
+"""Worker-side half of the vLLM engines: methods mixed into every vLLM worker.
+
+vLLM instantiates its worker class with this class as an extra base
+(``worker_extension_cls="rollouters.engines.vllm_extension.AsyncRLWorkerExtension"``), so
+``collective_rpc("asyncrl_load_weights", ...)`` runs :meth:`asyncrl_load_weights` beside the
+model, in whatever process owns it. Arguments cross process boundaries as msgpack, which turns
+nested tensors into lists, so tensors travel as one safetensors blob.
+
+On CPU the linear weights are repacked for oneDNN after start, so ``model.load_weights`` no
+longer works; the worker's ``reload_weights`` (layer-wise reload, re-packs) does, on CPU and GPU.
+
+Importing this module also registers the ``asyncrl_gloo`` weight-transfer backend
+(:mod:`rollouters.engines.vllm_gloo`): vLLM imports the extension in every worker before it
+builds the worker's transfer engine, so a server started with this extension can use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from rollouters.engines.vllm_gloo import register as register_gloo_backend
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_CLS = f"{__name__}.AsyncRLWorkerExtension"
+
+register_gloo_backend()
+
+
+def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """Named tensors as one safetensors blob (contiguous CPU copies; tied names kept)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    return save_safetensors(tensors)
+
+
+def unpack_weights(blob: bytes) -> dict[str, torch.Tensor]:
+    return load_safetensors(blob)
+
+
+class AsyncRLWorkerExtension:
+    """Mixed into the vLLM worker (which provides ``reload_weights`` and ``model_runner``)."""
+
+    def asyncrl_load_weights(self, blob: bytes) -> int:
+        """Load the named tensors in ``blob`` into the running model; returns how many."""
+        tensors = unpack_weights(blob)
+        self.reload_weights(weights_iterator=_iterate(tensors))  # type: ignore[attr-defined]
+        logger.debug("asyncrl: reloaded %d tensors", len(tensors))
+        return len(tensors)
+
+    def asyncrl_weight(self, name: str) -> list:
+        """One parameter of the running model, as nested lists (a test and debug probe)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return dict(model.named_parameters())[name].detach().float().cpu().tolist()
+
+
+def _iterate(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from tensors.items()

@@ -1,0 +1,144 @@
+"""A gloo weight-transfer backend for vLLM's RL API (``--weight-transfer-config
+'{"backend": "asyncrl_gloo"}'``), both halves.
+
+vLLM's built-in backends (nccl, ipc, ...) are CUDA-only, but its registry is pluggable
+(``WeightTransferEngineFactory.register_engine``). The worker half, :class:`GlooWeightTransfer`,
+joins a two-party group (the sender is rank 0, the server's worker rank 1) and loads each
+broadcast tensor inside vLLM's layer-wise reload, which re-packs CPU linears. The sender half,
+:func:`open_sender_group` and :func:`send_tensors`, is what :mod:`vllm_server` runs.
+
+The group comes from ``stateless_init_torch_distributed_process_group``: it lives outside
+``torch.distributed``'s default world, so it never collides with vLLM's own groups, and its
+collectives are issued on the ``ProcessGroup`` object with group-local ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from torch.distributed import ProcessGroup
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "asyncrl_gloo"
+SENDER_RANK = 0
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int = 1
+    world_size: int = 2
+    timeout_s: float = 60.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+
+def _init_group(host: str, port: int, rank: int, world: int, timeout_s: float,
+                listen: socket.socket | None = None) -> ProcessGroup:
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world, backend="gloo", listen_socket=listen,
+        timeout=timedelta(seconds=timeout_s))
+
+
+def _broadcast(group: ProcessGroup, tensor: torch.Tensor) -> None:
+    group.broadcast(tensor, SENDER_RANK).wait()
+
+
+class GlooWeightTransfer(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Worker side: receive broadcast tensors from the sender, load them layer-wise."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.group: ProcessGroup | None = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = init_info.rank_offset + self.parallel_config.rank
+        self.group = _init_group(init_info.master_address, init_info.master_port, rank,
+                                 init_info.world_size, init_info.timeout_s)
+        logger.info("asyncrl_gloo: joined %s:%d as rank %d/%d", init_info.master_address,
+                    init_info.master_port, rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        """As the base class, without its accelerator synchronize (gloo is synchronous)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("asyncrl_gloo: init_weight_transfer_engine was not called")
+        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
+                                           update_info.shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            _broadcast(self.group, tensor)
+            self.model.load_weights([(name, tensor.to(self.device))])
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def register() -> None:
+    """Make ``asyncrl_gloo`` known to vLLM in this process (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransfer)
+
+
+# --- sender side ---------------------------------------------------------------------------
+
+def free_listen_socket(host: str) -> socket.socket:
+    """A bound, listening socket on a free port: the sender's store, with no port race."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def open_sender_group(listen: socket.socket, world: int, timeout_s: float) -> ProcessGroup:
+    """Rank 0 of the transfer group (blocks until every receiver has joined)."""
+    host, port = listen.getsockname()[:2]
+    return _init_group(host, port, SENDER_RANK, world, timeout_s, listen=listen)
+
+
+def update_info(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
+    """The ``update_info`` body that tells the receivers what :func:`send_tensors` sends."""
+    return {"names": [name for name, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors]}
+
+
+def send_tensors(group: ProcessGroup, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    for _, tensor in tensors:
+        _broadcast(group, tensor.detach().to("cpu").contiguous())

@@ -1,0 +1,207 @@
+"""An external vLLM server as an engine (``rollout.engine = "vllm-server"``, ``rollout.url``).
+
+Someone else runs ``python -m vllm.entrypoints.openai.api_server`` (the flags the server needs
+are in :func:`server_args`); a rollout worker attaches to it over HTTP:
+
+* ``generate``: the token-in/token-out route ``/inference/v1/generate`` (``--enable-scale-out``),
+  one request per prompt with ``n`` samples, sent concurrently. Its choices carry
+  ``weight_versions``: spans of output tokens and the weight version the engine core held when
+  it *sampled* them, so per-token versions are exact even for tokens delivered after an update.
+* ``load_weights``: ``/pause?mode=keep`` (in-flight requests stay, KV cache kept),
+  ``/start_weight_update``, ``/update_weights`` while this process broadcasts the tensors on a
+  gloo group (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/resume``.
+
+Only the standard library talks HTTP, so this engine adds no dependency. One worker per server:
+the server holds one transfer group, joined at the first update.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rollouters.engines.base import Completion
+
+logger = logging.getLogger(__name__)
+
+MAX_CONCURRENT_REQUESTS = 16
+
+
+def server_args(model_dir: str, host: str, port: int) -> list[str]:
+    """The api_server flags an attached fleet needs (plus ``VLLM_SERVER_DEV_MODE=1`` in its env
+    for the RL routes, and this repository on its ``PYTHONPATH`` for the extension)."""
+    from rollouters.engines.vllm_extension import EXTENSION_CLS
+    from rollouters.engines.vllm_gloo import BACKEND
+
+    return ["--model", model_dir, "--host", host, "--port", str(port),
+            "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+            "--no-enable-prefix-caching", "--enable-scale-out",
+            "--worker-extension-cls", EXTENSION_CLS,
+            "--weight-transfer-config", json.dumps({"backend": BACKEND})]
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error status, or not at all."""
+
+
+class VLLMServerEngine:
+    """Implements :class:`~rollouters.engines.base.Engine` against one vLLM server.
+
+    ``eos_id`` None: no stop token, every row runs to ``max_new_tokens``.
+    """
+
+    def __init__(self, url: str, eos_id: int | None, timeout_s: float = 120.0,
+                 host: str = "127.0.0.1") -> None:
+        self.url = url.rstrip("/")
+        self.eos_id = eos_id
+        self.timeout_s = timeout_s
+        self._host = host  # address the transfer group's store binds (the server dials it)
+        self._update_lock = threading.Lock()
+        self._group: Any = None
+        self._version = _parse_version(self._request("GET", "/weight_info")["weight_version"], 0)
+        self._initial_version = self._version
+        logger.info("attached to vLLM server %s at version %d", self.url, self._version)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # --- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float,
+                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
+        if not prompts or n < 1 or max_new_tokens < 1:
+            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if any(not p for p in prompts):
+            raise ValueError("empty prompt")
+        params = {"n": n, "temperature": 0.0 if greedy else temperature,
+                  "max_tokens": max_new_tokens, "logprobs": 0,
+                  "stop_token_ids": [] if self.eos_id is None else [self.eos_id],
+                  "ignore_eos": True, "detokenize": False}  # our eos_id, not the model's
+        workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
+        with ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
+            return list(pool.map(lambda p: self._generate_one(p, params), prompts))
+
+    def _generate_one(self, prompt: list[int], params: dict[str, Any]) -> list[Completion]:
+        body = {"token_ids": list(prompt), "sampling_params": params, "output_mode": "tokens",
+                "stream": False}
+        reply = self._request("POST", "/inference/v1/generate", body)
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        return [self._completion(choice) for choice in choices]
+
+    def _completion(self, choice: dict[str, Any]) -> Completion:
+        tokens = list(choice["token_ids"])
+        logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+        versions = self._versions(choice.get("weight_versions"), len(tokens))
+        reason = "stop" if choice.get("finish_reason") == "stop" else "length"
+        return Completion(tokens=tokens, logprobs=logprobs, versions=versions,
+                          finish_reason=reason)
+
+    def _versions(self, spans: list[dict[str, Any]] | None, length: int) -> list[int]:
+        """Per-token versions from the server's spans (``[start, end)`` per version label)."""
+        if not spans:
+            raise ServerError("the server returned no weight_versions (vLLM too old?)")
+        versions = [self._initial_version] * length
+        for span in spans:
+            version = _parse_version(span["version"], self._initial_version)
+            versions[span["start"]:span["end"]] = [version] * (span["end"] - span["start"])
+        return versions
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Pause (requests kept), broadcast the tensors into the server, label them ``version``,
+        resume. Safe beside :meth:`generate`: tokens sampled before the pause keep the old
+        label, those after it get the new one."""
+        from rollouters.engines import vllm_gloo
+
+        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        with self._update_lock:
+            if self._group is None:
+                self._group = self._join_group()
+            self._request("POST", "/pause?mode=keep")
+            try:
+                self._request("POST", "/start_weight_update")
+                self._while(lambda: vllm_gloo.send_tensors(self._group, tensors),
+                            "/update_weights", {"update_info": vllm_gloo.update_info(tensors)})
+                self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+                self._version = version
+            finally:
+                self._request("POST", "/resume")
+        logger.debug("server %s at version %d (%d tensors)", self.url, version, len(tensors))
+
+    def _join_group(self) -> Any:
+        """Rank 0 of a two-party gloo group with the server's worker (rank 1)."""
+        from rollouters.engines import vllm_gloo
+
+        listen = vllm_gloo.free_listen_socket(self._host)
+        port = listen.getsockname()[1]
+        init = {"master_address": self._host, "master_port": port, "rank_offset": 1,
+                "world_size": 2, "timeout_s": self.timeout_s}
+        group: list[Any] = []
+        self._while(lambda: group.append(
+            vllm_gloo.open_sender_group(listen, 2, self.timeout_s)),
+            "/init_weight_transfer_engine", {"init_info": init})
+        logger.info("weight-transfer group with %s on %s:%d", self.url, self._host, port)
+        return group[0]
+
+    def _while(self, local: Any, path: str, body: dict[str, Any]) -> None:
+        """POST ``path`` on a helper thread while ``local()`` runs here: both sides of a
+        collective must be in it at once."""
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                self._request("POST", path, body)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=call, name=f"vllm-http{path}", daemon=True)
+        thread.start()
+        try:
+            local()
+        finally:
+            thread.join(self.timeout_s)
+        if errors:
+            raise errors[0]
+        if thread.is_alive():
+            raise ServerError(f"{self.url}{path} did not answer in {self.timeout_s}s")
+
+    # --- HTTP ------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise ServerError(f"{method} {self.url}{path}: HTTP {exc.code}: {detail}") from exc
+        except OSError as exc:
+            raise ServerError(f"{method} {self.url}{path}: {exc}") from exc
+        return json.loads(payload) if payload else None
+
+    def close(self) -> None:
+        """Forget the transfer group (the server keeps running: it is not ours)."""
+        self._group = None
+
+
+def _parse_version(label: str | None, default: int) -> int:
+    """Server version labels are our integers as strings; vLLM's initial label is "default"."""
+    try:
+        return int(label) if label is not None else default
+    except ValueError:
+        return default

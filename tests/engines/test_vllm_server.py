@@ -1,0 +1,166 @@
+"""An external vLLM server, attached through its RL routes (real server subprocess).
+
+The server is started exactly as an operator would (``python -m
+vllm.entrypoints.openai.api_server`` with :func:`server_args`); the engine under test only talks
+HTTP to it and broadcasts weights on the ``asyncrl_gloo`` transfer group.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config.schema import TaskConfig
+from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
+from rollouters.tasks import make_task
+from tests.engines.test_vllm_engine import (
+    LOGPROB_TOLERANCE,
+    PROMPTS,
+    _flat,
+    _patched,
+    _reference_engine,
+)
+from tests.integration.conftest import ROOT, wait_for
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def _healthy(url: str, proc: subprocess.Popen, log: Path) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"vLLM server exited ({proc.returncode}):\n"
+                             f"{log.read_text(errors='replace')[-4000:]}")
+    try:
+        return _get(f"{url}/health") is not None
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server_url(vllm_env: dict[str, str], tiny_model_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from rollouters.engines.vllm_server import server_args
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = server_args(str(tiny_model_dir), "127.0.0.1", port) + [
+        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
+    env = dict(os.environ, **vllm_env, VLLM_SERVER_DEV_MODE="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                                 *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: _healthy(url, proc, log), 180, "the vLLM server to be healthy")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server_engine(server_url: str, reference_state: dict):
+    """Attached and synced once (that joins the transfer group, as a worker's first update)."""
+    from rollouters.engines.vllm_server import VLLMServerEngine
+
+    engine = VLLMServerEngine(server_url, eos_id=EOS_ID)
+    assert engine.version == 0
+    engine.load_weights(reference_state.items(), version=0)
+    yield engine
+    engine.close()
+
+
+def test_server_logprobs_match_learner(server_engine, tiny_model_dir: Path) -> None:
+    from learners.backends.fsdp2 import token_logprobs
+    from learners.batching import collate
+    from rollouters.workflows.single_turn import generate_groups
+
+    task = make_task(TaskConfig(), seed=0)
+    groups = generate_groups(server_engine, task, task.sample(random.Random(1), 4),
+                             group_size=8, temperature=1.0, max_new_tokens=8)
+    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
+    with torch.no_grad():
+        learner = token_logprobs(load_causal_lm(tiny_model_dir), batch)
+    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    assert float(delta.mean()) < LOGPROB_TOLERANCE
+    assert bool((batch.versions[batch.loss_mask] == 0).all())
+
+
+def test_server_update_changes_outputs(server_engine, tiny_model_dir: Path,
+                                       reference_state: dict) -> None:
+    before = _flat(server_engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+    patched = _patched(reference_state)
+    server_engine.load_weights(patched.items(), version=1)
+    try:
+        after = _flat(server_engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+        expected = _flat(_reference_engine(tiny_model_dir, patched).generate(
+            PROMPTS, 1, 1.0, 8, greedy=True))
+        assert [c.tokens for c in after] == [c.tokens for c in expected]
+        assert [c.tokens for c in after] != [c.tokens for c in before]
+        assert all(set(c.versions) == {1} for c in after)
+    finally:
+        server_engine.load_weights(reference_state.items(), version=2)
+    again = _flat(server_engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+    assert [c.tokens for c in again] == [c.tokens for c in before]
+    assert all(set(c.versions) == {2} for c in again)
+
+
+def _generated_tokens(url: str) -> float:
+    for line in _get(f"{url}/metrics").splitlines():
+        if line.startswith("vllm:generation_tokens_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_server_in_flight_update_keeps_requests(server_engine, server_url: str,
+                                                reference_state: dict) -> None:
+    """An update while long requests run: they are kept (not aborted), and each row's tokens
+    switch from the old version to the new one exactly once, as the server recorded."""
+    from rollouters.engines.vllm_server import VLLMServerEngine
+
+    long_rows = VLLMServerEngine(server_url, eos_id=None)  # rows run to max_new_tokens
+    old, new = server_engine.version, server_engine.version + 1
+    start_tokens = _generated_tokens(server_url)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        long_rows.generate(PROMPTS * 16, n=16, temperature=1.0, max_new_tokens=48)))
+    thread.start()
+    try:
+        wait_for(lambda: _generated_tokens(server_url) >= start_tokens + 96, 60,
+                 "the first tokens", poll_s=0.005)
+        server_engine.load_weights(reference_state.items(), version=new)
+    finally:
+        thread.join(120)
+    completions = _flat(result[0])
+    assert all(len(c.tokens) == 48 and c.finish_reason == "length" for c in completions), \
+        [(len(c.tokens), c.finish_reason, c.tokens[-1]) for c in completions]
+    for completion in completions:
+        assert completion.versions == sorted(completion.versions)
+        assert set(completion.versions) <= {old, new}
+    switch_points = sorted({c.versions.index(new) if new in c.versions else -1
+                            for c in completions})
+    assert any(set(c.versions) == {old, new} for c in completions), (old, new, switch_points)
