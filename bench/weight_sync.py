@@ -12,12 +12,15 @@ load on a shared machine. A raw round is the same buckets (pre-packed, pre-alloc
 broadcast between the same processes over a bare ``ProcessGroupGloo``, ended by a
 one-element allreduce so the learner's clock stops when every engine has the bytes (sync's
 clock stops at the last ack). ``ratio`` = raw time / sync time (1.0 = no
-protocol overhead). Medians are printed as a markdown table.
+protocol overhead). Medians are printed as a markdown table, with the sync's two phases as
+the learner sees them (``weights/send_s``: pack + broadcast every bucket; ``weights/ack_s``:
+from the last bucket sent to the last ack, which includes the engines' apply).
 
 ``--malloc-env`` re-runs everything with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` at 2 GiB: the sync allocates fresh bucket buffers on both sides for
-every update, and by default glibc serves each from a fresh ``mmap`` (first-touch page faults,
-~10x slower than a warm copy here); with the env the heap keeps and reuses those pages.
+``MALLOC_TRIM_THRESHOLD_`` at 2 GiB. It mattered while the sync allocated fresh bucket buffers
+on both sides for every update (glibc served each from a fresh ``mmap``: first-touch page
+faults, ~10x slower than a warm copy); the sync now reuses persistent staging and receive
+buffers, so the env should change little, and the flag stays to check exactly that.
 
     python bench/weight_sync.py [--bucket-mb 32 128 512] [--rounds 3] [--engines 1 2]
                                 [--malloc-env]
@@ -170,7 +173,8 @@ def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucke
     """One warm-up sync, then ``rounds`` x (one sync, one raw round), interleaved so that
     both see the same machine load; returns the samples and the next version."""
     broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=bucket_mb, timeout_s=120))
-    samples: dict[str, list[float]] = {"sync": [], "raw": [], "pause": []}
+    samples: dict[str, list[float]] = {"sync": [], "raw": [], "pause": [], "send": [],
+                                       "ack": []}
     raw = None
     try:
         for i in range(rounds + 1):
@@ -182,6 +186,8 @@ def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucke
                 raw = RawGroup(control, state, bucket_mb, rounds, members, epoch)
                 continue
             samples["sync"].append(metrics["weights/sync_s"])
+            samples["send"].append(metrics["weights/send_s"])
+            samples["ack"].append(metrics["weights/ack_s"])
             samples["pause"].append(apply_times(control, members))
             samples["raw"].append(raw.round())
     finally:
@@ -219,10 +225,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
                                             epoch, version)
                 sync, raw = statistics.median(got["sync"]), statistics.median(got["raw"])
                 pause_s = statistics.median(got["pause"])
+                send_s, ack_s = statistics.median(got["send"]), statistics.median(got["ack"])
                 rows.append({"engines": count, "bucket_mb": bucket_mb, "params_m": params / 1e6,
                              "mb": nbytes / 1e6, "sync_s": sync, "raw_s": raw,
                              "sync_gbs": nbytes / sync / 1e9, "raw_gbs": nbytes / raw / 1e9,
-                             "ratio": raw / sync, "pause_s": pause_s})
+                             "ratio": raw / sync, "pause_s": pause_s, "send_s": send_s,
+                             "ack_s": ack_s})
                 logger.info("%s", rows[-1])
     finally:
         control.set_key(RAW_KEY, {"stop": True})
@@ -238,10 +246,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| engines | bucket MB | params | MB | sync s | sync GB/s | raw s | raw GB/s "
-            "| raw/sync | engine pause s |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| raw/sync | engine pause s | send s | ack wait s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"| {r['engines']} | {r['bucket_mb']:g} | {r['params_m']:.0f}M | {r['mb']:.0f} "
              f"| {r['sync_s']:.3f} | {r['sync_gbs']:.2f} | {r['raw_s']:.3f} "
-             f"| {r['raw_gbs']:.2f} | {r['ratio']:.0%} | {r['pause_s']:.3f} |" for r in rows]
+             f"| {r['raw_gbs']:.2f} | {r['ratio']:.0%} | {r['pause_s']:.3f} "
+             f"| {r['send_s']:.3f} | {r['ack_s']:.3f} |" for r in rows]
     return "\n".join([head, *lines])
 
 

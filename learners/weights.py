@@ -16,6 +16,11 @@ anyone create the group. Then every bucket is broadcast from rank 0 and each rec
 ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store make an ack from an
 earlier group, or an earlier learner, count for nothing).
 
+Buckets are pipelined: bucket *i+1* is packed into one of two persistent staging buffers while
+bucket *i* is on the wire (at most two in flight). The staging buffers live as long as the
+plan (names, shapes, dtypes, bucket size) stays the same, because fresh ones page-fault on
+every byte; a changed plan rebuilds them.
+
 A member that does not join or ack in time is evicted (and the group dropped, so the next
 attempt rebuilds it without that member); a failed collective drops the group and the next
 attempt's handshake finds who is gone. An evicted member is left out until it heartbeats again
@@ -41,13 +46,13 @@ from learners.weights_group import (
     GROUP_KEY,
     ack_key,
     await_key,
-    broadcast,
+    broadcast_async,
     drop_group,
     join_key,
     new_group,
     serve_store,
 )
-from learners.weights_plan import BucketPlan, pack_bucket, plan_buckets
+from learners.weights_plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
 from learners.weights_receiver import WeightReceiver
 
 __all__ = ["WeightBroadcaster", "WeightReceiver"]
@@ -70,13 +75,18 @@ class WeightBroadcaster:
 
     ``control`` is used only from the thread that calls :meth:`sync` (clients are not
     thread-safe). The store server lives as long as this object; groups come and go with
-    membership epochs.
+    membership epochs. ``align`` is the plan's tensor alignment in a bucket (1 for SGLang
+    peers, whose flattened buckets have no padding).
     """
 
-    def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1"):
+    def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
+                 align: int = ALIGN):
         self._control = control
         self._cfg = cfg
         self._host = host
+        self._align = align
+        self._staging: BucketBuffers | None = None  # reused while the plan stays the same
+        self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
         if cfg.transport != "gloo":
             raise NotImplementedError(f"weight transport {cfg.transport!r} (only gloo so far)")
         self._store = serve_store(host, cfg.timeout_s)
@@ -131,7 +141,8 @@ class WeightBroadcaster:
 
         Raises only if the control plane itself fails; lost or slow engines are evicted."""
         start = time.monotonic()
-        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)))
+        self._phases = {"weights/send_s": 0.0, "weights/ack_s": 0.0}
+        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align)
         try:
             delivered, attempts = self._deliver(plan, state_dict, version)
             evicted = len(self._evicted_now)
@@ -141,7 +152,8 @@ class WeightBroadcaster:
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
                 "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
                 "weights/buckets": float(len(plan.bucket_nbytes)),
-                "weights/attempts": float(attempts), "weights/epoch": float(self._epoch)}
+                "weights/attempts": float(attempts), "weights/epoch": float(self._epoch),
+                **self._phases}
 
     def _deliver(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
                  version: int) -> tuple[list[str], int]:
@@ -175,13 +187,45 @@ class WeightBroadcaster:
         if fresh and not self._rendezvous(members):
             return []
         assert self._group is not None
-        for index in range(len(plan.bucket_nbytes)):
-            broadcast(self._group.pg, pack_bucket(plan, index, state))
+        started = time.monotonic()
+        self._send(self._group.pg, plan, state)
+        sent = time.monotonic()
         late = self._wait_acks(members, version)
+        self._phases = {"weights/send_s": sent - started, "weights/ack_s": time.monotonic() - sent}
         if late:
             self._evict(late, "no ack")
             return []
         return members
+
+    def _send(self, pg: dist.ProcessGroup, plan: BucketPlan,
+              state: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast every bucket, packing bucket i+1 while bucket i is on the wire.
+
+        Double buffering: bucket i is packed into staging slot i % 2, whose previous user,
+        bucket i-2, was waited for before bucket i-1 went out. A failed ``wait`` raises with
+        later broadcasts still pending; the caller drops (aborts) the group, which ends them.
+        """
+        if not plan.bucket_nbytes:
+            return
+        staging = self._staging_for(plan, state)
+        pending: dist.Work | None = None
+        for index in range(len(plan.bucket_nbytes)):
+            out = staging.slot(index) if staging.holds(index) else None
+            work = broadcast_async(pg, pack_bucket(plan, index, state, out))
+            if pending is not None:
+                pending.wait()
+            pending = work
+        if pending is not None:
+            pending.wait()
+
+    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> BucketBuffers:
+        device = next(iter(state.values())).device
+        if self._staging is None or not self._staging.fits(plan, device):
+            self._staging = None  # let the old buffers go before allocating the new ones
+            self._staging = BucketBuffers(plan, device, slots=2, skip_lone=True)
+            logger.info("weights: staging buffers for %d buckets: %.1f MB",
+                        len(plan.bucket_nbytes), self._staging.nbytes / 1e6)
+        return self._staging
 
     def _announce(self, plan: BucketPlan, version: int, members: list[str]) -> None:
         manifest, buckets = plan.to_json()
@@ -234,4 +278,5 @@ class WeightBroadcaster:
         except (TimeoutError, RuntimeError) as exc:
             logger.warning("weights: could not announce the close: %s", exc)
         self._drop()
+        self._staging = None
         del self._store  # the store server stops with its last reference

@@ -80,10 +80,18 @@ def new_group(transport: str, store: dist.Store, epoch: int, rank: int, world: i
 
 def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
     """Broadcast ``flat`` in place from rank 0; raises on the group's timeout or a lost peer."""
+    broadcast_async(group, flat).wait()
+
+
+def broadcast_async(group: dist.ProcessGroup, flat: torch.Tensor) -> dist.Work:
+    """Start broadcasting ``flat`` from rank 0 and return at once, so the caller can pack or
+    unpack another bucket meanwhile. ``flat`` must stay untouched until ``wait()`` returns;
+    ``wait()`` raises on the group's timeout or a lost peer. Collectives of one group match
+    by issue order, so every rank must issue its broadcasts in the same order."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    group.broadcast([flat], opts).wait()
+    return group.broadcast([flat], opts)
 
 
 def drop_group(group: dist.ProcessGroup | None) -> None:

@@ -8,7 +8,9 @@ Buckets are packed as raw bytes (one flat ``uint8`` tensor per bucket), not one 
 a model that mixes dtypes (bf16 weights, fp32 norms) then still fills its buckets, every bucket
 is a single collective whatever it holds, and NCCL and gloo both broadcast ``uint8``. Each
 tensor starts at an offset aligned to :data:`ALIGN` bytes so the receiver can view its bytes as
-the original dtype without copying. A tensor larger than a bucket travels alone in its own
+the original dtype without copying; a plan may ask for another alignment (SGLang's flattened
+buckets need ``align=1``: no padding), and :func:`unpack_bucket` copies a tensor that lands
+misaligned for its dtype. A tensor larger than a bucket travels alone in its own
 bucket. Names keep the state-dict order; tied weights (two names, one tensor) travel twice,
 because after an FSDP gather they are separate tensors anyway and each name must be loadable.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 ALIGN = 16  # bytes; covers every torch dtype's element size (complex128 is the widest)
+SLOT_ALIGN = 64  # bytes; where each reusable bucket buffer starts inside its shared storage
 
 
 @dataclass(frozen=True)
@@ -81,19 +84,23 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _aligned(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
 
 
-def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> BucketPlan:
-    """Greedy plan in state-dict order: open a new bucket when the next tensor would overflow."""
+def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
+                 align: int = ALIGN) -> BucketPlan:
+    """Greedy plan in state-dict order: open a new bucket when the next tensor would overflow.
+    Tensors start at multiples of ``align`` bytes inside their bucket."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if align <= 0:
+        raise ValueError(f"align must be positive, got {align}")
     specs: list[TensorSpec] = []
     sizes: list[int] = []
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
-        offset = _aligned(sizes[-1]) if sizes else 0
+        offset = _aligned(sizes[-1], align) if sizes else 0
         if not sizes or (offset + nbytes > bucket_bytes and sizes[-1] > 0):
             sizes.append(0)
             offset = 0
@@ -107,26 +114,86 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def pack_bucket(plan: BucketPlan, index: int, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def pack_bucket(plan: BucketPlan, index: int, state: Mapping[str, torch.Tensor],
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket's bytes as one flat ``uint8`` tensor on the tensors' device.
 
     A bucket holding one contiguous tensor is that tensor's own bytes (no copy): the sender
-    only reads it.
+    only reads it. Otherwise the bytes are copied into ``out`` (a reusable staging buffer of
+    at least the bucket's size; the result is its prefix) or, without one, a fresh tensor,
+    which costs a first-touch page fault per page on every update.
     """
     specs = plan.in_bucket(index)
     first = state[specs[0].name]
     if len(specs) == 1 and first.is_contiguous():
         return _as_bytes(first)
-    flat = torch.empty(plan.bucket_nbytes[index], dtype=torch.uint8, device=first.device)
+    nbytes = plan.bucket_nbytes[index]
+    if out is None:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=first.device)
+    else:
+        flat = out[:nbytes]
     for spec in specs:
         flat[spec.offset:spec.offset + spec.nbytes].copy_(_as_bytes(state[spec.name]))
     return flat
 
 
 def unpack_bucket(plan: BucketPlan, index: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Named tensors viewing ``flat`` (no copy): the caller must not reuse ``flat`` after."""
+    """Named tensors viewing ``flat`` (no copy): valid only while ``flat`` is not reused.
+    A tensor whose offset is misaligned for its dtype (an ``align`` smaller than its element
+    size) cannot be a view, and is copied."""
     out: dict[str, torch.Tensor] = {}
     for spec in plan.in_bucket(index):
         raw = flat[spec.offset:spec.offset + spec.nbytes]
-        out[spec.name] = raw.view(parse_dtype(spec.dtype)).view(spec.shape)
+        dtype = parse_dtype(spec.dtype)
+        if raw.storage_offset() % _element_size(dtype):
+            raw = raw.clone()
+        out[spec.name] = raw.view(dtype).view(spec.shape)
     return out
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class BucketBuffers:
+    """Reusable flat ``uint8`` buffers for the buckets of one plan, ``slots`` of them.
+
+    Why: a fresh buffer per bucket and update is served by glibc from a fresh ``mmap``, so
+    every byte costs a first-touch page fault (a 512 MB pack ran ~10x slower than into reused
+    memory). Bucket ``i`` uses slot ``i % slots``; the caller must make sure the previous user
+    of a slot is done with it (the broadcaster double-buffers: 2 slots, at most 2 buckets in
+    flight; a receiver uses one slot per bucket). Built for one plan and device: :meth:`fits`
+    says whether it can serve another, so the owner rebuilds it when the plan changes.
+    """
+
+    def __init__(self, plan: BucketPlan, device: torch.device, slots: int,
+                 skip_lone: bool = False) -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+        self._skip = ({i for i in range(len(plan.bucket_nbytes)) if len(plan.in_bucket(i)) == 1}
+                      if skip_lone else set())
+        self.slots = max(1, min(slots, len(plan.bucket_nbytes)))
+        sizes = [max((n for i, n in enumerate(plan.bucket_nbytes)
+                      if i % self.slots == slot and i not in self._skip), default=0)
+                 for slot in range(self.slots)]
+        starts, end = [], 0
+        for size in sizes:  # one allocation, each slot aligned: unpacked views need it
+            starts.append(_aligned(end, SLOT_ALIGN))
+            end = starts[-1] + size
+        storage = torch.empty(end, dtype=torch.uint8, device=self.device)
+        self._slots = [storage[s:s + n] for s, n in zip(starts, sizes)]
+        self.nbytes = storage.numel()
+
+    def fits(self, plan: BucketPlan, device: torch.device) -> bool:
+        return self.plan == plan and self.device == torch.device(device)
+
+    def holds(self, index: int) -> bool:
+        """False for a lone-tensor bucket when built with ``skip_lone``: no buffer is kept for
+        it (the sender sends that tensor's own bytes)."""
+        return index not in self._skip
+
+    def slot(self, index: int) -> torch.Tensor:
+        """The buffer for bucket ``index``, exactly the bucket's size."""
+        if index in self._skip:
+            raise KeyError(f"bucket {index} holds one tensor and has no staging buffer")
+        return self._slots[index % self.slots][:self.plan.bucket_nbytes[index]]

@@ -5,6 +5,15 @@ handshake are documented there), joins the epoch's group, receives every bucket,
 named tensors to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so
 a lost learner or a broken group costs one timeout, after which the next announcement is
 served; ``stop`` is seen within a long-poll slice except during a transfer.
+
+Receive buffers are a pool reused across updates (one slot per bucket, rebuilt when the plan
+changes, dropped when the group is): fresh ones page-fault on every byte. All of an update's
+broadcasts are posted at once, so bucket *i+1* lands while bucket *i* is unpacked. ``apply`` is
+called once, after the last bucket, with every tensor of the update: one call is the commit,
+so an engine never generates with half of a new version, and its pause (the time it holds
+its own lock to copy) is one copy of the model, not the transfer. The price of reuse:
+``apply`` gets views into the pool, valid only until it returns; it must copy what it keeps
+(every engine's ``load_weights`` copies into its own parameters anyway).
 """
 
 from __future__ import annotations
@@ -24,14 +33,14 @@ from learners.weights_group import (
     GROUP_KEY,
     ack_key,
     await_key,
-    broadcast,
+    broadcast_async,
     buffer_device,
     dial_store,
     drop_group,
     join_key,
     new_group,
 )
-from learners.weights_plan import BucketPlan, unpack_bucket
+from learners.weights_plan import BucketBuffers, BucketPlan, unpack_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +52,9 @@ class WeightReceiver:
 
     ``control`` must be a client of its own: only the receiver's thread uses it (clients are
     not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`.
-    ``apply`` gets fresh tensors (views into buffers never reused), so it may keep them. ``host`` is the address the gloo device binds.
+    ``apply(named, version)`` is called once per update with every tensor of it; the tensors
+    view reused receive buffers, so they are valid only until ``apply`` returns (copy what you
+    keep). ``host`` is the address the gloo device binds.
     """
 
     def __init__(self, control: ControlPlane, member: str, apply: Apply,
@@ -60,6 +71,7 @@ class WeightReceiver:
         self._group: dist.ProcessGroup | None = None
         self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._group
         self._store: dist.TCPStore | None = None
+        self._pool: BucketBuffers | None = None  # receive buffers, reused while the plan holds
         self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
 
     @property
@@ -149,15 +161,29 @@ class WeightReceiver:
         return True
 
     def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
+        """Every bucket into the pool: all broadcasts are posted first (they complete in
+        order), then each is waited for and unpacked while the next ones arrive."""
         assert self._group is not None
-        device = buffer_device(transport)
+        pool = self._pool_for(plan, buffer_device(transport))
+        buffers = [pool.slot(index) for index in range(len(plan.bucket_nbytes))]
+        works = [broadcast_async(self._group, flat) for flat in buffers]
         named: dict[str, torch.Tensor] = {}
-        for index, nbytes in enumerate(plan.bucket_nbytes):
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            broadcast(self._group, flat)
+        for index, (work, flat) in enumerate(zip(works, buffers)):
+            work.wait()
             named.update(unpack_bucket(plan, index, flat))
         return named
 
+    def _pool_for(self, plan: BucketPlan, device: torch.device) -> BucketBuffers:
+        if self._pool is None or not self._pool.fits(plan, device):
+            self._pool = None  # let the old buffers go before allocating the new ones
+            self._pool = BucketBuffers(plan, device, slots=len(plan.bucket_nbytes))
+            logger.info("weights: %s receive pool for %d buckets: %.1f MB", self.member,
+                        len(plan.bucket_nbytes), self._pool.nbytes / 1e6)
+        return self._pool
+
     def _leave(self) -> None:
+        """Drop the group (aborting any broadcast still pending into the pool) and the pool
+        with it, so that no aborted receive can write into buffers a later update reads."""
         drop_group(self._group)
         self._group, self._group_id, self._store = None, None, None
+        self._pool = None

@@ -50,7 +50,9 @@ def result_file(out_dir: Path, member: str, version: int) -> Path:
 
 def receiver_main(address: str, member: str, out_dir: Path, seed: int, fail_at: int) -> None:
     """Heartbeat as a rollout member and apply every update to a local model until SIGTERM;
-    loading version ``fail_at`` raises (an engine that cannot load: it never acks)."""
+    loading version ``fail_at`` raises (an engine that cannot load: it never acks) and pauses
+    the heartbeats until the test writes ``test/resume/<member>``, so that the test decides
+    when the evicted engine is heard from again (no race with the heartbeat period)."""
     from safetensors.torch import save_file
 
     from buffers.zmq_client import ZmqBufferClient
@@ -60,8 +62,11 @@ def receiver_main(address: str, member: str, out_dir: Path, seed: int, fail_at: 
     model = tiny_model(seed)
     params = model.state_dict()
 
+    refused = threading.Event()
+
     def apply(named: dict[str, torch.Tensor], version: int) -> None:
         if version == fail_at:
+            refused.set()
             raise RuntimeError(f"test: {member} refuses version {version}")
         with torch.no_grad():
             for name, tensor in named.items():
@@ -78,6 +83,8 @@ def receiver_main(address: str, member: str, out_dir: Path, seed: int, fail_at: 
     receiver.start()
     beats.set_key(f"test/ready/{member}", {"pid": os.getpid()})
     while not stop.wait(0.2):  # heartbeat pacing, not synchronisation
+        if refused.is_set() and beats.get_key(f"test/resume/{member}", 0, 0.0) is None:
+            continue
         beats.heartbeat(member, "rollout", {"engine_version": receiver.last_version,
                                             "weights": "ready"})
     receiver.stop()
@@ -190,6 +197,7 @@ def test_broadcast_versions_evict_and_rejoin(tmp_path: Path) -> None:
         metrics = sync_and_check(broadcaster, model, 5, [MEMBERS[0]], tmp_path)
         assert metrics["weights/evicted"] == 1, "an engine that never acks is evicted"
         assert broadcaster.members() == [MEMBERS[0]], "out until it heartbeats again"
+        control.set_key(f"test/resume/{LATE}", {"resume": True})
         wait_for(lambda: broadcaster.members() == [MEMBERS[0], LATE], 10.0, "a heartbeat")
         metrics = sync_and_check(broadcaster, model, 6, [MEMBERS[0], LATE], tmp_path)
         assert metrics["weights/evicted"] == 0, "a live evicted engine is taken back"
@@ -218,8 +226,9 @@ def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
     got: dict[int, dict[str, torch.Tensor]] = {}
-    receiver = WeightReceiver(own, "engine-t",
-                              lambda named, version: got.__setitem__(version, named))
+    receiver = WeightReceiver(  # the tensors view reused buffers: keep copies
+        own, "engine-t",
+        lambda named, version: got.__setitem__(version, {k: v.clone() for k, v in named.items()}))
     broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.001, timeout_s=TIMEOUT_S))
     state = {"a": torch.randn(300), "b": torch.randn(7, 5).to(torch.bfloat16),
              "c": torch.arange(10), "d": torch.randn(600, 3)}
@@ -243,6 +252,45 @@ def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
             client.close()
         stop_broker()
 
+
+@pytest.mark.timeout(60)
+def test_unpadded_plan_and_reused_buffers() -> None:
+    """``align=1`` (SGLang's layout: misaligned tensors are copied out on arrival) over real
+    gloo, and three versions through the same staging and receive buffers: each arrives
+    exactly, although the buffers it passed through held the previous one."""
+    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightBroadcaster, WeightReceiver
+
+    torch.set_num_threads(1)
+    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
+    own = ZmqBufferClient(address, 10.0)
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    receiver = WeightReceiver(
+        own, "engine-u",
+        lambda named, version: got.__setitem__(version, {k: v.clone() for k, v in named.items()}))
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.0005, timeout_s=TIMEOUT_S),
+                                    align=1)
+    try:
+        beats.heartbeat("engine-u", "rollout", {"engine_version": -1, "weights": "ready"})
+        receiver.start()
+        pools = []
+        for version in (1, 2, 3):
+            state = {"a": torch.randn(3), "b": torch.randn(7, 5).to(torch.bfloat16),
+                     "c": torch.arange(10) * version, "d": torch.randn(100, 3)}
+            assert broadcaster.sync(state, version)["weights/members"] == 1
+            assert receiver.wait_for_version(version, timeout=TIMEOUT_S)
+            assert all(torch.equal(got[version][k], v) for k, v in state.items()), version
+            pools.append(receiver._pool)
+        assert pools[0] is not None and pools[0] is pools[1] is pools[2], "one pool, reused"
+    finally:
+        broadcaster.close()
+        receiver.stop()
+        for client in (control, beats, own):
+            client.close()
+        stop_broker()
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from learners.weights_plan import (
     ALIGN,
+    BucketBuffers,
     BucketPlan,
     dtype_name,
     pack_bucket,
@@ -32,13 +34,22 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
-def _roundtrip(plan: BucketPlan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _roundtrip(plan: BucketPlan, state: dict[str, torch.Tensor],
+               staging: BucketBuffers | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for index, nbytes in enumerate(plan.bucket_nbytes):
-        flat = pack_bucket(plan, index, state).clone()  # what a receiver would hold
+        slot = staging.slot(index) if staging is not None and staging.holds(index) else None
+        flat = pack_bucket(plan, index, state, slot).clone()  # what a receiver would hold
         assert flat.dtype == torch.uint8 and flat.numel() == nbytes
         out.update(unpack_bucket(plan, index, flat))
     return out
+
+
+def _assert_same(out: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    assert list(out) == list(state)
+    for name, tensor in state.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape, name
+        assert torch.equal(out[name], tensor), name
 
 
 def test_plan_keeps_order_and_bucket_limit() -> None:
@@ -52,7 +63,7 @@ def test_plan_keeps_order_and_bucket_limit() -> None:
         assert all(s.offset % ALIGN == 0 for s in specs)
         ends = [s.offset + s.nbytes for s in specs]
         assert max(ends) == nbytes
-        assert all(a.offset + a.nbytes <= b.offset for a, b in zip(specs, specs[1:]))
+        assert all(a.offset + a.nbytes <= b.offset for a, b in itertools.pairwise(specs))
     big = next(s for s in plan.tensors if s.name == "big.weight")
     assert plan.in_bucket(big.bucket) == [big]
     assert plan.total_bytes >= sum(t.numel() * t.element_size() for t in state.values())
@@ -67,11 +78,54 @@ def test_one_huge_bucket_holds_everything() -> None:
 def test_pack_unpack_is_exact(bucket_bytes: int) -> None:
     state = _state()
     plan = plan_buckets(state, bucket_bytes)
-    out = _roundtrip(plan, state)
-    assert list(out) == list(state)
-    for name, tensor in state.items():
-        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape, name
-        assert torch.equal(out[name], tensor), name
+    _assert_same(_roundtrip(plan, state), state)
+    staging = BucketBuffers(plan, torch.device("cpu"), slots=2, skip_lone=True)
+    _assert_same(_roundtrip(plan, state, staging), state)
+
+
+@pytest.mark.parametrize("align", [1, 2, 3, 64])
+def test_other_alignments_roundtrip(align: int) -> None:
+    """``align=1`` is SGLang's flattened layout: no padding; misaligned tensors are copied."""
+    state = _state()
+    plan = plan_buckets(state, bucket_bytes=1024, align=align)
+    assert all(s.offset % align == 0 for s in plan.tensors)
+    if align == 1:
+        assert plan.total_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    _assert_same(_roundtrip(plan, state), state)
+
+
+def test_staging_buffers_are_reused_and_double_buffered() -> None:
+    state = _state()
+    plan = plan_buckets(state, bucket_bytes=100)
+    staging = BucketBuffers(plan, torch.device("cpu"), slots=2, skip_lone=True)
+    lone = {i for i in range(len(plan.bucket_nbytes)) if len(plan.in_bucket(i)) == 1}
+    shared = [i for i in range(len(plan.bucket_nbytes)) if i not in lone]
+    assert lone and len(shared) >= 2
+    assert not any(staging.holds(i) for i in lone)
+    with pytest.raises(KeyError):
+        staging.slot(min(lone))
+    assert staging.nbytes <= 2 * max(plan.bucket_nbytes[i] for i in shared)
+    first, second = shared[0], shared[1]
+    for index in shared:
+        slot = staging.slot(index)
+        assert slot.numel() == plan.bucket_nbytes[index]
+        packed = pack_bucket(plan, index, state, slot)
+        assert packed.data_ptr() == slot.data_ptr(), "packed into the staging buffer"
+    if first % 2 != second % 2:
+        assert staging.slot(first).data_ptr() != staging.slot(second).data_ptr()
+    assert staging.fits(plan, torch.device("cpu"))
+    assert not staging.fits(plan_buckets(state, bucket_bytes=1 << 20), torch.device("cpu"))
+
+
+def test_receive_pool_has_a_slot_per_bucket() -> None:
+    plan = plan_buckets(_state(), bucket_bytes=100)
+    pool = BucketBuffers(plan, torch.device("cpu"), slots=len(plan.bucket_nbytes))
+    slots = [pool.slot(i) for i in range(len(plan.bucket_nbytes))]
+    assert len({s.data_ptr() for s in slots}) == len(slots)
+    assert all(s.storage_offset() % 64 == 0 for s in slots), "every slot starts aligned"
+    spans = sorted((s.storage_offset(), s.storage_offset() + s.numel()) for s in slots)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "slots do not overlap"
+    assert plan.total_bytes <= pool.nbytes < plan.total_bytes + 64 * len(slots)
 
 
 def test_non_contiguous_tensors_pack_by_value() -> None:
@@ -102,3 +156,5 @@ def test_dtype_names() -> None:
         parse_dtype("Tensor")
     with pytest.raises(ValueError):
         plan_buckets(_state(), 0)
+    with pytest.raises(ValueError):
+        plan_buckets(_state(), 1024, align=0)
