@@ -20,6 +20,17 @@ class Completion:
     finish_reason: str  # "stop" (EOS) or "length"
 
 
+def check_generate_args(prompts: list[list[int]], n: int, temperature: float,
+                        max_new_tokens: int, greedy: bool) -> None:
+    """The argument checks every engine's :meth:`Engine.generate` makes, in one place."""
+    if not prompts or n < 1 or max_new_tokens < 1:
+        raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if any(not p for p in prompts):
+        raise ValueError("empty prompt")
+
+
 @runtime_checkable
 class Engine(Protocol):
     @property

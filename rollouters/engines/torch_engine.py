@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollouters.engines.base import Completion
+from rollouters.engines.base import Completion, check_generate_args
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,7 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        if not prompts or n < 1 or max_new_tokens < 1:
-            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if any(not p for p in prompts):
-            raise ValueError("empty prompt")
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         temperature = 1.0 if greedy else temperature
         rows = [p for p in prompts for _ in range(n)]
         input_ids, batch = self._left_pad(rows)

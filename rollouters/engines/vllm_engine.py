@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollouters.engines.base import Completion
+from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.vllm_extension import EXTENSION_CLS, pack_weights
 
 logger = logging.getLogger(__name__)
@@ -141,12 +141,7 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        if not prompts or n < 1 or max_new_tokens < 1:
-            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if any(not p for p in prompts):
-            raise ValueError("empty prompt")
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = self._sampling_params(0.0 if greedy else temperature, max_new_tokens)
         with self._generate_lock:
             rows = self._submit(prompts, n, params)

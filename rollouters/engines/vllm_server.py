@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rollouters.engines.base import Completion
+from rollouters.engines.base import Completion, check_generate_args
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +79,7 @@ class VLLMServerEngine:
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        if not prompts or n < 1 or max_new_tokens < 1:
-            raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if any(not p for p in prompts):
-            raise ValueError("empty prompt")
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = {"n": n, "temperature": 0.0 if greedy else temperature,
                   "max_tokens": max_new_tokens, "logprobs": 0,
                   "stop_token_ids": [] if self.eos_id is None else [self.eos_id],
