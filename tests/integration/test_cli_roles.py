@@ -3,12 +3,16 @@ machines: `asyncrl buffer`, `asyncrl learner --buffer`, `asyncrl rollout --buffe
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from tests.integration.conftest import QUICKSTART, Processes, wait_for
+from tests.integration.conftest import QUICKSTART, ROOT, Processes, role_env, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +28,7 @@ def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, "--buffer", address,
                               "--workers", "2")
+    _check_status_and_monitor(sets, address, tmp_path)
     assert learner.wait(timeout=400) == 0, processes.log("learner")
     assert rollout.wait(timeout=30) == 0, processes.log("rollout")  # they see run status done
     assert buffer.poll() is None  # the broker outlives a run until it is told to stop
@@ -38,3 +43,28 @@ def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
     assert records[-1]["rollout/workers"] == 2
     assert (tmp_path / "roles" / "final" / "config.json").exists()
     assert (tmp_path / "roles" / "eval.json").exists()
+
+
+def _check_status_and_monitor(sets: list[str], address: str, tmp_path: Path) -> None:
+    """`asyncrl status --json` and `asyncrl monitor` attach to the running run."""
+    def status() -> dict:
+        out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "status", str(QUICKSTART),
+                              *sets, "--buffer", address, "--json"], env=role_env(), cwd=ROOT,
+                             check=True, capture_output=True, text=True, timeout=60).stdout
+        return json.loads(out)
+
+    wait_for(lambda: status()["version"] >= 2, 180, "two published versions")
+    snapshot = status()
+    assert snapshot["run_status"] == "running" and snapshot["accepted"] > 0
+    assert sum(m["role"] == "rollout" for m in snapshot["members"].values()) == 2
+    log = (tmp_path / "monitor.log").open("w")
+    monitor = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "monitor", str(QUICKSTART),
+                                *sets, "--buffer", address], env=role_env(), cwd=ROOT,
+                               stdout=log, stderr=subprocess.STDOUT)
+    screen = tmp_path / "monitor.log"
+    wait_for(lambda: screen.read_text().count("engine") >= 2, 60, "two monitor refreshes")
+    monitor.send_signal(signal.SIGTERM)
+    assert monitor.wait(timeout=30) == 0
+    log.close()
+    text = screen.read_text()
+    assert "staleness of consumed groups" in text and "rollout-0-" in text
