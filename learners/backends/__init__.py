@@ -13,15 +13,19 @@ if TYPE_CHECKING:
     import torch
 
     from asyncrl.config.schema import LearnerConfig
-    from learners.backends.fsdp2 import Fsdp2Trainer
+    from learners.backends.base import Trainer
 
 
 def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
-                 version: int = 0) -> Fsdp2Trainer:
+                 version: int = 0) -> Trainer:
     """Build the backend named by ``cfg.backend`` (needs the learner process group first)."""
     if cfg.backend == "fsdp2":
         from learners.backends.fsdp2 import Fsdp2Trainer
         return Fsdp2Trainer(model_path, cfg, device, version=version)
+    if cfg.backend == "deepspeed":
+        # Optional dependency: importing this module fails with a hint when it is missing.
+        from learners.backends.deepspeed import DeepSpeedTrainer
+        return DeepSpeedTrainer(model_path, cfg, device, version=version)
     raise ValueError(f"unknown learner backend {cfg.backend!r}")
 
 

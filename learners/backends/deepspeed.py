@@ -1,0 +1,156 @@
+"""DeepSpeed ZeRO-2/3 trainer (``learner.backend = "deepspeed"``, stage ``learner.zero_stage``).
+
+Same protocol and the SAME objective as the FSDP2 trainer (``learners.backends.base.Trainer``):
+it subclasses :class:`Fsdp2Trainer` only to reuse its backend-neutral pieces (frozen logprobs,
+global metrics, mismatch, ``save_pretrained``) and replaces the model setup, the update and the
+state-dict gather. Every public method is COLLECTIVE, as in FSDP2.
+
+Gradient scaling (verified by ``tests/unit/test_deepspeed.py``): ZeRO's gradient reduction
+AVERAGES over the data-parallel ranks, exactly like FSDP2's reduce-scatter, so the loss is again
+the weighted sum / GLOBAL unit count × world size. Clipping is DeepSpeed's ``gradient_clipping``
+(same rule as ``clip_grad_norm_``); ``learner/grad_norm`` is DeepSpeed's pre-clip global norm.
+
+The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU Adam needs a
+~50 s g++ build on first use. ZeRO still wraps it (flat fp32 partitions per rank).
+
+Not supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
+unsharded replica on every rank (no optimizer state; under ZeRO-3 this costs one model copy per
+rank). Sharded training checkpoints (``learners.checkpoint``) use torch DCP on FSDP2 modules and do
+not cover this backend; ``save_pretrained`` (the HF export) does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
+
+try:
+    import deepspeed
+    from deepspeed.runtime.zero import GatheredParameters
+except ImportError as exc:  # optional dependency
+    raise ImportError("learner.backend = 'deepspeed' needs DeepSpeed: "
+                      "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8") from exc
+
+from asyncrl.config.schema import LearnerConfig
+from learners.backends.fsdp2 import Fsdp2Trainer, token_logprobs
+from learners.batching import TrainBatch
+from learners.dist import resolve_device
+from learners.losses.objective import objective
+
+logger = logging.getLogger(__name__)
+
+
+def ds_config(cfg: LearnerConfig, zero_overrides: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The DeepSpeed config for one optimizer step per ``train_step`` (no accumulation), fp32.
+
+    ``zero_overrides`` merges into ``zero_optimization`` (tests set
+    ``stage3_param_persistence_threshold = 0`` so that a tiny model is really partitioned).
+    """
+    return {
+        "train_micro_batch_size_per_gpu": 1,   # unused: we never give DeepSpeed a dataloader
+        "gradient_accumulation_steps": 1,      # >1 would make engine.backward rescale the loss
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage, **(zero_overrides or {})},
+        "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
+        "steps_per_print": 2**31 - 1,           # our metrics, not DeepSpeed's step log
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedTrainer(Fsdp2Trainer):
+    """One learner rank: a DeepSpeed engine around the HF model and torch AdamW."""
+
+    def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
+                 version: int = 0, dtype: torch.dtype = torch.float32,
+                 reference_path: str | Path | None = None,
+                 zero_overrides: dict[str, Any] | None = None) -> None:
+        # Deliberately not super().__init__: that would build FSDP2-sharded modules.
+        if cfg.loss.advantage == "gae":
+            raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
+        self.model_path = Path(model_path)
+        self.version = version
+        self.critic = None
+        self.engine = self._build_engine(model_path, dtype, zero_overrides)
+        # The HF module, for the no-grad forwards (ZeRO-3's gather hooks live on the module) and
+        # the inherited save_pretrained.
+        self.model: nn.Module = self.engine.module
+        self.optimizer = self.engine.optimizer
+        self.reference: nn.Module | None = None
+        if cfg.loss.kl_coef > 0:
+            self.reference = self._load(reference_path or model_path, dtype)
+            self.reference.requires_grad_(False)
+        logger.info("rank %d/%d: %s under ZeRO-%d, version %d, loss %s/%s/%s, reference %s",
+                    self.rank, self.world, type(self.model).__name__, cfg.zero_stage, version,
+                    cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
+                    "replicated" if self.reference is not None else "no")
+
+    def _load(self, path: str | Path, dtype: torch.dtype) -> nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        model.eval()   # no dropout: on-policy, the ratio against the engine must be 1
+        return model
+
+    def _build_engine(self, path: str | Path, dtype: torch.dtype,
+                      zero_overrides: dict[str, Any] | None) -> Any:
+        model = self._load(path, dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr,
+                                      weight_decay=self.cfg.weight_decay)
+        # The process group exists already (learners.dist); DeepSpeed wraps it, but insists on
+        # reading LOCAL_RANK from the environment (torchrun sets it; our spawner does not).
+        local_rank = self.device.index if self.device.type == "cuda" else self.rank
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config(self.cfg, zero_overrides),
+            dist_init_required=False)
+        engine.module.eval()
+        return engine
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; metrics are global and
+        identical on every rank (``learner/step_time_s`` is the slowest rank's)."""
+        start = time.perf_counter()
+        batch = batch.to(self.device)
+        proximal, ref = self._frozen_logprobs(batch)
+        # Through the engine: its forward sets up the ZeRO backward hooks for this step.
+        logprobs = token_logprobs(self.engine, batch)
+        loss_sum, units, stats = objective(self.cfg, batch, logprobs, proximal, ref)
+        global_units = units.clone()
+        dist.all_reduce(global_units)
+        # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
+        self.engine.backward(loss_sum * self.world / global_units.clamp(min=1.0))
+        self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
+        self.version += 1
+        metrics = self._global_metrics(loss_sum.detach(), global_units, stats, batch.rewards)
+        metrics.update(self._mismatch(logprobs.detach(), batch))
+        metrics["learner/grad_norm"] = float(self.engine.get_global_grad_norm())
+        metrics["learner/step_time_s"] = self._max_over_ranks(time.perf_counter() - start)
+        return metrics
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The full weights on CPU, HF names; rank 0 gets every tensor, others an EMPTY dict.
+        COLLECTIVE. Gathers one parameter at a time, so no rank ever holds the whole model twice
+        (under ZeRO-2 the weights are replicated and the gather is a no-op)."""
+        state: dict[str, Tensor] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            with GatheredParameters([param], modifier_rank=None):
+                if self.rank == 0:
+                    state[name] = param.detach().to("cpu", copy=True)
+        if self.rank == 0:   # persistent buffers are never partitioned
+            for name, tensor in self.model.state_dict().items():
+                state.setdefault(name, tensor.detach().to("cpu", copy=True))
+        return state
+
+
+__all__ = ["DeepSpeedTrainer", "ds_config"]
