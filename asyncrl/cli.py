@@ -26,10 +26,15 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
         return p
 
-    role("up", "start buffer, learner and rollout workers locally and show progress")
+    up = role("up", "start buffer, learner and rollout workers locally and show progress")
     role("buffer", "run the ZMQ broker").add_argument(
         "--address-file", type=Path, help="write the bound address here (for port = 0)")
-    role("learner", "run the learner ranks").add_argument("--buffer", help="tcp://host:port")
+    learner = role("learner", "run the learner ranks")
+    learner.add_argument("--buffer", help="tcp://host:port")
+    for p in (up, learner):
+        p.add_argument("--resume", type=Path, metavar="PATH",
+                       help="resume from this checkpoint directory (default: the run's latest "
+                            "checkpoint when checkpoint.resume is true)")
     rollout = role("rollout", "run rollout workers")
     rollout.add_argument("--buffer", help="tcp://host:port")
     rollout.add_argument("--workers", type=int, help="workers to start (default rollout.workers)")
@@ -69,7 +74,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         sys.stdout.write(to_toml(load_config(args.config, args.overrides)))
         return 0
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + _resume_override(args))
     roles.setup_logging(args.command)
     if args.command == "up":
         from asyncrl.launch import LocalLauncher
@@ -87,6 +92,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return roles.run_learner(cfg, address)
     return roles.run_rollout(cfg, address, args.workers or cfg.rollout.workers,
                              args.first_index)
+
+
+def _resume_override(args: argparse.Namespace) -> list[str]:
+    """``--resume PATH`` is ``checkpoint.path``: it then travels in the run's config.toml from
+    `up` to the learner it starts."""
+    path = getattr(args, "resume", None)
+    return [f"checkpoint.path={json.dumps(str(path.resolve()))}"] if path else []
 
 
 def _observe(cfg: Config, args: argparse.Namespace) -> int:

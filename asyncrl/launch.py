@@ -36,12 +36,27 @@ class Role:
     log: IO[bytes]
 
 
-def write_run_dir(cfg: Config) -> Path:
+def is_resuming(cfg: Config) -> bool:
+    """`up` continues a run when the learner will resume one: ``--resume PATH``, or an
+    unfinished checkpoint in the run directory with ``checkpoint.resume`` on (a finished run's
+    checkpoints are archived and a new run starts)."""
+    from learners.checkpoint import read_meta, resume_point
+
+    path = resume_point(cfg.checkpoint, cfg.run_dir)
+    if path is None:
+        return False
+    meta = read_meta(path)
+    finished = meta.counters.get("finished", False) or meta.version >= cfg.learner.total_steps
+    return bool(cfg.checkpoint.path) or not finished
+
+
+def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     """Create ``runs/<name>/`` with the resolved config that every role is started from.
 
-    `up` starts a new run: an earlier run's metrics are kept, renamed, never appended to."""
+    A new run keeps an earlier run's metrics and checkpoints, renamed, never appended to or
+    resumed from. A resumed run appends to its metrics."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "eval.json"):
+    for name in () if resuming else ("metrics.jsonl", "eval.json", cfg.checkpoint.dir):
         old = cfg.run_dir / name
         if old.exists():
             kept = old.with_name(f"{old.stem}.{int(old.stat().st_mtime)}{old.suffix}")
@@ -58,10 +73,12 @@ class LocalLauncher:
         self.out = out
         self.roles: list[Role] = []
         self.stop = threading.Event()
+        self.resuming = False
 
     def up(self) -> int:
         """Run to completion (or until a signal); returns the learner's exit code."""
-        config_path = write_run_dir(self.cfg)
+        self.resuming = is_resuming(self.cfg)
+        config_path = write_run_dir(self.cfg, self.resuming)
         (self.cfg.run_dir / "logs").mkdir(exist_ok=True)
         address_file = self.cfg.run_dir / "buffer.addr"
         address_file.unlink(missing_ok=True)
@@ -85,6 +102,10 @@ class LocalLauncher:
         if self.cfg.buffer.type == "redis":
             from buffers.redis_buffer import reset_run
 
+            if self.resuming:
+                logger.info("redis %s: resuming run %r, its state is kept", self.cfg.buffer.url,
+                            self.cfg.run.name)
+                return None
             deleted = reset_run(self.cfg.buffer, self.cfg.run.name)
             logger.info("redis %s: fresh run %r (%d old keys removed)", self.cfg.buffer.url,
                         self.cfg.run.name, deleted)

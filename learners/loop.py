@@ -6,6 +6,9 @@ One step reads like the algorithm::
     metrics = trainer.train_step(collate(groups))             # V → V + 1
     weights = trainer.full_state_dict()                       # collective across ranks
     rank 0: broadcaster.sync(weights, V + 1); buffer.publish_version(V + 1)
+    every checkpoint.every_steps: checkpoint.save(...)           # sharded DCP + meta.json
+
+A restarted learner first resumes from its latest checkpoint (``learners.checkpoint``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
 
     from asyncrl.models import prepare_model_dir
     from learners.backends import make_trainer
+    from learners.checkpoint import Checkpointer
     from learners.dist import init_learner_group, shutdown_learner_group
 
     stop = stop or threading.Event()
@@ -54,8 +58,13 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     try:
         model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
         trainer = make_trainer(model_dir, cfg.learner, device)
+        checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
-        _train(ctx, trainer, driver, stop)
+        _resume(ctx, checkpointer, trainer, driver)
+        _train(ctx, trainer, driver, stop, checkpointer)
+        # A stop (signal) leaves the run resumable; the end of training marks it finished.
+        checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}),
+                                    "finished": not stop.is_set()})
         state = trainer.full_state_dict()  # collective, like save_pretrained
         trainer.save_pretrained(cfg.run_dir / "final")
         if driver is not None:
@@ -65,7 +74,31 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         shutdown_learner_group()
 
 
-def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event) -> None:
+def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -> None:
+    """Load the checkpoint to resume from, if any (COLLECTIVE); rank 0 then re-syncs engines.
+
+    A buffer that outlived the learner may hold a later version B than the checkpoint's V: the
+    steps V+1..B were lost with the learner, but versions were published and the buffer's gate
+    let groups in for them. Going on from V would reuse version numbers for other weights and,
+    since the buffer refuses going backwards, keep the gate closed while V+1..B are redone
+    (a deadlock once B − V > max_staleness). So the restored weights continue as version B."""
+    if checkpointer.resume(trainer) is None:
+        return
+    reply = ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming",
+                                                         "version": trainer.version})
+    buffer_version = int(reply["version"])  # the same on every rank: no one publishes now
+    if buffer_version > trainer.version:
+        logger.warning("checkpoint version %d is behind the buffer's %d (steps %d..%d were lost "
+                       "with the learner): continuing as version %d", trainer.version,
+                       buffer_version, trainer.version + 1, buffer_version, buffer_version)
+        trainer.version = buffer_version
+    state = trainer.full_state_dict()  # collective
+    if driver is not None:
+        driver.resumed(state, trainer.version)
+
+
+def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
+           checkpointer) -> None:
     from asyncrl.models import PAD_ID
     from learners.batching import collate
     from learners.losses.filters import filter_groups, zero_loss_mask
@@ -93,6 +126,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if driver is not None:
             should_stop = driver.after_step(trainer.version, state, metrics, batch.stats,
                                             timers.pop("learner/"))
+        checkpointer.after_step(trainer, _counters(cfg, trainer.version, batch.stats))
         if _agree(should_stop or stop.is_set(), ctx.world):
             break
 
@@ -109,6 +143,13 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, share: int,
         if driver is not None:
             driver.resync_late_joiners(trainer.version)
     return None
+
+
+def _counters(cfg: Config, version: int, stats: dict) -> dict[str, Any]:
+    """The data position and the buffer's gate counters at this step, for ``meta.json``: the
+    buffer keeps the live ones; these say where a resumed run picks up."""
+    return {"groups_consumed": version * cfg.learner.groups_per_step,
+            "buffer": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
 
 
 def _consumed_versions(groups, version: int, world: int) -> dict[str, float]:
@@ -160,6 +201,13 @@ class _RankZero:
         self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
+
+    def resumed(self, state, version: int) -> None:
+        """After a restart from a checkpoint, engines that outlived the learner hold weights it
+        lost: send them the restored ones right away, and again to any that join later."""
+        self.last_state = state
+        self.broadcaster.sync(state, version)
+        self.ctx.client.publish_version(version)  # a fresh buffer learns V; a surviving one has it
 
     def after_step(self, version: int, state, metrics: dict, stats: dict,
                    phase_times: dict) -> bool:

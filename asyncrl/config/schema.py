@@ -232,6 +232,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
+        if self.learner.backend == "deepspeed" and (self.checkpoint.every_steps
+                                                    or self.checkpoint.resume):
+            raise ValueError(
+                "learner.backend = 'deepspeed' has no training checkpoints yet (they are "
+                "sharded DCP of FSDP2 modules): set checkpoint.every_steps = 0 and "
+                "checkpoint.resume = false, or use learner.backend = 'fsdp2'")
         if self.learner.groups_per_step % self.learner.ranks:
             raise ValueError(
                 f"learner.groups_per_step ({self.learner.groups_per_step}) must be divisible by "

@@ -41,6 +41,7 @@ def test_override_wins_over_file(tmp_path: Path) -> None:
     ("buffer.type=kafka", "buffer.type: Input should be 'zmq' or 'redis' (got 'kafka')"),
     ("rollout.workers=many", "rollout.workers: Input should be a valid integer"),
     ("learner.ranks=3", "learner.groups_per_step (32) must be divisible by learner.ranks (3)"),
+    ("learner.backend=deepspeed", "set checkpoint.every_steps = 0 and checkpoint.resume = false"),
 ])
 def test_errors_name_the_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:

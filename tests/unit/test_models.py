@@ -14,7 +14,14 @@ from safetensors.torch import load_file  # noqa: E402
 
 from asyncrl.config.schema import ModelConfig  # noqa: E402
 from asyncrl.models import (  # noqa: E402
-    BOS_ID, EOS_ID, PAD_ID, SEP_ID, VOCAB, build_char_tokenizer, load_causal_lm, load_tokenizer,
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    SEP_ID,
+    VOCAB,
+    build_char_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
     prepare_model_dir,
 )
 

@@ -1,0 +1,165 @@
+"""Learner checkpoints: a save/load round trip restores what the next step depends on (weights,
+AdamW moments, version, RNG), partial saves are never 'latest', and old ones are pruned."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config.schema import LearnerConfig
+from learners import checkpoint
+from learners.batching import collate
+from tests.unit.test_fsdp2 import VOCAB, make_groups
+
+CFG = LearnerConfig(lr=1e-2, grad_clip=1.0, clip_eps=0.2)
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A 1-rank gloo group in this process, torn down after the test."""
+    from learners.dist import free_port, init_learner_group, shutdown_learner_group
+
+    torch.set_num_threads(1)
+    init_learner_group(0, 1, master_port=free_port(), timeout_s=60.0)
+    try:
+        yield
+    finally:
+        shutdown_learner_group()
+
+
+def _step(trainer) -> None:
+    trainer.train_step(collate(make_groups(), std_norm=True, pad_id=0))
+
+
+def _optim_tensors(trainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _, optim = get_state_dict(trainer.model, trainer.optimizer)
+    return {f"{p}.{k}": _full(v) for p, s in optim["state"].items() for k, v in s.items()}
+
+
+def _full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_round_trip_restores_weights_optimizer_version_rng(model_dir: Path, tmp_path: Path):
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    trainer = Fsdp2Trainer(model_dir, CFG, "cpu")
+    _step(trainer)
+    _step(trainer)
+    path = checkpoint.save(trainer, tmp_path, keep=2, cfg_hash="abc", counters={"groups": 8})
+    assert path == tmp_path / "step_2" and checkpoint.latest(tmp_path) == path
+    expected_rng = (torch.rand(4), random.random())
+    _step(trainer)  # the step the resumed trainer must reproduce exactly
+    expected_weights, expected_optim = trainer.full_state_dict(), _optim_tensors(trainer)
+
+    resumed = Fsdp2Trainer(model_dir, CFG, "cpu")
+    meta = checkpoint.load(resumed, path)
+    assert (meta.version, resumed.version, meta.config_hash) == (2, 2, "abc")
+    assert meta.counters == {"groups": 8}
+    rng = (torch.rand(4), random.random())
+    torch.testing.assert_close(rng[0], expected_rng[0])
+    assert rng[1] == expected_rng[1]
+    _step(resumed)
+    assert resumed.version == 3
+    for name, tensor in resumed.full_state_dict().items():
+        torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=1e-6)
+    optim = _optim_tensors(resumed)
+    assert set(optim) == set(expected_optim)
+    for name, tensor in optim.items():
+        torch.testing.assert_close(tensor, expected_optim[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_keep_prunes_and_tmp_is_ignored(model_dir: Path, tmp_path: Path) -> None:
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    trainer = Fsdp2Trainer(model_dir, CFG, "cpu")
+    for version in (1, 2, 3):
+        trainer.version = version
+        checkpoint.save(trainer, tmp_path, keep=2)
+    assert [v for v, _ in checkpoint.step_dirs(tmp_path)] == [2, 3]
+    assert not (tmp_path / "step_1").exists()
+    partial = tmp_path / "step_9.tmp"          # a save killed half-way
+    partial.mkdir()
+    (partial / checkpoint.META).write_text("{}")
+    (tmp_path / "step_7").mkdir()              # no meta.json: not complete either
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_3"
+
+
+def test_latest_of_missing_directory_is_none(tmp_path: Path) -> None:
+    assert checkpoint.latest(tmp_path / "nothing") is None
+
+
+def test_rng_state_json_round_trip() -> None:
+    state = checkpoint.rng_state()
+    expected = (torch.rand(3), random.random())
+    checkpoint.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(3), expected[0])
+    assert random.random() == expected[1]
+
+
+def _fake_checkpoint(directory: Path, version: int, **counters) -> Path:
+    import json
+    from dataclasses import asdict
+
+    path = directory / f"step_{version}"
+    path.mkdir(parents=True)
+    meta = checkpoint.CheckpointMeta(version, 0.0, "", 1, [], counters)
+    (path / checkpoint.META).write_text(json.dumps(asdict(meta)))
+    return path
+
+
+def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path) -> None:
+    from asyncrl.config import load_config
+    from asyncrl.launch import is_resuming, write_run_dir
+
+    overrides = [f"run.output_dir={tmp_path}", "run.name=r", "learner.total_steps=20"]
+    cfg = load_config(QUICKSTART, overrides)
+    assert not is_resuming(cfg)
+    step = _fake_checkpoint(cfg.run_dir / "checkpoints", 10)
+    (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert is_resuming(cfg)
+    write_run_dir(cfg, resuming=True)           # metrics are appended to, checkpoints kept
+    assert (cfg.run_dir / "metrics.jsonl").exists() and step.exists()
+    assert not is_resuming(load_config(QUICKSTART,
+                                       [*overrides, "checkpoint.resume=false"]))
+    checkpoint._update_counters(step, {"finished": True})
+    assert not is_resuming(cfg)                 # a finished run: `up` starts a new one
+    assert is_resuming(load_config(QUICKSTART,
+                                   [*overrides, f'checkpoint.path="{step}"']))
+    write_run_dir(cfg, resuming=False)
+    assert not (cfg.run_dir / "checkpoints").exists() and not is_resuming(cfg)
+    assert not (cfg.run_dir / "metrics.jsonl").exists()
+
+
+def test_cli_resume_sets_checkpoint_path(tmp_path: Path) -> None:
+    from asyncrl.cli import _parser, _resume_override
+    from asyncrl.config import load_config
+
+    args = _parser().parse_args(["learner", str(QUICKSTART), "--resume",
+                                 str(tmp_path / "step_5")])
+    cfg = load_config(args.config, args.overrides + _resume_override(args))
+    assert cfg.checkpoint.path == str(tmp_path / "step_5")
+    with pytest.raises(FileNotFoundError):
+        checkpoint.resume_point(cfg.checkpoint, cfg.run_dir)
