@@ -13,6 +13,8 @@ to one consumer that takes batches of ``--batch`` groups:
   ``zmq.proxy`` in its own process (the broker's topology: the bytes cross loopback twice).
 - ``redis`` / ``redis raw``: the asyncrl Redis backend; raw ``XADD`` / ``XREADGROUP`` +
   ``XACK`` + ``XDEL`` of the same five fields on a unique stream key (deleted afterwards).
+- ``zmq-put-many`` / ``redis-put-many``: the backend with producers calling
+  ``put_many`` of 8 groups (one engine batch, as the rollout worker does) instead of ``put``.
 
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
 runs in this process, the ZMQ broker in another). The gate never closes (``max_staleness``
@@ -391,10 +393,10 @@ def redis_available(spec: Spec) -> tuple[bool, bool]:
 
 
 ROWS = ("zmq-raw", "zmq-raw-packed", "zmq-raw-2hop", "zmq", "zmq-put-many", "zmq-spill",
-        "redis-raw", "redis")
+        "redis-raw", "redis", "redis-put-many")
 ZMQ_RAW = ("zmq-raw", "zmq-raw-packed")
 RAW_OF = {"zmq-raw-2hop": ZMQ_RAW, "zmq": ZMQ_RAW, "zmq-put-many": ZMQ_RAW,
-          "zmq-spill": ZMQ_RAW, "redis": ("redis-raw",)}
+          "zmq-spill": ZMQ_RAW, "redis": ("redis-raw",), "redis-put-many": ("redis-raw",)}
 PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
 
 
@@ -412,6 +414,8 @@ def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Names
                                                     spill_dir=args.spill_dir), producers, seconds),
         "redis-raw": lambda: bench_redis_raw(ctx, spec, producers, seconds),
         "redis": lambda: bench_redis(ctx, spec, producers, seconds),
+        "redis-put-many": lambda: bench_redis(ctx, replace(spec, put_many=PUT_MANY), producers,
+                                              seconds),
     }[name]
 
 
@@ -421,6 +425,7 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
     label = f"{spec.samples}×{spec.tokens} ({size / 1e6:.2f} MB)"
     raw_redis, redis_backend = redis_available(spec)
     missing = {"redis-raw": not raw_redis, "redis": not redis_backend,
+               "redis-put-many": not redis_backend,
                "zmq-spill": not args.spill_dir}
     names = [n for n in ROWS if (not args.only or n in args.only) and not missing.get(n)]
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -432,7 +437,8 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
         if args.only and name not in args.only:
             continue
         if missing.get(name):
-            what = {"redis": "redis backend", "redis-raw": "redis server"}.get(name)
+            what = {"redis": "redis backend", "redis-put-many": "redis backend",
+                    "redis-raw": "redis server"}.get(name)
             if what is None:
                 continue  # zmq-spill without --spill-dir: not asked for
             print(f"| {label} | {producers} | {name} | {what} not available | | |")

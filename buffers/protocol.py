@@ -7,6 +7,7 @@ A client object implements both; it is not thread-safe, so each thread opens its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,7 +49,24 @@ class Buffer(Protocol):
         in flight until :meth:`put` or :meth:`release`."""
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
-        """Hand one finished group in (it leaves ``in_flight``)."""
+        """Hand one finished group in (it leaves ``in_flight``). While the buffer holds
+        ``max_groups`` the put waits (backpressure; data is never trimmed) and raises
+        :class:`TimeoutError` after ``buffer.request_timeout_s``."""
+
+    def put_many(self, producer: str, groups: Sequence[TrajectoryGroup]) -> list[PutResult]:
+        """Hand several groups in: one result per group, in order, exactly as calling
+        :meth:`put` for each in turn would give (FIFO, backpressure, counted rejections),
+        but without a round trip per group, which is what limits a producer on loopback.
+
+        All or error: results come back only when every group has its answer. On
+        :class:`TimeoutError` (the buffer stayed full for ``request_timeout_s`` with no
+        progress, or the server did not answer) the groups of the call are *in doubt*: each
+        may or may not have been accepted (at most once). The caller must treat all their
+        slots as used: put none of them again (a duplicate) and release none (it could free
+        slots of groups that were accepted, over-filling the gate). The clean way out is the
+        rollout worker's: let the error end the producer; the gate's in-flight for its
+        unaccepted groups is then reaped by the heartbeat timeout, as a dead producer's is.
+        """
 
     def release(self, producer: str, count: int) -> None:
         """Give back granted groups that will never be put (filtered, failed)."""

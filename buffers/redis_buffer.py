@@ -23,7 +23,8 @@ Choices worth knowing:
   ``get_key`` on a notification stream; the position is read atomically with the check, so a
   write in between is never missed. A full buffer makes ``put`` poll with a backoff of up to
   0.2 s (acks are not announced), then raise :class:`TimeoutError` after
-  ``request_timeout_s``: unread data is never trimmed.
+  ``request_timeout_s``: unread data is never trimmed. ``put_many`` (``put`` is one of
+  one) pays one round trip per ``PUT_WINDOW`` groups; the script takes them in order.
 - ``gate_closed_s`` is accrued by the scripts that change the gate, so a transition caused
   only by time (a producer declared dead) is noticed at the next call of any client.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
@@ -46,10 +47,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
-from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group, encode_group
+from asyncrl.wire import Rejections, TrajectoryGroup, WireError, encode_group
 from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
 from buffers.redis_connect import connect
-from buffers.redis_entries import decode_entry, entry_order
+from buffers.redis_entries import decode_entry, entry_order, put_args, put_results
 from buffers.redis_scripts import GROUP, PRELUDE, SCRIPTS, RedisKeys
 from buffers.redis_status import assemble_status, batch_stats
 
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 RUN_STATUS_KEY = "run/status"
 PUT_BACKOFF_S = (0.01, 0.2)  # first and largest wait while the buffer is full
+PUT_WINDOW = 8  # put_many: groups per script call (each call blocks Redis while it runs)
 
 
 class BufferRefused(RuntimeError):
@@ -121,39 +123,46 @@ class RedisBufferClient:
         self._run("release", producer, max(0, count))
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
-        return self.put_frames(producer, encode_group(group))
+        return self.put_many(producer, [group])[0]
 
     def put_frames(self, producer: str, frames: Sequence[bytes]) -> PutResult:
         """Put already-encoded frames; validated here, and again by consumers."""
-        frames = [bytes(f) for f in frames]
-        try:
-            size = sum(len(f) for f in frames)
-            if size > self.config.max_message_bytes:
-                raise WireError("oversized", f"{size} bytes > max_message_bytes "
-                                             f"{self.config.max_message_bytes}")
-            group = decode_group(frames)
-        except WireError as exc:
-            self._rejections.add(exc, producer)
-            self._run("reject", producer, exc.reason)
-            return PutResult(accepted=False, reason=exc.reason)
-        return self._put_waiting(producer, group, frames)
+        args = put_args(frames, self.config.max_message_bytes, self._rejections, producer)
+        return self._put_items(producer, [args])[0]
 
-    def _put_waiting(self, producer: str, group: TrajectoryGroup,
-                     frames: list[bytes]) -> PutResult:
+    def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
+                 window: int = PUT_WINDOW) -> list[PutResult]:
+        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>` with one script call
+        per ``window`` groups (a bound on how long one call blocks Redis). All or error."""
+        if window < 1:
+            raise ValueError(f"window {window} must be >= 1")
+        items = [put_args(encode_group(group), self.config.max_message_bytes, self._rejections,
+                          producer) for group in groups]
+        return self._put_items(producer, items, window)
+
+    def _put_items(self, producer: str, items: list[list[Any]],
+                   window: int = PUT_WINDOW) -> list[PutResult]:
+        """Send ``items`` in windows; while the buffer is full, poll with a backoff; give up
+        after ``request_timeout_s`` without progress (the rest then stays unaccepted)."""
+        results: list[PutResult] = []
         deadline = time.monotonic() + self.config.request_timeout_s
         delay = PUT_BACKOFF_S[0]
-        while True:
-            ok, value = self._run("put", producer, group.min_version(), group.run_id, *frames)
-            if ok:
-                return PutResult(accepted=True)
-            if value != b"full":
-                return PutResult(accepted=False, reason=value.decode())
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(f"redis buffer {self.keys.namespace}: still full "
-                                   f"(max_groups={self.config.max_groups}) after "
+        while len(results) < len(items):
+            window_items = items[len(results):len(results) + window]
+            done, full = put_results(self._run("put_many", producer,
+                                               *[arg for item in window_items for arg in item]))
+            results += done
+            if done:  # progress: the timeout counts from here, like a fresh put
+                deadline = time.monotonic() + self.config.request_timeout_s
+                delay = PUT_BACKOFF_S[0]
+            if full and time.monotonic() + delay > deadline:
+                raise TimeoutError(f"redis buffer {self.keys.namespace}: still full (max_groups="
+                                   f"{self.config.max_groups}) after "
                                    f"{self.config.request_timeout_s:.1f}s")
-            time.sleep(delay)  # backpressure: wait for learners to ack
-            delay = min(PUT_BACKOFF_S[1], delay * 2)
+            if full:
+                time.sleep(delay)  # backpressure: wait for learners to ack
+                delay = min(PUT_BACKOFF_S[1], delay * 2)
+        return results
 
     # --- learners -------------------------------------------------------------------------
 

@@ -31,42 +31,43 @@ gate_update(now)
 return 1
 """
 
-REJECT = """
--- A put refused before it reached the stream: counted by reason, the slot is used up.
-local now = now_ms()
-touch(ARGV[5], now)
-redis.call('HINCRBY', K_REJECTED, ARGV[6], 1)
-add_in_flight(ARGV[5], -1)
-gate_update(now)
-return 1
-"""
-
-PUT = """
--- ARGV: producer, minv, run_id, then the 5 frames. Returns {1, id} | {0, reason}.
+PUT_MANY = """
+-- ARGV: producer, then 8 per group: reason ('' unless the client already rejected it), minv,
+-- run_id, the 5 frames. Groups are handled in order, each exactly as a single put: a
+-- rejection is counted and uses its slot up; an accepted group is added to both streams.
+-- Stops at the first valid group that finds the buffer full (backpressure: never trim): its
+-- result is {0, 'full'} and it and the rest are untouched, for the client to send again.
+-- Returns one {1, id} | {0, reason} per group handled.
 local producer = ARGV[5]
 local now = now_ms()
 touch(producer, now)
 local run_id = redis.call('HGET', K_STATE, 'run_id') or ''
-local reason = nil
-if run_status() ~= 'running' then reason = 'run'
-elseif run_id ~= '' and ARGV[7] ~= '' and ARGV[7] ~= run_id then reason = 'run' end
-if reason then
-  redis.call('HINCRBY', K_REJECTED, reason, 1)
-  add_in_flight(producer, -1)
-  gate_update(now)
-  return {0, reason}
+local running = run_status() == 'running'
+local results = {}
+for i = 6, #ARGV, 8 do
+  local reason, minv, group_run = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if reason == '' and (not running or (run_id ~= '' and group_run ~= '' and
+                                       group_run ~= run_id)) then reason = 'run' end
+  if reason ~= '' then
+    redis.call('HINCRBY', K_REJECTED, reason, 1)
+    add_in_flight(producer, -1)
+    table.insert(results, {0, reason})
+  elseif redis.call('XLEN', K_GROUPS) >= MAX_GROUPS then
+    redis.call('HINCRBY', K_STATE, 'put_full', 1)
+    table.insert(results, {0, 'full'})
+    break
+  else
+    local id = redis.call('XADD', K_GROUPS, '*', 'h', ARGV[i + 3], 't', ARGV[i + 4],
+                          'l', ARGV[i + 5], 'm', ARGV[i + 6], 'v', ARGV[i + 7], 'minv', minv,
+                          'p', producer)
+    redis.call('XADD', K_INDEX, id, 'minv', minv)
+    redis.call('HINCRBY', K_STATE, 'accepted', 1)
+    add_in_flight(producer, -1)
+    table.insert(results, {1, id})
+  end
 end
-if redis.call('XLEN', K_GROUPS) >= MAX_GROUPS then  -- backpressure: the producer waits
-  redis.call('HINCRBY', K_STATE, 'put_full', 1)
-  return {0, 'full'}
-end
-local id = redis.call('XADD', K_GROUPS, '*', 'h', ARGV[8], 't', ARGV[9], 'l', ARGV[10],
-                      'm', ARGV[11], 'v', ARGV[12], 'minv', ARGV[6], 'p', producer)
-redis.call('XADD', K_INDEX, id, 'minv', ARGV[6])
-redis.call('HINCRBY', K_STATE, 'accepted', 1)
-add_in_flight(producer, -1)
 gate_update(now)
-return {1, id}
+return results
 """
 
 TAKE = """

@@ -8,10 +8,39 @@ counted rejection, never a crashed learner or a batch trained on garbage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from asyncrl.wire import TrajectoryGroup, WireError, decode_group
+from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group
+from buffers.protocol import PutResult
 
 FRAME_FIELDS = (b"h", b"t", b"l", b"m", b"v")  # the 5 wire frames, in order
+
+
+def put_args(frames: Sequence[bytes], max_message_bytes: int, rejections: Rejections,
+             producer: str) -> list[Any]:
+    """The put_many script's 8 arguments for one group: reason, minv, run_id, the 5 frames.
+    Oversized or malformed frames are counted in ``rejections`` and sent as a bare reason,
+    so that the script counts them too, in order with the producer's other puts."""
+    frames = [bytes(f) for f in frames]
+    try:
+        size = sum(len(f) for f in frames)
+        if size > max_message_bytes:
+            raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
+        group = decode_group(frames)
+    except WireError as exc:
+        rejections.add(exc, producer)
+        return [exc.reason, "", "", *[b""] * len(FRAME_FIELDS)]
+    return ["", group.min_version(), group.run_id, *frames]
+
+
+def put_results(answers: Sequence[Sequence[Any]]) -> tuple[list[PutResult], bool]:
+    """A put_many script's answers as results, and whether it stopped at a full buffer (the
+    group that found it full gets no result: it was not handled)."""
+    results = [PutResult(accepted=bool(ok), reason="" if ok else value.decode())
+               for ok, value in answers]
+    if results and results[-1].reason == "full":
+        return results[:-1], True
+    return results, False
 
 
 def decode_entry(fields: Sequence[bytes], max_message_bytes: int) -> TrajectoryGroup:

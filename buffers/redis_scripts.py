@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT, REJECT, RELEASE, TAKE
+from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, TAKE
 
 GROUP = "learners"
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "groups", "index", "rejected",
@@ -184,7 +184,7 @@ gate_update(now)
 return 1
 """
 
-SCRIPTS = {"init": INIT, "acquire": ACQUIRE, "release": RELEASE, "reject": REJECT, "put": PUT,
+SCRIPTS = {"init": INIT, "acquire": ACQUIRE, "release": RELEASE, "put_many": PUT_MANY,
            "take": TAKE, "discard": DISCARD, "ack": ACK, "publish_version": PUBLISH_VERSION,
            "heartbeat": HEARTBEAT, "set_key": SET_KEY, "reap": REAP}
 """Script name → body; each runs as ``PRELUDE + body``."""

@@ -9,9 +9,10 @@ Delivery is at-least-once: every :class:`~buffers.protocol.Batch` carries receip
 :meth:`ZmqBufferClient.ack` after the optimizer step settles them; unacked groups come back
 after ``buffer.reclaim_idle_s``. A put into a full buffer waits (backpressure) up to the
 request timeout and then raises :class:`TimeoutError`: the group was not accepted and is still
-the producer's to put again or release. A group travels as one packed frame
-(:func:`~buffers.zmq_protocol.pack_group`): one copy when the producer packs it, none after
-(the consumer's arrays are views of the received frame).
+the producer's to put again or release (:meth:`ZmqBufferClient.put_many` is all or error:
+after a TimeoutError its groups are in doubt, see :class:`~buffers.protocol.Buffer`). A group
+travels as one packed frame (:func:`~buffers.zmq_protocol.pack_group`): one copy when the
+producer packs it, none after (the consumer's arrays are views of the received frame).
 """
 
 from __future__ import annotations
@@ -158,9 +159,15 @@ class ZmqBufferClient:
 
     def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
                  window: int = PUT_WINDOW) -> list[PutResult]:
-        """Put several groups with up to ``window`` requests in flight (the broker still
-        accepts them in order), so encoding and sending overlap the broker's work. A
-        TimeoutError leaves it unknown which of the groups were accepted."""
+        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>`: up to ``window``
+        put requests in flight, so encoding and sending overlap the broker's work while the
+        broker still takes them in order (parking them, in order, while it is full).
+
+        All or error, as the protocol says: a put that waited ``timeout_s`` for room, or no
+        reply at all, raises :class:`TimeoutError` with the groups in doubt (puts already
+        sent may still be accepted after it; the rest are never sent)."""
+        if window < 1:
+            raise ValueError(f"window {window} must be >= 1")
         args = {"producer": producer, "timeout_s": self.timeout_s}
         sent: list[bytes] = []
         replies: dict[bytes, Reply] = {}
@@ -169,7 +176,8 @@ class ZmqBufferClient:
                 replies.update(self._receive(set(sent) - replies.keys(), "put",
                                              PUT_MARGIN_S, want=1))
             sent.append(self._send("put", args, [pack_group(encode_group(group))]))
-        replies.update(self._receive(set(sent) - replies.keys(), "put", PUT_MARGIN_S))
+        if len(replies) < len(sent):
+            replies.update(self._receive(set(sent) - replies.keys(), "put", PUT_MARGIN_S))
         return [PutResult(accepted=replies[i].body["accepted"], reason=replies[i].body["reason"])
                 for i in sent]
 

@@ -91,11 +91,10 @@ def _loop(cfg: Config, member: str, engine, task, client: BufferClient,
                                  cfg.rollout.group_size, cfg.rollout.temperature,
                                  cfg.rollout.max_new_tokens, run_id=cfg.run.name)
         stats.generate_s += time.perf_counter() - start
-        for group in groups:
-            result = client.put(member, group)
-            stats.groups += result.accepted
-            stats.rejected += not result.accepted
-            tokens.add(group.num_generated)
+        results = client.put_many(member, groups)  # one round trip per window, not per group
+        stats.groups += sum(r.accepted for r in results)
+        stats.rejected += sum(not r.accepted for r in results)
+        tokens.add(sum(group.num_generated for group in groups))
     client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), "state": "stopped"})
 
 

@@ -260,6 +260,63 @@ def test_a_put_into_a_full_buffer_times_out_and_keeps_the_data(backend):
     assert take_all(learner, 2, count=2) == ["g0", "g1"]
 
 
+def test_put_many_answers_each_group_in_order_and_keeps_fifo(backend):
+    c = backend.start(groups_per_step=16).client()
+    assert c.put_many("a", []) == []
+    first = [make_group(f"a-{i:02d}") for i in range(11)]  # more than one window
+    results = c.put_many("a", first)
+    assert results == [PutResult(accepted=True)] * len(first)
+    c.put("b", make_group("b-00"))
+    assert c.put_many("a", [make_group("a-11")]) == [PutResult(accepted=True)]
+    order = [g.group_id for g in first] + ["b-00", "a-11"]
+    assert take_all(c, len(order), count=1) == order
+    status = c.status()
+    assert (status["accepted"], status["consumed"], status["depth"]) == (13, 13, 0)
+
+
+def test_put_many_mixed_groups_get_per_group_results_and_counted_rejections(backend):
+    c = backend.start(groups_per_step=8, max_message_bytes=2048).client()
+    assert c.acquire("w", 5, 0).granted == 5
+    other_run = make_group("other")
+    other_run.run_id = "not-this-run"
+    groups = [make_group("good-0"), make_group("big", tokens=300),
+              make_group("nan", reward=math.nan), other_run, make_group("good-1")]
+    results = c.put_many("w", groups)
+    assert [r.accepted for r in results] == [True, False, False, False, True]
+    assert results[1].reason == "oversized" and results[3].reason == "run"
+    assert results[2].reason in {"reward", "header"}  # orjson writes NaN as null
+    status = c.status()
+    assert status["rejected"] == dict(Counter(r.reason for r in results if not r.accepted))
+    assert (status["accepted"], status["in_flight"]) == (2, 0)  # every slot was used up
+    assert ids(c.get_batch("learner", 2, 0, timeout_s=5.0)) == ["good-0", "good-1"]
+
+
+def test_put_many_waits_on_backpressure_in_order_and_never_trims(backend):
+    d = backend.start(groups_per_step=16, max_groups=3)
+    producer, learner = d.client(), d.client()
+    groups = [make_group(f"g{i}") for i in range(7)]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(producer.put_many, "w", groups)
+        with pytest.raises(FutureTimeout):
+            future.result(timeout=0.5)  # room for 3 of 7: the call waits
+        served = take_all(learner, len(groups), count=1)
+        assert future.result(timeout=10) == [PutResult(accepted=True)] * len(groups)
+    assert served == [g.group_id for g in groups]
+    status = learner.status()
+    assert (status["accepted"], status["rejected"], status["depth"]) == (7, {}, 0)
+
+
+def test_put_many_into_a_full_buffer_raises_timeout_and_keeps_the_data(backend):
+    d = backend.start(groups_per_step=8, max_groups=2)
+    producer = d.client(request_timeout_s=0.5)
+    with pytest.raises(TimeoutError):
+        producer.put_many("w", [make_group(f"g{i}") for i in range(3)])
+    learner = d.client()
+    assert take_all(learner, 2, count=2) == ["g0", "g1"]  # accepted ones are never trimmed
+    assert learner.get_batch("learner", 1, 0, timeout_s=0.3) is None
+    assert learner.status()["accepted"] == 2  # here the group that found it full was not
+
+
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
 def test_restart_loses_nothing_accepted_and_unacked(backend, kill):
     d = backend.start(groups_per_step=8, reclaim_idle_s=0.5)
