@@ -230,6 +230,17 @@ class VLLMEngine:
         return torch.tensor(values)
 
     def close(self) -> None:
-        """Shut the engine core down (frees the KV cache); the engine is unusable afterwards."""
+        """Shut the engine core down (frees the KV cache); the engine is unusable afterwards.
+
+        In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM also set up torch.distributed's
+        default group and its own parallel groups in *this* process: release them too, or
+        anything later in the process that starts a group (a learner, a test) finds one."""
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
         with self._lock:
             self._engine.engine_core.shutdown()
+            destroy_model_parallel()
+            destroy_distributed_environment()

@@ -71,9 +71,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_model_dir(model_cfg, tmp_path_factory.mktemp("vllm-run"), seed=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_engine(vllm_env: dict[str, str], tiny_model_dir: Path) -> Iterator[object]:
-    """One in-process vLLM engine shared by the session (start costs seconds)."""
+    """One in-process vLLM engine per module (start costs seconds). Not per session: the
+    engine holds torch.distributed's default group in this process until it is closed, and
+    later tests (learners) start groups of their own."""
     import time
 
     import torch
