@@ -8,24 +8,14 @@ vLLM's CPU attention kernels need a head size >= 32, so the tiny model runs with
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.engines.conftest import TINY_SETS
-from tests.integration.conftest import QUICKSTART, Processes
+from tests.integration.conftest import QUICKSTART, Processes, processes  # noqa: F401
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
 
 
 @pytest.mark.xfail(strict=False, reason=(

@@ -13,24 +13,10 @@ import torch
 from asyncrl.config.schema import LearnerConfig
 from learners import checkpoint
 from learners.batching import collate
-from tests.unit.test_fsdp2 import VOCAB, make_groups
+from tests.unit.test_fsdp2 import make_groups, tiny_model_dir  # noqa: F401 (fixture)
 
 CFG = LearnerConfig(lr=1e-2, grad_clip=1.0, clip_eps=0.2)
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return path
-
 
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
@@ -61,10 +47,10 @@ def _full(value):
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_round_trip_restores_weights_optimizer_version_rng(model_dir: Path, tmp_path: Path):
+def test_round_trip_restores_weights_optimizer_version_rng(tiny_model_dir: Path, tmp_path: Path):
     from learners.backends.fsdp2 import Fsdp2Trainer
 
-    trainer = Fsdp2Trainer(model_dir, CFG, "cpu")
+    trainer = Fsdp2Trainer(tiny_model_dir, CFG, "cpu")
     _step(trainer)
     _step(trainer)
     path = checkpoint.save(trainer, tmp_path, keep=2, cfg_hash="abc", counters={"groups": 8})
@@ -73,7 +59,7 @@ def test_round_trip_restores_weights_optimizer_version_rng(model_dir: Path, tmp_
     _step(trainer)  # the step the resumed trainer must reproduce exactly
     expected_weights, expected_optim = trainer.full_state_dict(), _optim_tensors(trainer)
 
-    resumed = Fsdp2Trainer(model_dir, CFG, "cpu")
+    resumed = Fsdp2Trainer(tiny_model_dir, CFG, "cpu")
     meta = checkpoint.load(resumed, path)
     assert (meta.version, resumed.version, meta.config_hash) == (2, 2, "abc")
     assert meta.counters == {"groups": 8}
@@ -91,10 +77,10 @@ def test_round_trip_restores_weights_optimizer_version_rng(model_dir: Path, tmp_
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_keep_prunes_and_tmp_is_ignored(model_dir: Path, tmp_path: Path) -> None:
+def test_keep_prunes_and_tmp_is_ignored(tiny_model_dir: Path, tmp_path: Path) -> None:
     from learners.backends.fsdp2 import Fsdp2Trainer
 
-    trainer = Fsdp2Trainer(model_dir, CFG, "cpu")
+    trainer = Fsdp2Trainer(tiny_model_dir, CFG, "cpu")
     for version in (1, 2, 3):
         trainer.version = version
         checkpoint.save(trainer, tmp_path, keep=2)
