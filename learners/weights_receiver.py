@@ -137,8 +137,21 @@ class WeightReceiver:
                                                      "store": group_id[0]})
 
     def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
-        """The epoch handshake (join → go), then the group. False if the epoch went on
-        without us (stale announcement, no-go, or no answer in time)."""
+        """The epoch handshake, then the group. False if the epoch went on without us."""
+        if not self._handshake(ann):
+            return False
+        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
+        self._store = dial_store(store, timeout_s)
+        self._group = new_group(ann.get("transport", "gloo"), self._store, epoch, rank, world,
+                                timeout_s, self._host)
+        self._group_id = (store, epoch)
+        logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
+        return True
+
+    def _handshake(self, ann: dict[str, Any]) -> bool:
+        """Join → go through the control plane, before anyone creates the epoch's group.
+        False if the epoch went on without us (stale announcement, no-go, or no answer in
+        time). Shared with peers whose group member is another process (SGLang)."""
         store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
         current = self._control.get_key(GROUP_KEY, 0, 0.0)
         if current is not None and current[1].get("store") == store \
@@ -151,14 +164,8 @@ class WeightReceiver:
             lambda v: v.get("store") == store and v.get("epoch", -1) >= epoch,
             time.monotonic() + 2 * timeout_s, current[0] if current else 0, self._stop,
             self._poll_s)
-        if decision is None or decision.get("epoch") != epoch or not decision.get("go"):
-            return False
-        self._store = dial_store(store, timeout_s)
-        self._group = new_group(ann.get("transport", "gloo"), self._store, epoch, rank, world,
-                                timeout_s, self._host)
-        self._group_id = (store, epoch)
-        logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
-        return True
+        return decision is not None and decision.get("epoch") == epoch \
+            and bool(decision.get("go"))
 
     def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
         """Every bucket into the pool: all broadcasts are posted first (they complete in

@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 
 from buffers.protocol import ControlPlane
-from learners.weights_group import GROUP_KEY, await_key, join_key
 from learners.weights_plan import BucketPlan
 from learners.weights_receiver import WeightReceiver
 from rollouters.engines.base import Completion
@@ -249,19 +248,9 @@ class SglangWeightPeer(WeightReceiver):
 
     def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
         """The same handshake as :class:`WeightReceiver`, then the server joins the group."""
-        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
-        current = self._control.get_key(GROUP_KEY, 0, 0.0)
-        if current is not None and current[1].get("store") == store \
-                and current[1].get("epoch", -1) >= epoch:
+        if not self._handshake(ann):
             return False
-        self._control.set_key(join_key(self.member), {"epoch": epoch, "store": store})
-        decision = await_key(
-            self._control, GROUP_KEY,
-            lambda v: v.get("store") == store and v.get("epoch", -1) >= epoch,
-            time.monotonic() + 2 * timeout_s, current[0] if current else 0, self._stop,
-            self._poll_s)
-        if decision is None or decision.get("epoch") != epoch or not decision.get("go"):
-            return False
+        store, epoch = ann["store"], int(ann["epoch"])
         host, port = store.rsplit(":", 1)
         self.engine.init_weights_update_group(host, int(port), rank, world, f"epoch{epoch}",
                                               ann.get("transport", "gloo"))
