@@ -26,11 +26,16 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
         return p
 
-    up = role("up", "start buffer, learner and rollout workers locally and show progress")
+    up = role("up", "start buffer, learner and rollout workers (locally or on Ray) and show "
+                    "progress")
+    up.add_argument("--dry-run", action="store_true",
+                    help="print what the launcher (launcher.type) would start, start nothing")
     role("buffer", "run the ZMQ broker").add_argument(
         "--address-file", type=Path, help="write the bound address here (for port = 0)")
     learner = role("learner", "run the learner ranks")
     learner.add_argument("--buffer", help="tcp://host:port")
+    for flag, key, kind, help_ in _LEARNER_FLAGS:
+        learner.add_argument(flag, dest=key, type=kind, help=f"{help_} (learner.{key})")
     for p in (up, learner):
         p.add_argument("--resume", type=Path, metavar="PATH",
                        help="resume from this checkpoint directory (default: the run's latest "
@@ -44,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
         p = role(name, help_, config_required=False)
         p.add_argument("--buffer", help="tcp://host:port (default: from the run directory)")
         p.add_argument("--json", action="store_true", help="raw JSON (status)")
+    plot = sub.add_parser("plot", help="write PNG curves of a run (reward, staleness, "
+                                       "throughput, idle ratios)")
+    plot.add_argument("run_dir", type=Path, help="run directory (holds metrics.jsonl)")
+    plot.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/plots)")
+    evaluate = role("eval", "run the held-out validation (val/test_score/<task>) on a checkpoint")
+    evaluate.add_argument("--checkpoint", type=Path, required=True, metavar="PATH",
+                          help="an HF model directory (runs/<name>/final) or a learner "
+                               "checkpoint (runs/<name>/checkpoints/step_<V>)")
     config = sub.add_parser("config", help="inspect configs")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
@@ -71,20 +84,40 @@ def buffer_address(cfg: Config, explicit: str | None) -> str | None:
 def _dispatch(args: argparse.Namespace) -> int:
     from asyncrl import roles
 
+    if args.command == "plot":
+        from asyncrl.plot import plot_run
+
+        for path in plot_run(args.run_dir, args.out):
+            sys.stdout.write(f"{path}\n")
+        return 0
     if args.command == "config":
         sys.stdout.write(to_toml(load_config(args.config, args.overrides)))
         return 0
-    cfg = load_config(args.config, args.overrides + _resume_override(args))
+    cfg = load_config(args.config,
+                      args.overrides + _resume_override(args) + _learner_overrides(args))
     roles.setup_logging(args.command)
-    if args.command == "up":
-        from asyncrl.launch import LocalLauncher
+    if args.command in ("up", "learner"):
+        from asyncrl.sinks import check_sinks
 
-        return LocalLauncher(cfg).up()
+        check_sinks(cfg.monitor)  # a missing optional package fails here, not mid-run
+    if args.command == "up":
+        from asyncrl.launch import make_launcher
+
+        launcher = make_launcher(cfg)
+        if args.dry_run:
+            sys.stdout.write("\n".join(launcher.plan()) + "\n")
+            return 0
+        return launcher.up()
     if args.command == "buffer":
         if cfg.buffer.type != "zmq":
             raise ConfigError(f"buffer.type = {cfg.buffer.type!r}: Redis is the broker, there is "
                               "no `asyncrl buffer` process to run; point the roles at buffer.url")
         return roles.serve_buffer(cfg, args.address_file)
+    if args.command == "eval":
+        from rollouters.eval import run_eval
+
+        sys.stdout.write(json.dumps(run_eval(cfg, args.checkpoint), indent=2) + "\n")
+        return 0
     if args.command in ("monitor", "status"):
         return _observe(cfg, args)
     address = buffer_address(cfg, args.buffer)
@@ -92,6 +125,27 @@ def _dispatch(args: argparse.Namespace) -> int:
         return roles.run_learner(cfg, address)
     return roles.run_rollout(cfg, address, args.workers or cfg.rollout.workers,
                              args.first_index)
+
+
+# torchrun-style flags of `asyncrl learner`: each is a --set of the learner section, so a node's
+# topology is also visible in `asyncrl config show` and validated with the config.
+_LEARNER_FLAGS = (
+    ("--nnodes", "nnodes", int, "learner nodes in the job"),
+    ("--node-rank", "node_rank", int, "this node's index, 0 .. nnodes-1"),
+    ("--nproc-per-node", "ranks", int, "training ranks on this node"),
+    ("--master-addr", "master_addr", str, "host of global rank 0's rendezvous"),
+    ("--master-port", "master_port", int, "rendezvous port, the same on every node"),
+)
+
+
+def _learner_overrides(args: argparse.Namespace) -> list[str]:
+    """The torchrun-style flags given, as ``learner.KEY=VALUE`` overrides."""
+    out = []
+    for _, key, _, _ in _LEARNER_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            out.append(f"learner.{key}={json.dumps(value)}")
+    return out
 
 
 def _resume_override(args: argparse.Namespace) -> list[str]:
@@ -102,17 +156,21 @@ def _resume_override(args: argparse.Namespace) -> list[str]:
 
 
 def _observe(cfg: Config, args: argparse.Namespace) -> int:
-    from asyncrl.monitor import render, watch
+    from asyncrl.monitor import make_view, print_status, watch
     from asyncrl.roles import stop_on_signals
     from buffers import connect_buffer
 
     client = connect_buffer(cfg, buffer_address(cfg, args.buffer))
     try:
         if args.command == "monitor":
-            watch(client, cfg.launcher.refresh_s / 2, stop_on_signals())
+            view = make_view(cfg.monitor, sys.stdout, cfg.run_dir, lines=False)
+            watch(client, view, cfg.launcher.refresh_s / 2, stop_on_signals())
             return 0
         status = client.status()
-        sys.stdout.write((json.dumps(status, indent=2) if args.json else render(status)) + "\n")
+        if args.json:
+            sys.stdout.write(json.dumps(status, indent=2) + "\n")
+        else:
+            print_status(status, cfg.monitor, cfg.run_dir)
         return 0
     finally:
         client.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from typing import IO
 
 from asyncrl.config import Config
 from asyncrl.config.load import to_toml
-from asyncrl.monitor import progress_line
+from asyncrl.metrics import val_score_key
+from asyncrl.monitor import make_view
+from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,14 @@ class Role:
     name: str
     proc: subprocess.Popen
     log: IO[bytes]
+    args: tuple[str, ...] = ()
+    started: float = 0.0
+    budget: RestartBudget | None = None  # None: a crash of this role ends the run
+    restart_at: float | None = None
+
+
+class RoleFailed(RuntimeError):
+    """A role that may not be restarted (the learner), or is out of restarts, died."""
 
 
 def is_resuming(cfg: Config) -> bool:
@@ -48,6 +59,12 @@ def is_resuming(cfg: Config) -> bool:
     meta = read_meta(path)
     finished = meta.counters.get("finished", False) or meta.version >= cfg.learner.total_steps
     return bool(cfg.checkpoint.path) or not finished
+
+
+def run_dir_note(cfg: Config) -> str:
+    """Where a stopped run is, and whether `asyncrl up` would resume it (for failure lines)."""
+    resumable = " (resumable: run `asyncrl up` again)" if is_resuming(cfg) else ""
+    return f"run directory {cfg.run_dir}{resumable}"
 
 
 def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
@@ -74,9 +91,12 @@ class LocalLauncher:
         self.roles: list[Role] = []
         self.stop = threading.Event()
         self.resuming = False
+        self.policy = RestartPolicy.from_config(cfg.launcher)
+        self.address: str | None = None
 
     def up(self) -> int:
-        """Run to completion (or until a signal); returns the learner's exit code."""
+        """Run to completion (or until a signal); returns the learner's exit code, or 1 when
+        a role failed for good (the cause in one line, the run directory resumable)."""
         self.resuming = is_resuming(self.cfg)
         config_path = write_run_dir(self.cfg, self.resuming)
         (self.cfg.run_dir / "logs").mkdir(exist_ok=True)
@@ -85,13 +105,18 @@ class LocalLauncher:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop.set())
         try:
-            address = self._start_buffer(config_path, address_file)
+            self.address = self._start_buffer(config_path, address_file)
             self._prepare_model()
-            at = ["--buffer", address] if address else []
+            at = ["--buffer", self.address] if self.address else []
             learner = self._start("learner", config_path, *at)
-            self._start("rollout", config_path, *at, "--workers", str(self.cfg.rollout.workers))
-            self._supervise(learner, address)
+            self._start("rollout", config_path, *at, "--workers", str(self.cfg.rollout.workers),
+                        restartable=True)
+            self._supervise(learner)
             return learner.proc.returncode if learner.proc.returncode is not None else 130
+        except RoleFailed as exc:
+            logger.error("%s", exc)
+            self.out.write(f"run stopped: {exc}\n")
+            return 1
         finally:
             self.shutdown()
             self._print_final()
@@ -110,22 +135,35 @@ class LocalLauncher:
             logger.info("redis %s: fresh run %r (%d old keys removed)", self.cfg.buffer.url,
                         self.cfg.run.name, deleted)
             return None
-        self._start("buffer", config_path, "--address-file", str(address_file))
-        return self._wait_for_address(address_file)
+        buffer = self._start("buffer", config_path, "--address-file", str(address_file),
+                             restartable=True)
+        address = self._wait_for_address(address_file)
+        # A restarted broker must come back where the clients dial (port 0 picked a free one).
+        buffer.args += ("--set", f"buffer.port={address.rsplit(':', 1)[1]}")
+        if not self.cfg.buffer.spill_path:
+            logger.info("buffer.spill_path is empty: a broker restart would lose the groups "
+                        "it holds (set it to keep them)")
+        return address
 
-    def _start(self, role: str, config_path: Path, *args: str) -> Role:
+    def _start(self, role: str, config_path: Path, *args: str,
+               restartable: bool = False) -> Role:
         log = (self.cfg.run_dir / "logs" / f"{role}.log").open("ab")
-        cmd = [sys.executable, "-m", "asyncrl.cli", role, str(config_path), *args]
+        budget = RestartBudget(self.policy) if restartable else None
+        self.roles.append(Role(role, self._spawn(role, log, (str(config_path), *args)), log,
+                               (str(config_path), *args), time.monotonic(), budget))
+        return self.roles[-1]
+
+    def _spawn(self, role: str, log: IO[bytes], args: tuple[str, ...]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "asyncrl.cli", role, *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_die_with_parent)
         logger.info("started %s (pid %d), log %s", role, proc.pid, log.name)
-        self.roles.append(Role(role, proc, log))
-        return self.roles[-1]
+        return proc
 
     def _wait_for_address(self, address_file: Path) -> str:
         deadline = time.monotonic() + ADDRESS_WAIT_S
         while not address_file.exists():
-            self._check_alive()
+            self._tend()
             if time.monotonic() > deadline or self.stop.wait(0.05):
                 raise RuntimeError(f"buffer did not announce its address in {address_file}")
         return address_file.read_text().strip()
@@ -136,28 +174,50 @@ class LocalLauncher:
 
         prepare_model_dir(self.cfg.model, self.cfg.run_dir, self.cfg.run.seed)
 
-    def _supervise(self, learner: Role, address: str | None) -> None:
-        from buffers import connect_buffer
-
-        client = connect_buffer(self.cfg, address)
+    def _supervise(self, learner: Role) -> None:
+        client = status_client(self.cfg, self.address)
+        view = make_view(self.cfg.monitor, self.out, self.cfg.run_dir, lines=True)
         try:
             while learner.proc.poll() is None and not self.stop.is_set():
-                self._check_alive()
+                self._tend()
                 try:
-                    self.out.write(progress_line(client.status()) + "\n")
-                    self.out.flush()
+                    view.show(client.status())
                 except TimeoutError as exc:
                     logger.warning("status: %s", exc)
+                self._tend()
                 self.stop.wait(self.cfg.launcher.refresh_s)
         finally:
+            view.close()
             client.close()
+        if learner.proc.returncode not in (None, 0):
+            raise RoleFailed(self._failure(learner))
 
-    def _check_alive(self) -> None:
+    def _tend(self) -> None:
+        """Restart the roles whose backoff is over; schedule restarts of crashed ones; raise
+        :class:`RoleFailed` for a role that may not (or no longer) be restarted."""
         for role in self.roles:
             code = role.proc.poll()
-            if code not in (None, 0) or (code == 0 and role.name == "buffer"):
-                raise RuntimeError(f"{role.name} exited with code {code}; see {role.log.name}:\n"
-                                   + _tail(Path(role.log.name)))
+            if role.restart_at is not None:
+                if time.monotonic() >= role.restart_at and not self.stop.is_set():
+                    role.proc = self._spawn(role.name, role.log, role.args)
+                    role.started, role.restart_at = time.monotonic(), None
+            elif code not in (None, 0) or (code == 0 and role.name == "buffer"):
+                self._schedule_restart(role)
+
+    def _schedule_restart(self, role: Role) -> None:
+        ran = time.monotonic() - role.started
+        delay = role.budget.next_delay(ran) if role.budget is not None else None
+        if delay is None:
+            raise RoleFailed(self._failure(role))
+        logger.warning("%s %s after %.1fs (%s): %s in %.1fs", role.name,
+                       exit_reason(role.proc.returncode), ran, _cause(Path(role.log.name)),
+                       role.budget.describe(), delay)
+        role.restart_at = time.monotonic() + delay
+
+    def _failure(self, role: Role) -> str:
+        """The cause in one line, then where to look and how to go on."""
+        return (f"{role.name} {exit_reason(role.proc.returncode)}: "
+                f"{_cause(Path(role.log.name))} [log {role.log.name}; {run_dir_note(self.cfg)}]")
 
     def shutdown(self) -> None:
         """Stop in dependency order: the learner first (it finishes its step, writes the final
@@ -180,14 +240,56 @@ class LocalLauncher:
         role.log.close()
 
     def _print_final(self) -> None:
-        path = self.cfg.run_dir / "eval.json"
-        if path.exists():
-            final = json.loads(path.read_text())
-            self.out.write(f"final held-out greedy eval ({final['eval/n']} prompts): "
-                           f"accuracy {final['eval/accuracy']:.3f}, position accuracy "
-                           f"{final['eval/position_accuracy']:.3f}\nrun directory: "
-                           f"{self.cfg.run_dir}\n")
-            self.out.flush()
+        print_final(self.cfg, self.out)
+
+    def plan(self) -> list[str]:
+        """The commands `up` would run, one line each (``asyncrl up --dry-run``)."""
+        config, at = self.cfg.run_dir / "config.toml", " --buffer ADDRESS"
+        lines = []
+        if self.cfg.buffer.type == "zmq":
+            lines.append(f"asyncrl buffer {config} --address-file {self.cfg.run_dir}/buffer.addr")
+        else:
+            at = ""
+        lines.append(f"asyncrl learner {config}{at}")
+        lines.append(f"asyncrl rollout {config}{at} --workers {self.cfg.rollout.workers}")
+        return lines
+
+
+def status_client(cfg: Config, address: str | None):
+    """The launcher's own buffer client for the progress view. The view must never hold up
+    restarts or shutdown: a short timeout and no reconnect retries."""
+    from buffers import make_buffer_client
+
+    config = cfg.buffer.model_copy(update={
+        "reconnect_s": 0.0, "request_timeout_s": min(5.0, cfg.buffer.request_timeout_s)})
+    return make_buffer_client(config, address, run_id=cfg.run.name,
+                              groups_per_step=cfg.learner.groups_per_step)
+
+
+def make_launcher(cfg: Config, out: IO[str] = sys.stdout) -> LocalLauncher:
+    """The launcher ``launcher.type`` names (both have ``up()`` and ``plan()``)."""
+    if cfg.launcher.type == "ray":
+        from asyncrl.ray_launch import RayLauncher
+
+        return RayLauncher(cfg, out)  # type: ignore[return-value]
+    return LocalLauncher(cfg, out)
+
+
+def print_final(cfg: Config, out: IO[str]) -> None:
+    """The final held-out eval the learner wrote, if it got that far."""
+    path = cfg.run_dir / "eval.json"
+    if path.exists():
+        final = json.loads(path.read_text())
+        task = cfg.task.name
+        if f"val/position_score/{task}" in final:  # the digit tasks
+            summary = (f"({final[f'val/num_prompts/{task}']} prompts): accuracy "
+                       f"{final[val_score_key(task)]:.3f}, position accuracy "
+                       f"{final[f'val/position_score/{task}']:.3f}")
+        else:  # a workflow's validation: its val/* metrics
+            summary = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in final.items() if k.startswith("val/"))
+        out.write(f"final held-out greedy eval {summary}\nrun directory: {cfg.run_dir}\n")
+        out.flush()
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:
@@ -203,5 +305,14 @@ def _die_with_parent() -> None:
     die_with_parent()
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+def _cause(log: Path) -> str:
+    """The last exception line of a role's log (``ValueError: ...``); a process killed by a
+    signal usually has none."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for line in reversed(lines[-200:]):
+        if _EXCEPTION_LINE.match(line):
+            return line[:300]
+    return "no error in its log"
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b.*")

@@ -1,7 +1,42 @@
 """Metrics plumbing shared by every role: a crash-safe JSONL writer, timers and rate meters.
 
-Metric names are namespaced by role (``learner/``, ``rollout/``, ``buffer/``, ``weights/``,
-``eval/``) so one flat dict per step can carry all of them.
+One flat dict per learner step (a line of ``metrics.jsonl``, the learner's heartbeat) carries
+every name below. The names follow verl's where verl has one, so dashboards and habits carry
+over; asyncrl's own concerns get their own namespaces. Times are seconds.
+
+=============================  ==============================================================
+``training/global_step``       the learner version V after this step (also ``step``)
+``actor/loss``                 the policy objective (``learner.loss``), global mean
+``actor/entropy``              token-mean entropy of the policy on trained tokens, pre-update
+``actor/ppo_ratio_mean``       token-mean ratio π/π_old (π_old: behaviour, or the proximal
+                               policy with decoupled PPO; GSPO: the sequence ratio)
+``actor/clipfrac``             fraction of trained tokens where the clip (or IS cap) is active
+``actor/is_capped_frac``       decoupled PPO: tokens whose behaviour weight hit the cap
+``actor/kl_loss``              token-mean KL estimate to the frozen reference (``kl_coef > 0``)
+``actor/grad_norm``            pre-clip global gradient norm
+``actor/lr``                   learning rate of this step
+``critic/score/mean``          mean task reward of the trained samples
+``critic/rewards/mean``        mean reward after the KL penalty (= score without
+                               ``kl_in_reward``)
+``critic/advantages/mean``     token-mean advantage on trained tokens (``/max``, ``/min``)
+``critic/loss``                GAE critic: value loss (``critic/values/mean``, ``grad_norm``)
+``response_length/mean``       generated tokens per trained sample (``/max``, ``/min``)
+``perf/trained_tokens``        trained tokens in the step (all ranks)
+``perf/trained_tokens_per_s``  trained tokens over the step's wall time
+``val/test_score/<task>``      held-out greedy exact-match accuracy (``eval.every_steps``);
+                               ``val/position_score/<task>``, ``val/num_prompts/<task>``
+``staleness/mean``, ``/max``   V − min token version of the consumed samples;
+                               ``staleness/consumed_version_min``, ``…_max``
+``mismatch/*``                 train-vs-rollout logprob mismatch (``learners.mismatch``)
+``timing/step``                wall time of the whole learner step, data wait included
+``timing/wait_data``           waiting for the buffer; ``timing/compute`` the optimizer step
+                               (``timing/train_step``: the slowest rank's), ``timing/gather``
+                               the full-state gather, ``timing/weight_sync`` the broadcast to
+                               the engines (``timing/weight_send``, ``timing/weight_ack``)
+``weights/*``                  the broadcast: bytes, members, evicted, buckets, epoch
+``buffer/*``, ``rollout/*``    the buffer's counters; the rollout fleet's totals
+``filter/*``                   groups dropped by DAPO / finish-reason filters
+=============================  ==============================================================
 """
 
 from __future__ import annotations
@@ -42,6 +77,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+VAL_SCORE = "val/test_score/"
+
+
+def val_score_key(task: str) -> str:
+    """``val/test_score/<task>``: the held-out score of one task."""
+    return f"{VAL_SCORE}{task}"
+
+
+def val_score(record: Mapping[str, Any]) -> float | None:
+    """The held-out score in a record (the first task's, when several), or None."""
+    for key, value in record.items():
+        if key.startswith(VAL_SCORE):
+            return value
+    return None
+
+
 class Timers:
     """Accumulates wall time per phase: ``with timers("wait_data"): ...``; ``pop()`` resets."""
 
@@ -56,9 +107,10 @@ class Timers:
         finally:
             self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
 
-    def pop(self, prefix: str = "") -> dict[str, float]:
+    def pop(self, prefix: str = "timing/") -> dict[str, float]:
+        """``{prefix + phase: seconds}`` since the last pop."""
         totals, self._totals = self._totals, {}
-        return {f"{prefix}{name}_s": round(value, 6) for name, value in totals.items()}
+        return {f"{prefix}{name}": round(value, 6) for name, value in totals.items()}
 
 
 class RateMeter:

@@ -33,23 +33,37 @@ DIGIT_OFFSET = len(SPECIAL)  # id of "0"; digit d has id DIGIT_OFFSET + d
 INIT_MODEL_DIRNAME = "init_model"
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerBase:
-    """A fast tokenizer over :data:`VOCAB`: one token per digit, special tokens matched whole.
+# Chat template of the tiny tokenizer: user/tool/system messages end with <sep> (which also
+# cues the model's turn), the model's turns with <eos>. Prefix-stable, as multi-turn needs.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ m['content'] }}{{ eos_token }}{% else %}{{ m['content'] }}{{ sep_token }}{% endif %}"
+    "{% endfor %}")
+
+
+def build_char_tokenizer(extra_tokens: tuple[str, ...] | list[str] = ()
+                         ) -> PreTrainedTokenizerBase:
+    """A fast tokenizer over :data:`VOCAB` (+ ``extra_tokens`` after it, e.g. a tool name for
+    agent tasks): one token per digit, special and extra tokens matched whole.
 
     Built in code (no hub download) so the tiny model needs no files beyond the run directory.
+    Extra tokens come last, so the ids of :data:`VOCAB` never move.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)},
+    vocab = VOCAB + [t for t in extra_tokens if t not in VOCAB]
+    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)},
                                          unk_token="<pad>"))
     # Added (special) tokens are split out before pre-tokenization; what is left is digits.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()  # "1234", not "1 2 3 4"
-    backend.add_special_tokens(SPECIAL)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>",
-                                   eos_token="<eos>", pad_token="<pad>", sep_token="<sep>",
-                                   padding_side="left")
+    backend.add_special_tokens(SPECIAL + vocab[len(VOCAB):])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<pad>", sep_token="<sep>",
+                                        padding_side="left")
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
@@ -93,7 +107,7 @@ def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{INIT_MODEL_DIRNAME}-", dir=run_dir))
     try:
-        tokenizer = build_char_tokenizer()
+        tokenizer = build_char_tokenizer(model_cfg.tiny.extra_tokens)
         build_tiny_model(model_cfg.tiny, len(tokenizer), seed).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is for every role

@@ -1,90 +1,144 @@
-"""The live view: one screen built from the buffer's ``status()``, refreshed in place.
+"""The live view: the buffer's ``status()`` drawn by :func:`asyncrl.dashboard.dashboard`.
 
-``asyncrl up`` prints the same figures as one progress line per refresh; ``asyncrl monitor``
-attaches to any running run; ``asyncrl status --json`` prints the raw status once for scripts.
+``asyncrl monitor`` attaches to any running run and redraws the dashboard in place (rich
+``Live``) on a terminal, or prints it once per refresh when its output is a file. ``asyncrl up``
+shows the same dashboard on a terminal and one progress line per refresh otherwise (CI logs,
+tests). ``asyncrl status`` prints it once; ``--json`` prints the raw status for scripts.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, Protocol
 
-CLEAR = "\x1b[H\x1b[2J"
+from rich.console import Console
+from rich.live import Live
 
+from asyncrl.config.schema import MonitorConfig
+from asyncrl.dashboard import dashboard, fmt
+from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
+                              History, learner_info, rollouts)
+from asyncrl.metrics import val_score
 
-def _learner_info(status: dict[str, Any]) -> dict[str, Any]:
-    for member in status.get("members", {}).values():
-        if member.get("role") == "learner" and "step" in member.get("info", {}):
-            return member["info"]
-    return {}
-
-
-def _rollouts(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: m for name, m in sorted(status.get("members", {}).items())
-            if m.get("role") == "rollout"}
-
-
-def _fmt(value: Any, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
+SCREEN_WIDTH = 120  # when the output is not a terminal, render at a fixed width
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """One line: version, consumed staleness, token rates, depth, reward, eval."""
-    info = _learner_info(status)
+    """One line: version, consumed staleness, token rates, depth, score, held-out score."""
+    info = learner_info(status)
     gen = sum(m.get("info", {}).get("tokens_per_s", 0.0)
-              for m in _rollouts(status).values() if m.get("alive"))
+              for m in rollouts(status).values() if m.get("alive"))
     return (f"v{status.get('version', 0):<4} "
-            f"stale mean {_fmt(info.get('learner/staleness_mean'), '.2f')} "
-            f"max {_fmt(info.get('learner/staleness_max'), '.0f')} | "
-            f"gen {gen:,.0f} tok/s train {_fmt(info.get('learner/tokens_per_s'), ',.0f')} tok/s | "
+            f"stale mean {fmt(info.get(STALENESS_MEAN), '.2f')} "
+            f"max {fmt(info.get(STALENESS_MAX), '.0f')} | "
+            f"gen {gen:,.0f} tok/s train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s | "
             f"depth {status.get('depth', 0)} drops {status.get('dropped_stale', 0)} | "
-            f"reward {_fmt(info.get('learner/reward_mean'))} "
-            f"eval {_fmt(info.get('eval/accuracy') or info.get('eval/last_accuracy'))}")
+            f"score {fmt(info.get(REWARD))} val {fmt(val_score(info))}")
 
 
-def render(status: dict[str, Any]) -> str:
-    """The full monitor screen."""
-    info = _learner_info(status)
-    hist = status.get("staleness_hist", {})
-    lines = [
-        f"asyncrl · run {status.get('run_id', '?')} · {status.get('run_status', '?')} · "
-        f"up {status.get('uptime_s', 0):.0f}s",
-        progress_line(status),
-        "",
-        f"buffer  depth {status.get('depth', 0)}/{status.get('max_groups', '?')}  "
-        f"accepted {status.get('accepted', 0)}  in flight {status.get('in_flight', 0)}  "
-        f"consumed {status.get('consumed', 0)}  dropped stale {status.get('dropped_stale', 0)}  "
-        f"rejected {sum(status.get('rejected', {}).values())}",
-        f"gate    {'open' if status.get('gate_open') else 'CLOSED'}  "
-        f"allowance {status.get('gate_allowance', '-')}  closed for "
-        f"{status.get('gate_closed_s', 0.0):.1f}s  (s = {status.get('max_staleness')}, "
-        f"groups/step = {status.get('groups_per_step')})",
-        "staleness of consumed groups: " + (
-            "  ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
-            or "-"),
-        f"learner step time: wait data {_fmt(info.get('learner/wait_data_s'))}s  "
-        f"compute {_fmt(info.get('learner/compute_s'))}s  "
-        f"weight sync {_fmt(info.get('weights/sync_s'))}s",
-        "",
-        f"{'engine':<24}{'alive':<7}{'version':>8}{'lag':>5}{'tok/s':>10}{'groups':>8}",
-    ]
-    version = status.get("version", 0)
-    for name, member in _rollouts(status).items():
-        m_info = member.get("info", {})
-        ev = m_info.get("engine_version")
-        lines.append(f"{name:<24}{'yes' if member.get('alive') else 'no':<7}"
-                     f"{_fmt(ev, 'd'):>8}{_fmt(None if ev is None else version - ev, 'd'):>5}"
-                     f"{m_info.get('tokens_per_s', 0.0):>10,.0f}{m_info.get('groups', 0):>8}")
-    return "\n".join(lines)
+class StatusView(Protocol):
+    """Where successive status snapshots are shown."""
+
+    def show(self, status: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
-def watch(client, refresh_s: float, stop: threading.Event, out=sys.stdout) -> None:
-    """Redraw the screen every ``refresh_s`` until stopped or the run is done."""
-    while not stop.is_set():
-        status = client.status()
-        out.write((CLEAR if out.isatty() else "") + render(status) + "\n")
-        out.flush()
-        if status.get("run_status") == "done":
-            return
-        stop.wait(refresh_s)
+class LiveView:
+    """The dashboard redrawn in place on a terminal. While it is shown, prints and log
+    records of this process go above it (rich's stdout/stderr proxies), not through it."""
+
+    def __init__(self, out: IO[str], history: History) -> None:
+        self.history = history
+        self.live = Live(console=Console(file=out), auto_refresh=False,
+                         vertical_overflow="ellipsis")
+        original = sys.stderr
+        self.live.start()  # on a terminal, sys.stdout and sys.stderr are now proxies
+        self.rerouted = _reroute_log_handlers(original, sys.stderr)
+
+    def show(self, status: dict[str, Any]) -> None:
+        self.history.observe(status)
+        self.live.update(dashboard(status, self.history), refresh=True)
+
+    def close(self) -> None:
+        self.live.stop()
+        for handler, stream in self.rerouted:
+            handler.setStream(stream)
+
+
+def _reroute_log_handlers(old: IO[str], new: IO[str]) -> list[tuple[logging.StreamHandler,
+                                                                     IO[str]]]:
+    """Point the root logger's handlers that write to ``old`` (captured when logging was set
+    up, so rich's redirection misses them) at ``new``; returns what to restore."""
+    if new is old:
+        return []
+    handlers = [h for h in logging.getLogger().handlers
+                if type(h) is logging.StreamHandler and h.stream in (old, sys.__stderr__)]
+    return [(h, h.setStream(new)) for h in handlers]
+
+
+class PrintView:
+    """The dashboard printed once per refresh, as plain text (output to a file or pipe)."""
+
+    def __init__(self, out: IO[str], history: History) -> None:
+        self.history = history
+        self.console = Console(file=out, width=SCREEN_WIDTH)
+
+    def show(self, status: dict[str, Any]) -> None:
+        self.history.observe(status)
+        self.console.print(dashboard(status, self.history))
+        self.console.file.flush()
+
+    def close(self) -> None:
+        self.console.file.flush()
+
+
+class LineView:
+    """One progress line per refresh."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+
+    def show(self, status: dict[str, Any]) -> None:
+        self.out.write(progress_line(status) + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.flush()
+
+
+def make_view(cfg: MonitorConfig, out: IO[str], run_dir: Path, lines: bool) -> StatusView:
+    """``monitor.tui``: rich (live dashboard), plain, or auto (rich on a terminal). Off a
+    terminal, ``lines`` picks progress lines (``up``) over printed dashboards (``monitor``).
+    The sparklines start from the run's ``metrics.jsonl`` when this machine can read it."""
+    live = cfg.tui == "rich" or (cfg.tui == "auto" and out.isatty())
+    if not live and lines:
+        return LineView(out)
+    history = History.from_metrics(run_dir / "metrics.jsonl", cfg.history)
+    return LiveView(out, history) if live else PrintView(out, history)
+
+
+def print_status(status: dict[str, Any], cfg: MonitorConfig, run_dir: Path,
+                 out: IO[str] = sys.stdout) -> None:
+    """``asyncrl status``: the dashboard once, its curves from the run's ``metrics.jsonl``
+    when this machine can read it."""
+    history = History.from_metrics(run_dir / "metrics.jsonl", cfg.history)
+    history.observe(status)
+    Console(file=out, width=None if out.isatty() else SCREEN_WIDTH).print(
+        dashboard(status, history))
+
+
+def watch(client, view: StatusView, refresh_s: float, stop: threading.Event) -> None:
+    """Show the run's status every ``refresh_s`` until stopped or the run is done."""
+    try:
+        while not stop.is_set():
+            status = client.status()
+            view.show(status)
+            if status.get("run_status") == "done":
+                return
+            stop.wait(refresh_s)
+    finally:
+        view.close()

@@ -15,11 +15,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
 
 logger = logging.getLogger(__name__)
 
@@ -65,36 +67,70 @@ def serve_buffer(cfg: Config, address_file: Path | None) -> int:
         tmp.write_text(address)
         tmp.rename(address_file)  # atomic: readers never see a partial address
     logger.info("buffer listening on %s", address)
+    status_client, endpoint = _buffer_endpoint(cfg, address)
     try:
         broker.serve(stop)
     finally:
+        if endpoint is not None:
+            endpoint.close()
+            status_client.close()
         broker.close()
     return 0
 
 
+def _buffer_endpoint(cfg: Config, address: str):
+    """/metrics of the broker, read through a client of its own at each scrape (the broker's
+    state belongs to its serving thread)."""
+    from asyncrl.prometheus import StatusSource, endpoint_port, start_endpoint
+    from buffers import connect_buffer
+
+    if not endpoint_port(cfg.monitor, "buffer"):
+        return None, None
+    client = connect_buffer(cfg, address)
+    return client, start_endpoint(cfg.monitor, "buffer", "buffer", source=StatusSource(client))
+
+
 def run_learner(cfg: Config, address: str | None) -> int:
+    """This node's learner ranks (torchrun semantics): ``learner.ranks`` processes with global
+    ranks ``node_rank × ranks + i`` in a world of ``nnodes × ranks``, all dialling
+    ``learner.master_addr:master_port``. Global rank 0 (node 0) reads the buffer."""
     from learners.dist import free_port
     from learners.loop import run_learner_rank
 
-    port = cfg.learner.master_port or free_port()
-    world = cfg.learner.ranks
-    if world == 1:
-        run_learner_rank(cfg, 0, 1, address, port, stop_on_signals())
+    learner = cfg.learner
+    port = learner.master_port or free_port()
+    world = learner.nnodes * learner.ranks
+    first = learner.node_rank * learner.ranks
+    if learner.nnodes > 1:
+        logger.info("learner node %d/%d: global ranks %d..%d of %d, rendezvous %s:%d",
+                    learner.node_rank, learner.nnodes, first, first + learner.ranks - 1, world,
+                    learner.master_addr, port)
+    if learner.ranks == 1:
+        run_learner_rank(cfg, first, world, address, port, stop_on_signals())
         return 0
-    return _run_children(run_learner_rank, [(cfg, rank, world, address, port)
-                                            for rank in range(world)], "learner",
+    return _run_children(run_learner_rank, [(cfg, first + i, world, address, port)
+                                            for i in range(learner.ranks)], "learner",
                          cfg.launcher.stop_timeout_s)
 
 
 def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:
+    """K workers, each in its own process (one engine each), restarted when one crashes
+    (``launcher.max_restarts``, ``launcher.restart_backoff_s``). Ctrl-C stops them and leaves
+    the run: the broker releases their grants; the run goes on with the other workers."""
     from rollouters.worker import run_rollout_worker
 
-    if workers == 1:
-        run_rollout_worker(cfg, first_index, address, stop_on_signals())
-        return 0
+    if cfg.rollout.engine == "sim":  # simulated engines only wait: threads, a few processes
+        from rollouters.worker import SIM_WORKERS_PER_PROCESS, run_worker_threads
+
+        indices = list(range(first_index, first_index + workers))
+        chunks = [indices[i:i + SIM_WORKERS_PER_PROCESS]
+                  for i in range(0, workers, SIM_WORKERS_PER_PROCESS)]
+        return _run_children(run_worker_threads, [(cfg, chunk, address) for chunk in chunks],
+                             "rollout", cfg.launcher.stop_timeout_s)
     return _run_children(run_rollout_worker, [(cfg, first_index + i, address)
                                               for i in range(workers)], "rollout",
-                         cfg.launcher.stop_timeout_s)
+                         cfg.launcher.stop_timeout_s, RestartPolicy.from_config(cfg.launcher),
+                         first_index)
 
 
 def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
@@ -103,22 +139,62 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
     target(*args, stop_on_signals())
 
 
+class _Child:
+    """One spawned child and its restart budget (when it may be restarted at all)."""
+
+    def __init__(self, ctx: Any, target: Callable[..., None], args: tuple, name: str,
+                 budget: RestartBudget | None) -> None:
+        self.ctx, self.target, self.args, self.name, self.budget = ctx, target, args, name, budget
+        self.proc: Any = None
+        self.started = 0.0
+        self.restart_at: float | None = None
+
+    def start(self) -> None:
+        self.proc = self.ctx.Process(target=_child_main, args=(self.target, self.args,
+                                                               self.name), name=self.name)
+        self.proc.start()
+        self.started, self.restart_at = time.monotonic(), None
+
+    def crashed(self) -> bool:
+        return self.restart_at is None and self.proc.exitcode not in (None, 0)
+
+    def schedule_restart(self) -> bool:
+        """After a crash: log why and when it restarts; False when out of restarts."""
+        reason = exit_reason(self.proc.exitcode)
+        ran = time.monotonic() - self.started
+        delay = self.budget.next_delay(ran) if self.budget is not None else None
+        if delay is None:
+            logger.error("%s %s after %.1fs: stopping the others", self.name, reason, ran)
+            return False
+        logger.warning("%s %s after %.1fs: %s in %.1fs", self.name, reason, ran,
+                       self.budget.describe(), delay)
+        self.restart_at = time.monotonic() + delay
+        return True
+
+
 def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
-                  grace_s: float) -> int:
-    """Run each args tuple in its own spawned process; stop all when one fails or on signal."""
+                  grace_s: float, policy: RestartPolicy | None = None,
+                  first_index: int = 0) -> int:
+    """Run each args tuple in its own spawned process; restart a crashed one while ``policy``
+    allows (never without one); stop all when one fails for good, or on a signal."""
     ctx = mp.get_context("spawn")
     stop = stop_on_signals()
-    procs = [ctx.Process(target=_child_main, args=(target, args, f"{role}[{i}]"),
-                         name=f"{role}-{i}") for i, args in enumerate(arg_list)]
-    for proc in procs:
-        proc.start()
+    children = [_Child(ctx, target, args, f"{role}[{first_index + i}]",
+                       RestartBudget(policy) if policy is not None else None)
+                for i, args in enumerate(arg_list)]
+    for child in children:
+        child.start()
     failed = None
-    while any(p.is_alive() for p in procs) and not stop.is_set():
-        stop.wait(0.2)
-        failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
-        if failed is not None:
-            logger.error("%s exited with %s: stopping the others", failed.name, failed.exitcode)
+    while not stop.wait(0.2):
+        for child in children:
+            if child.restart_at is not None and time.monotonic() >= child.restart_at:
+                child.start()
+            elif child.crashed() and not child.schedule_restart():
+                failed = child
+                break
+        if failed is not None or all(c.proc.exitcode == 0 for c in children):
             break
+    procs = [c.proc for c in children]
     if failed is not None:
         for proc in procs:
             proc.terminate()
@@ -132,4 +208,3 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
             proc.kill()
             proc.join()
     return 0 if failed is None and all(p.exitcode in (0, -signal.SIGTERM) for p in procs) else 1
-

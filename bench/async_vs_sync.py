@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.metrics import read_jsonl  # noqa: E402
+from asyncrl.metrics import read_jsonl, val_score  # noqa: E402
 
 
 def run_once(staleness: int, seed: int, out: Path, args: argparse.Namespace) -> dict:
@@ -42,7 +42,7 @@ def run_once(staleness: int, seed: int, out: Path, args: argparse.Namespace) -> 
     wall = time.monotonic() - start
     records = read_jsonl(out / name / "metrics.jsonl")
     hit = next((r for r in records if isinstance(r.get("step"), int)
-                and r.get("eval/accuracy", -1) >= args.target), None)
+                and (val_score(r) or -1) >= args.target), None)
     steps = [r for r in records if isinstance(r.get("step"), int)]
     return {"staleness": staleness, "seed": seed,
             "time_to_target_s": hit["time_s"] if hit else None,

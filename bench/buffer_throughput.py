@@ -53,6 +53,7 @@ from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
 logger = logging.getLogger("bench.buffer_throughput")
 WARMUP_S = 0.5
 START_TIMEOUT_S = 60.0
+GATE_POLL_S = 0.002  # a worker's GATE_POLL_S (0.02 s), shortened so it never limits the rate
 HWM = 64  # raw ZMQ high-water marks, in messages: bounded like max_groups
 FIELDS = (b"header", b"tokens", b"logprobs", b"loss_mask", b"versions")
 
@@ -97,7 +98,10 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
     groups = [make_group(spec, "g") for _ in range(max(1, chunk))]
     while not stop.is_set():
         if granted < len(groups):
-            granted += client.acquire(name, 256, 0).granted
+            grant = client.acquire(name, 256, 0).granted
+            granted += grant
+            if not grant:  # full: re-ask after a pause, as a worker does (not a busy loop)
+                stop.wait(GATE_POLL_S)
             continue
         for group in groups:
             group.group_id, sent = f"{name}-{sent}", sent + 1
@@ -238,14 +242,8 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
     return rate
 
 
-def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
-    from buffers.zmq_client import ZmqBufferClient
-
-    queue, stop = ctx.Queue(), ctx.Event()
-    broker = ctx.Process(target=_zmq_broker, args=(spec, queue, stop), daemon=True)
-    broker.start()
-    address = queue.get(timeout=30)
-    consumer = ZmqBufferClient(address, timeout_s=30)
+def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
+    """The consumer of a backend row: a learner that takes a batch and acks it at once."""
 
     def take() -> int:
         batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2)
@@ -254,9 +252,20 @@ def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
         consumer.ack("learner", batch)
         return len(batch.groups)
 
+    return take
+
+
+def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+    from buffers.zmq_client import ZmqBufferClient
+
+    queue, stop = ctx.Queue(), ctx.Event()
+    broker = ctx.Process(target=_zmq_broker, args=(spec, queue, stop), daemon=True)
+    broker.start()
+    address = queue.get(timeout=30)
+    consumer = ZmqBufferClient(address, timeout_s=30)
     try:
         return run_row(ctx, _backend_producer, lambda i: (spec, _BoundClient(address), i),
-                       producers, take, seconds)
+                       producers, _backend_take(consumer, spec), seconds)
     finally:
         consumer.close()
         stop.set()
@@ -326,18 +335,10 @@ def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
 
     namespace = f"asyncrl-bench:{uuid.uuid4().hex[:8]}"
     consumer = _redis_backend_client(spec, namespace)
-
-    def take() -> int:
-        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2)
-        if batch is None:
-            return 0
-        consumer.ack("learner", batch)
-        return len(batch.groups)
-
     try:
         return run_row(ctx, _backend_producer,
-                       lambda i: (spec, _BoundClient("", namespace, spec), i), producers, take,
-                       seconds)
+                       lambda i: (spec, _BoundClient("", namespace, spec), i), producers,
+                       _backend_take(consumer, spec), seconds)
     finally:
         consumer.close()
         r = redis.Redis.from_url(spec.redis_url)

@@ -3,18 +3,22 @@
 This process is learner rank 0 (a real ZMQ broker thread, a real control-plane client); the
 engines are receiver processes (``bench/weight_sync.py receiver ...``), each holding a
 ``TorchEngine`` over the same randomly initialised model and applying every update with
-``engine.load_weights``, the time the engine's lock is held: its pause. The model is a Qwen2
-built in code (default hidden 768, 12 layers, vocab 32000, untied: ~134M parameters).
+``engine.adopt_weights`` (zero-copy commit, ``--commit adopt``, what rollout workers do) or
+``engine.load_weights`` (one copy, ``--commit copy``); that call holds the engine's lock: its
+pause. The model is a Qwen2 built in code (default hidden 768, 12 layers, vocab 32000,
+untied: ~134M parameters).
 
 For each engine count (1, then 2) and bucket size, one warm-up sync (which also builds the
 group), then ``--rounds`` x (one timed sync, one raw round), interleaved so both see the same
-load on a shared machine. A raw round is the same buckets (pre-packed, pre-allocated)
-broadcast between the same processes over a bare ``ProcessGroupGloo``, ended by a
-one-element allreduce so the learner's clock stops when every engine has the bytes (sync's
-clock stops at the last ack). ``ratio`` = raw time / sync time (1.0 = no
+load on a shared machine. A raw round is the same buckets as the sync's (same plan, so
+``--alone-mb`` applies to both; pre-packed, pre-allocated) broadcast
+between the same processes over a bare ``ProcessGroupGloo``, ended by a one-element allreduce
+so the learner's clock stops when every engine has the bytes (sync's clock stops at the last
+ack). ``ratio`` = raw time / sync time (1.0 = no
 protocol overhead). Medians are printed as a markdown table, with the sync's two phases as
-the learner sees them (``weights/send_s``: pack + broadcast every bucket; ``weights/ack_s``:
-from the last bucket sent to the last ack, which includes the engines' apply).
+the learner sees them (``timing/weight_send``: pack + broadcast every bucket;
+``timing/weight_ack``: from the last bucket sent to the last ack, which includes the engines'
+apply).
 
 ``--malloc-env`` re-runs everything with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` at 2 GiB. It mattered while the sync allocated fresh bucket buffers
@@ -23,7 +27,7 @@ faults, ~10x slower than a warm copy); the sync now reuses persistent staging an
 buffers, so the env should change little, and the flag stays to check exactly that.
 
     python bench/weight_sync.py [--bucket-mb 32 128 512] [--rounds 3] [--engines 1 2]
-                                [--malloc-env]
+                                [--commit adopt|copy] [--alone-mb 1] [--malloc-env]
 """
 
 from __future__ import annotations
@@ -85,11 +89,14 @@ def receiver_main(address: str, member: str, args: argparse.Namespace) -> None:
 
     def apply(named: dict[str, torch.Tensor], version: int) -> None:
         start = time.perf_counter()
-        engine.load_weights(named.items(), version)
+        if args.commit == "adopt":
+            engine.adopt_weights(named, version)
+        else:
+            engine.load_weights(named.items(), version)
         applies.append(time.perf_counter() - start)
         own.set_key(f"bench/apply/{member}", {"apply_s": applies[-1], "version": version})
 
-    receiver = WeightReceiver(own, member, apply)
+    receiver = WeightReceiver(own, member, apply, adopt=args.commit == "adopt")
     receiver.start()
     seq = 0
     while True:
@@ -109,8 +116,8 @@ def receiver_main(address: str, member: str, args: argparse.Namespace) -> None:
 
 def serve_raw(raw: dict[str, Any], rank: int) -> None:
     store = dial_store(raw["store"], 120.0)
-    group = new_group("gloo", store, raw["epoch"], rank, len(raw["members"]) + 1, 120.0,
-                      "127.0.0.1")
+    group = new_group("gloo", store, f"raw{raw['epoch']}", rank, len(raw["members"]) + 1,
+                      120.0, "127.0.0.1")
     buffers = [torch.empty(n, dtype=torch.uint8) for n in raw["sizes"]]
     done = torch.zeros(1)
     for _ in range(raw["rounds"]):
@@ -145,14 +152,15 @@ class RawGroup:
     """The baseline: the same buckets, pre-packed, over a bare gloo group with the engines."""
 
     def __init__(self, control: ZmqBufferClient, state: dict[str, torch.Tensor],
-                 bucket_mb: float, rounds: int, members: list[str], epoch: int) -> None:
-        plan = plan_buckets(state, int(bucket_mb * 2**20))
+                 bucket_mb: float, rounds: int, members: list[str], epoch: int,
+                 alone_mb: float) -> None:
+        plan = plan_buckets(state, int(bucket_mb * 2**20), alone_bytes=int(alone_mb * 2**20))
         self.buckets = [pack_bucket(plan, i, state).clone() for i in range(len(plan.bucket_nbytes))]
         self.store = serve_store("127.0.0.1", 120.0)
         control.set_key(RAW_KEY, {"store": f"127.0.0.1:{self.store.port}", "epoch": epoch,
                                   "members": members, "sizes": list(plan.bucket_nbytes),
                                   "rounds": rounds})
-        self.group = new_group("gloo", self.store, epoch, 0, len(members) + 1, 120.0,
+        self.group = new_group("gloo", self.store, f"raw{epoch}", 0, len(members) + 1, 120.0,
                                "127.0.0.1")
 
     def round(self) -> float:
@@ -168,11 +176,12 @@ class RawGroup:
 
 
 def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucket_mb: float,
-                 rounds: int, members: list[str], epoch: int, version: int
+                 rounds: int, members: list[str], epoch: int, version: int, alone_mb: float
                  ) -> tuple[dict[str, list[float]], int]:
     """One warm-up sync, then ``rounds`` x (one sync, one raw round), interleaved so that
     both see the same machine load; returns the samples and the next version."""
-    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=bucket_mb, timeout_s=120))
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=bucket_mb, alone_mb=alone_mb,
+                                                           timeout_s=120))
     samples: dict[str, list[float]] = {"sync": [], "raw": [], "pause": [], "send": [],
                                        "ack": []}
     raw = None
@@ -183,11 +192,11 @@ def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucke
             if metrics["weights/bytes"] == 0:
                 raise RuntimeError(f"sync reached no engine: {metrics}")
             if i == 0:
-                raw = RawGroup(control, state, bucket_mb, rounds, members, epoch)
+                raw = RawGroup(control, state, bucket_mb, rounds, members, epoch, alone_mb)
                 continue
-            samples["sync"].append(metrics["weights/sync_s"])
-            samples["send"].append(metrics["weights/send_s"])
-            samples["ack"].append(metrics["weights/ack_s"])
+            samples["sync"].append(metrics["timing/weight_sync"])
+            samples["send"].append(metrics["timing/weight_send"])
+            samples["ack"].append(metrics["timing/weight_ack"])
             samples["pause"].append(apply_times(control, members))
             samples["raw"].append(raw.round())
     finally:
@@ -222,7 +231,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
             for bucket_mb in args.bucket_mb:
                 epoch += 1
                 got, version = bench_config(control, state, bucket_mb, args.rounds, members,
-                                            epoch, version)
+                                            epoch, version, args.alone_mb)
                 sync, raw = statistics.median(got["sync"]), statistics.median(got["raw"])
                 pause_s = statistics.median(got["pause"])
                 send_s, ack_s = statistics.median(got["send"]), statistics.median(got["ack"])
@@ -264,6 +273,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--commit", choices=["adopt", "copy"], default="adopt",
+                        help="engine commit: adopt the received tensors (zero-copy, what "
+                             "rollout workers do) or copy them into the model (load_weights)")
+    parser.add_argument("--alone-mb", type=float, default=1.0,
+                        help="weights.alone_mb: tensors this big are sent from their own "
+                             "memory (0: pack every tensor into buckets)")
     parser.add_argument("--malloc-env", action="store_true",
                         help="re-exec with MALLOC_MMAP/TRIM_THRESHOLD_ at 2 GiB (all processes)")
     args = parser.parse_args(argv)
@@ -283,7 +298,8 @@ def main() -> None:
     if args.malloc_env and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, __file__, *argv], {**os.environ, **MALLOC_ENV})
     malloc = "MALLOC_MMAP_THRESHOLD_" in os.environ
-    print(f"malloc env: {'tuned' if malloc else 'default'}")
+    print(f"malloc env: {'tuned' if malloc else 'default'}, commit: {args.commit}, "
+          f"alone_mb: {args.alone_mb:g}")
     print(table(run(args, argv)))
 
 

@@ -81,6 +81,14 @@ class Buffer(Protocol):
     def ack(self, consumer: str, batch: Batch) -> None:
         """The optimizer step that used ``batch`` is done: its groups are never redelivered."""
 
+    def renew(self, consumer: str, batch: Batch) -> int:
+        """Extend the lease on ``batch``: reset the idle time of its unacked groups, so a step
+        longer than ``buffer.reclaim_idle_s`` does not see them redelivered and trained twice
+        (call it every ``reclaim_idle_s / 3``; :func:`buffers.lease.keep_leased` does).
+        Returns how many of them ``consumer`` still holds: fewer means the rest were already
+        reclaimed by another consumer (at-least-once; their ack will count them once). A
+        consumer that stops renewing (dead) loses its groups after ``reclaim_idle_s``."""
+
 
 @runtime_checkable
 class ControlPlane(Protocol):
@@ -97,6 +105,11 @@ class ControlPlane(Protocol):
     def get_key(self, key: str, newer_than: int = 0,
                 timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:
         """The value with a sequence number above ``newer_than``, waiting up to ``timeout_s``."""
+
+    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+        """The current ``(seq, value)`` of each of ``keys`` that is set, in ONE round trip,
+        without waiting: a rendezvous over many members (joins, acks) reads them all at once
+        instead of one request per member."""
 
     def status(self) -> dict[str, Any]:
         """Everything the monitor shows, as one JSON-able dict."""

@@ -47,7 +47,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
-from asyncrl.wire import Rejections, TrajectoryGroup, WireError, encode_group
+from asyncrl.wire import Rejections, TrajectoryGroup, WireError, encode_group_views
 from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
 from buffers.redis_connect import connect
 from buffers.redis_entries import decode_entry, entry_order, put_args, put_results
@@ -136,8 +136,8 @@ class RedisBufferClient:
         per ``window`` groups (a bound on how long one call blocks Redis). All or error."""
         if window < 1:
             raise ValueError(f"window {window} must be >= 1")
-        items = [put_args(encode_group(group), self.config.max_message_bytes, self._rejections,
-                          producer) for group in groups]
+        items = [put_args(encode_group_views(group), self.config.max_message_bytes,
+                          self._rejections, producer) for group in groups]
         return self._put_items(producer, items, window)
 
     def _put_items(self, producer: str, items: list[list[Any]],
@@ -237,6 +237,13 @@ class RedisBufferClient:
                            "elsewhere: at-least-once)", consumer,
                            len(batch.receipts) - acked, len(batch.receipts))
 
+    def renew(self, consumer: str, batch: Batch) -> int:
+        """Keep ``batch`` from being reclaimed during a long step (see the protocol)."""
+        name = self._consumers.get(consumer)
+        if name is None or not batch.receipts:
+            return 0
+        return int(self._run("renew", name, *batch.receipts))
+
     # --- control plane --------------------------------------------------------------------
 
     def publish_version(self, version: int) -> None:
@@ -258,6 +265,15 @@ class RedisBufferClient:
             if status not in (RUNNING, DONE):
                 raise BufferRefused(f"run_status: unknown run status {status!r}")
         return int(self._run("set_key", key, _dumps(value), status))
+
+    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+        if not keys:
+            return {}
+        pipe = self._redis.pipeline(transaction=True)  # each value with its own seq
+        pipe.hmget(self.keys.kvseq, list(keys)).hmget(self.keys.kv, list(keys))
+        seqs, values = pipe.execute()
+        return {key: (int(seq), orjson.loads(value))
+                for key, seq, value in zip(keys, seqs, values) if seq is not None}
 
     def get_key(self, key: str, newer_than: int = 0,
                 timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:

@@ -152,6 +152,21 @@ else redis.call('HINCRBY', K_REJECTED, ARGV[6], #ARGV - 6) end
 return 1
 """
 
+RENEW = """
+-- ARGV: consumer, then ids. Resets the idle time of the entries this consumer still owns
+-- (XCLAIM to itself, min-idle 0, JUSTID: no payload copied, delivery count unchanged); an
+-- entry another consumer reclaimed is left alone. Returns how many are still owned.
+local consumer, n = ARGV[5], 0
+for i = 6, #ARGV do
+  local p = redis.call('XPENDING', K_GROUPS, GROUP, ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == consumer then
+    redis.call('XCLAIM', K_GROUPS, GROUP, consumer, 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
 ACK = """
 -- ARGV: (id, staleness) pairs. Counts only entries still pending, so a duplicate ack (or
 -- one racing a reclaim) never counts a group twice.

@@ -16,14 +16,13 @@ from buffers.protocol import PutResult
 FRAME_FIELDS = (b"h", b"t", b"l", b"m", b"v")  # the 5 wire frames, in order
 
 
-def put_args(frames: Sequence[bytes], max_message_bytes: int, rejections: Rejections,
+def put_args(frames: Sequence[Any], max_message_bytes: int, rejections: Rejections,
              producer: str) -> list[Any]:
     """The put_many script's 8 arguments for one group: reason, minv, run_id, the 5 frames.
     Oversized or malformed frames are counted in ``rejections`` and sent as a bare reason,
     so that the script counts them too, in order with the producer's other puts."""
-    frames = [bytes(f) for f in frames]
-    try:
-        size = sum(len(f) for f in frames)
+    try:  # frames may be memoryviews of the group's arrays: redis-py sends them uncopied
+        size = sum(memoryview(f).nbytes for f in frames)
         if size > max_message_bytes:
             raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
         group = decode_group(frames)

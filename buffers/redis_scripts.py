@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, TAKE
+from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, RENEW, TAKE
 
 GROUP = "learners"
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "groups", "index", "rejected",
@@ -185,6 +185,7 @@ return 1
 """
 
 SCRIPTS = {"init": INIT, "acquire": ACQUIRE, "release": RELEASE, "put_many": PUT_MANY,
-           "take": TAKE, "discard": DISCARD, "ack": ACK, "publish_version": PUBLISH_VERSION,
+           "take": TAKE, "discard": DISCARD, "ack": ACK, "renew": RENEW,
+           "publish_version": PUBLISH_VERSION,
            "heartbeat": HEARTBEAT, "set_key": SET_KEY, "reap": REAP}
 """Script name → body; each runs as ``PRELUDE + body``."""

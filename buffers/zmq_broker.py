@@ -41,8 +41,8 @@ from buffers.zmq_waits import Parked, Waits, park
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # upper bound on how late a stop event or a deadline is noticed
-COMMANDS = ("acquire", "put", "release", "get_batch", "ack", "publish_version", "heartbeat",
-            "set_key", "get_key", "status", "shutdown")
+COMMANDS = ("acquire", "put", "release", "get_batch", "ack", "renew", "publish_version",
+            "heartbeat", "set_key", "get_key", "get_keys", "status", "shutdown")
 TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
 DRAIN_MAX = 64  # requests handled per wake-up before the housekeeping runs again
 CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) leave the socket
@@ -240,6 +240,11 @@ class ZmqBroker:
         self._admit_parked_puts()
         return Reply(True, {"acked": acked})
 
+    def _renew(self, request: Request) -> Reply:
+        held = self.state.renew(arg_str(request.args, "consumer"),
+                                arg_str_list(request.args, "receipts"))
+        return Reply(True, {"held": held})
+
     def _publish_version(self, request: Request) -> Reply:
         self.state.publish_version(arg_int(request.args, "version", minimum=0))
         return Reply(True, {"version": self.state.version})
@@ -265,6 +270,14 @@ class ZmqBroker:
         self._waits.keys.append(park(request, key, self.state.clock(), newer_than))
         self._expire()
         return None
+
+    def _get_keys(self, request: Request) -> Reply:
+        found = {}
+        for key in arg_str_list(request.args, "keys"):
+            entry = self.state.keys.get(key)
+            if entry is not None:
+                found[key] = list(entry)
+        return Reply(True, {"values": found})
 
     def _status(self, request: Request) -> Reply:
         return Reply(True, {**status_of(self.state), "bad_requests": dict(self.bad_requests),

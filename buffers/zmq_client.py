@@ -10,7 +10,16 @@ Delivery is at-least-once: every :class:`~buffers.protocol.Batch` carries receip
 after ``buffer.reclaim_idle_s``. A put into a full buffer waits (backpressure) up to the
 request timeout and then raises :class:`TimeoutError`: the group was not accepted and is still
 the producer's to put again or release (:meth:`ZmqBufferClient.put_many` is all or error:
-after a TimeoutError its groups are in doubt, see :class:`~buffers.protocol.Buffer`). A group
+after a TimeoutError its groups are in doubt, see :class:`~buffers.protocol.Buffer`).
+
+A broker that restarts (the launcher restarts a dead one at the same address, and it replays
+its spill file) loses the requests it had not answered. With ``reconnect_s`` the client
+re-sends a request that got no reply for up to that long, but only requests that are safe to
+repeat: reads, heartbeats, acks and lease renewals (idempotent), versions and keys (last write
+wins), ``acquire``
+(a restarted broker starts with no grants in flight) and ``get_batch`` (a batch whose reply was
+lost is redelivered after ``reclaim_idle_s``). Puts are never re-sent: a lost put is in doubt
+and the producer's to handle (a rollout worker exits and its supervisor restarts it). A group
 travels as one packed frame (:func:`~buffers.zmq_protocol.pack_group`): one copy when the
 producer packs it, none after (the consumer's arrays are views of the received frame).
 """
@@ -25,7 +34,7 @@ from typing import Any, NoReturn
 import zmq
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.wire import TrajectoryGroup, decode_group, encode_group
+from asyncrl.wire import TrajectoryGroup, decode_group, encode_group_views
 from buffers.protocol import Batch, Grant, PutResult
 from buffers.zmq_auth import apply_curve_client
 from buffers.zmq_protocol import (
@@ -41,6 +50,12 @@ logger = logging.getLogger(__name__)
 
 PUT_WINDOW = 8  # put_many: requests in flight (a bound on what waits in socket buffers)
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
+RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version", "heartbeat",
+                       "set_key", "get_key", "get_keys", "status"})
+
+
+class NoReply(TimeoutError):
+    """The broker did not answer in time (it is down, restarting or unreachable)."""
 
 
 class ZmqBufferClient:
@@ -48,11 +63,13 @@ class ZmqBufferClient:
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  context: zmq.Context | None = None, curve_keys_dir: str | None = None,
-                 curve_name: str = "client") -> None:
+                 curve_name: str = "client", reconnect_s: float = 0.0) -> None:
         """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
-        ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``."""
+        ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
+        ``reconnect_s``: how long to keep re-sending a safe request that got no reply."""
         self.address = address
         self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
         self._curve = (curve_keys_dir, curve_name) if curve_keys_dir else None
         self._own_context = context is None
         self._context = context or zmq.Context()
@@ -67,7 +84,8 @@ class ZmqBufferClient:
         if config.auth == "curve" and not keys:
             raise ValueError("buffer.auth = \"curve\" needs buffer.curve_keys_dir")
         return cls(address or f"tcp://{config.host}:{config.port}",
-                   timeout_s=config.request_timeout_s, curve_keys_dir=keys)
+                   timeout_s=config.request_timeout_s, curve_keys_dir=keys,
+                   reconnect_s=config.reconnect_s)
 
     def _connect(self) -> zmq.Socket:
         socket = self._context.socket(zmq.DEALER)
@@ -93,9 +111,17 @@ class ZmqBufferClient:
 
     def _call(self, command: str, args: dict[str, Any], payload: Sequence[Any] = (),
               wait_s: float = 0.0) -> Reply:
-        """Send and wait up to ``timeout_s + wait_s`` for the matching reply."""
-        request_id = self._send(command, args, payload)
-        return self._receive({request_id}, command, wait_s)[request_id]
+        """Send and wait up to ``timeout_s + wait_s`` for the matching reply; a request that is
+        safe to repeat is re-sent (on a fresh socket) for up to ``reconnect_s``."""
+        give_up = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                request_id = self._send(command, args, payload)
+                return self._receive({request_id}, command, wait_s)[request_id]
+            except NoReply as exc:
+                if command not in RETRYABLE or time.monotonic() >= give_up:
+                    raise
+                logger.warning("%s; re-sending (is the broker restarting?)", exc)
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
@@ -136,8 +162,8 @@ class ZmqBufferClient:
     def _timed_out(self, command: str, stage: str) -> NoReturn:
         self._socket.close(linger=0)
         self._socket = self._connect()
-        raise TimeoutError(f"buffer broker {self.address}: no {stage} for {command!r} "
-                           f"within {self.timeout_s:.1f}s")
+        raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} "
+                      f"within {self.timeout_s:.1f}s")
 
     # --- Buffer -------------------------------------------------------------------------------
 
@@ -149,9 +175,9 @@ class ZmqBufferClient:
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
         """Hand a group in; waits while the buffer is full (TimeoutError after the timeout)."""
-        return self.put_frames(producer, encode_group(group))
+        return self.put_frames(producer, encode_group_views(group))
 
-    def put_frames(self, producer: str, frames: Sequence[bytes]) -> PutResult:
+    def put_frames(self, producer: str, frames: Sequence[Any]) -> PutResult:
         """Put already-encoded frames as they are (forwarding, and tests of bad input)."""
         body = self._call("put", {"producer": producer, "timeout_s": self.timeout_s},
                           [pack_group(frames)], wait_s=PUT_MARGIN_S).body
@@ -175,7 +201,7 @@ class ZmqBufferClient:
             if len(sent) - len(replies) >= window:
                 replies.update(self._receive(set(sent) - replies.keys(), "put",
                                              PUT_MARGIN_S, want=1))
-            sent.append(self._send("put", args, [pack_group(encode_group(group))]))
+            sent.append(self._send("put", args, [pack_group(encode_group_views(group))]))
         if len(replies) < len(sent):
             replies.update(self._receive(set(sent) - replies.keys(), "put", PUT_MARGIN_S))
         return [PutResult(accepted=replies[i].body["accepted"], reason=replies[i].body["reason"])
@@ -200,6 +226,13 @@ class ZmqBufferClient:
         if batch.receipts:
             self._call("ack", {"consumer": consumer, "receipts": batch.receipts})
 
+    def renew(self, consumer: str, batch: Batch) -> int:
+        """Keep ``batch`` from being reclaimed during a long step (see the protocol)."""
+        if not batch.receipts:
+            return 0
+        return int(self._call("renew", {"consumer": consumer,
+                                        "receipts": batch.receipts}).body["held"])
+
     # --- ControlPlane -------------------------------------------------------------------------
 
     def publish_version(self, version: int) -> None:
@@ -216,6 +249,10 @@ class ZmqBufferClient:
         body = self._call("get_key", {"key": key, "newer_than": newer_than,
                                       "timeout_s": timeout_s}, wait_s=timeout_s).body
         return (int(body["seq"]), body["value"]) if body["found"] else None
+
+    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+        values = self._call("get_keys", {"keys": list(keys)}).body["values"]
+        return {key: (int(seq), value) for key, (seq, value) in values.items()}
 
     def status(self) -> dict[str, Any]:
         return self._call("status", {}).body

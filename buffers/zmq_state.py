@@ -25,7 +25,7 @@ from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
-from buffers.zmq_protocol import decode_put, oldest_version
+from buffers.zmq_protocol import decode_put
 from buffers.zmq_replay import restore, snapshot_of
 from buffers.zmq_spill import ACKED, DROP, Recovered, SpillLog
 
@@ -143,7 +143,7 @@ class BrokerState:
                                        f"{self.run_id!r}")
         except WireError as exc:
             return self.reject(producer, exc)
-        return QueuedGroup(list(payload), oldest_version(group.versions), nbytes)
+        return QueuedGroup(list(payload), group.min_version(), nbytes)
 
     def accept(self, producer: str, group: QueuedGroup) -> str:
         """Enqueue a checked group (journaled first); returns "" or the rejection reason."""
@@ -210,11 +210,30 @@ class BrokerState:
         self._journal_removed(ACKED, [(g.seq, g.delivered_staleness) for g in done])
         return len(done)
 
-    def _settle(self, receipt: str) -> QueuedGroup | None:
+    def renew(self, consumer: str, receipts: Sequence[str]) -> int:
+        """Reset the idle time of the deliveries ``consumer`` still holds; returns how many.
+        A renewed group moves to the end of ``pending``, which so stays in ``delivered_at``
+        order (what lets :meth:`reclaim` stop at the first recent one). Not journaled: after
+        a restart every pending group is queued again anyway."""
+        self.members.touch(consumer, "learner")
+        now, held = self.clock(), 0
+        for seq in filter(None, map(self._seq_of, receipts)):
+            group = self.pending.get(seq)
+            if group is not None and group.consumer == consumer:
+                del self.pending[seq]
+                group.delivered_at = now
+                self.pending[seq] = group
+                held += 1
+        return held
+
+    def _seq_of(self, receipt: str) -> int | None:
         epoch, _, seq_text = receipt.partition(":") if isinstance(receipt, str) else ("", "", "")
-        if epoch != self.epoch or not seq_text.isdigit():
+        return int(seq_text) if epoch == self.epoch and seq_text.isdigit() else None
+
+    def _settle(self, receipt: str) -> QueuedGroup | None:
+        seq = self._seq_of(receipt)
+        if seq is None:
             return None
-        seq = int(seq_text)
         group = self.pending.pop(seq, None)
         if group is None and seq in self.requeued:  # its first consumer was slow, not dead
             self.requeued.discard(seq)

@@ -18,7 +18,7 @@ The last real position (``t = L-1``) and the padding predict nothing: mask 0, ta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -43,6 +43,11 @@ class TrainBatch:
     rewards: Tensor              # [B] float32
     min_versions: Tensor         # [B] int64, oldest generated-token version (-1 if none)
     group_index: Tensor          # [B] int64, index of the sample's group within this batch
+    group_tokens: Tensor         # [B] float32, trained tokens of the sample's WHOLE group in the
+    #                              collated batch: group-level aggregation stays right when the
+    #                              rows are later split across ranks and micro-batches
+    sample_mask: Tensor          # [B] bool, False on a zero-weight pad row (a rank or
+    #                              micro-batch with no sample of its own; trains and counts nothing)
 
     @property
     def num_samples(self) -> int:
@@ -53,18 +58,48 @@ class TrainBatch:
         """Trained (masked) tokens in this batch."""
         return int(self.loss_mask.sum())
 
+    @property
+    def lengths(self) -> Tensor:
+        """[B] tokens per row (prompt + completion): the compute a row costs."""
+        return self.attention_mask.sum(-1)
+
     def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    def select(self, rows: Sequence[int]) -> TrainBatch:
+        """The rows ``rows`` (in that order), trimmed to their longest; the slices a rank or a
+        micro-batch trains on. Every field is per row, so nothing else changes."""
+        index = torch.as_tensor(list(rows), dtype=torch.int64)
+        if index.numel() == 0:
+            raise ValueError("select needs at least one row")
+        width = max(int(self.lengths[index].max()), 1)
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)[index]
+            out[f.name] = value[:, :width] if value.dim() == 2 else value
+        return TrainBatch(**out)
+
+    def as_pad(self) -> TrainBatch:
+        """This batch's first row with every weight zeroed: what a rank or a micro-batch with
+        no sample of its own runs, because FSDP's collectives need every rank's forward and
+        backward. It trains nothing (loss mask 0) and counts in no metric (sample mask 0)."""
+        row = self.select([0])
+        return replace(row, loss_mask=torch.zeros_like(row.loss_mask),
+                       advantages=torch.zeros_like(row.advantages),
+                       sample_mask=torch.zeros_like(row.sample_mask))
+
 
 def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
-            advantage: str = "grpo") -> TrainBatch:
+            advantage: str = "grpo", step_advantage: str = "broadcast",
+            step_gamma: float = 1.0) -> TrainBatch:
     """Right-pad every sample of ``groups`` into one :class:`TrainBatch`.
 
     Advantages by estimator ``advantage`` (``learner.loss.advantage``; see
     :func:`learners.losses.advantages.batch_advantages`, where ``std_norm`` applies to
     ``grpo``) are computed within each group, so a batch can be split across ranks only at
-    group boundaries if it is to keep its advantages.
+    group boundaries if it is to keep its advantages. ``step_advantage = "per_step"`` gives
+    each step (model turn) of a multi-step trajectory its own advantage
+    (:mod:`learners.losses.stepwise`); ``broadcast`` gives the trajectory's to all its tokens.
     """
     samples = [(group, s) for group in groups for s in group.sample_slices()]
     if not samples:
@@ -77,19 +112,60 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
     stacked = {name: torch.from_numpy(np.stack([row[name] for row in rows])) for name in rows[0]}
     lengths = torch.tensor([s.stop - s.start for _, s in samples])
     positions = torch.arange(width).unsqueeze(0)
+    token_advantages = advantages.unsqueeze(1) * (positions < lengths.unsqueeze(1) - 1)
+    if step_advantage == "per_step":
+        token_advantages = _per_step_rows(groups, width, advantage, std_norm, step_gamma)
+    loss_mask = stacked["loss_mask"].bool()
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.size)],
+                               dtype=torch.int64)
     return TrainBatch(
         input_ids=stacked["input_ids"].long(),
         attention_mask=(positions < lengths.unsqueeze(1)).long(),
         targets=stacked["targets"].long(),
-        loss_mask=stacked["loss_mask"].bool(),
+        loss_mask=loss_mask,
         behaviour_logprobs=stacked["behaviour_logprobs"].float(),
         versions=stacked["versions"].long(),
-        advantages=advantages.unsqueeze(1) * (positions < lengths.unsqueeze(1) - 1),
+        advantages=token_advantages,
         rewards=rewards,
         min_versions=torch.tensor([_min_version(g, s) for g, s in samples], dtype=torch.int64),
-        group_index=torch.tensor([i for i, g in enumerate(groups) for _ in range(g.size)],
-                                 dtype=torch.int64),
+        group_index=group_index,
+        group_tokens=_group_tokens(loss_mask, group_index),
+        sample_mask=torch.ones(len(samples), dtype=torch.bool),
     )
+
+
+def _per_step_rows(groups: Sequence[TrajectoryGroup], width: int, kind: str, std_norm: bool,
+                   gamma: float) -> Tensor:
+    """``[B, width]`` per-step advantages, shifted to targets like every per-token field. A
+    group without step metadata is one step over all its generated tokens."""
+    from learners.losses.stepwise import per_step_advantages, token_advantages
+
+    rows = []
+    for group in groups:
+        slices = group.sample_slices()
+        spans = group.metadata.get("steps") or [_generated_span(group, s) for s in slices]
+        step_rewards = group.metadata.get("step_rewards") or [[0.0] for _ in slices]
+        outcomes = group.metadata.get("outcome_rewards") or list(group.rewards)
+        adv = per_step_advantages(step_rewards, outcomes, kind, std_norm, gamma)
+        for sl, sample_spans, sample_adv in zip(slices, spans, adv):
+            per_token = token_advantages(sl.stop - sl.start, sample_spans, sample_adv)
+            row = np.zeros(width, dtype=np.float32)
+            row[: len(per_token) - 1] = per_token[1:]
+            rows.append(row)
+    return torch.from_numpy(np.stack(rows))
+
+
+def _generated_span(group: TrajectoryGroup, sample: slice) -> list[list[int]]:
+    trained = np.flatnonzero(group.loss_mask[sample])
+    return [[int(trained[0]), int(trained[-1]) + 1]] if trained.size else []
+
+
+def _group_tokens(loss_mask: Tensor, group_index: Tensor) -> Tensor:
+    """[B] trained tokens of each row's group (sum over the group's rows)."""
+    per_row = loss_mask.sum(-1).to(torch.float32)
+    groups = int(group_index.max()) + 1
+    per_group = torch.zeros(groups).index_add_(0, group_index, per_row)
+    return per_group[group_index]
 
 
 def _min_version(group: TrajectoryGroup, sample: slice) -> int:

@@ -67,7 +67,7 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         full_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         count, value_loss, value_sum = sums.tolist()
-        metrics = {"critic/value_loss": value_loss / max(count, 1.0),
-                   "critic/value_mean": value_sum / max(count, 1.0),
+        metrics = {"critic/loss": value_loss / max(count, 1.0),
+                   "critic/values/mean": value_sum / max(count, 1.0),
                    "critic/grad_norm": float(full_norm)}
         return dataclasses.replace(batch, advantages=advantages.to(values.device)), metrics

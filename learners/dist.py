@@ -27,6 +27,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def broadcast_host(cfg, address: str | None) -> str:
+    """``weights.host`` resolved: ``"auto"`` is the local address of the interface that routes
+    to the buffer (the one the other machines of the run reach us on); anything else as is."""
+    if cfg.weights.host != "auto":
+        return cfg.weights.host
+    from urllib.parse import urlsplit
+
+    target = urlsplit(address if address else cfg.buffer.url).hostname or cfg.buffer.host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))  # UDP: picks the route, sends nothing
+        host = probe.getsockname()[0]
+    logger.info("weights.host auto: %s (the route to the buffer at %s)", host, target)
+    return host
+
+
 def resolve_device(device: str, rank: int) -> torch.device:
     """``"auto"`` → CUDA if available, else CPU; a CUDA rank uses GPU ``rank % count``."""
     if device == "auto":

@@ -2,10 +2,12 @@
 
 One step reads like the algorithm::
 
-    groups  = buffer.get_batch(groups_per_step / ranks, V)    # waits only if the buffer is empty
-    metrics = trainer.train_step(collate(groups))             # V → V + 1
+    rank 0: groups = buffer.get_batch(groups_per_step, V)    # waits only if the buffer is empty
+    share   = scatter_batch(collate(groups))                 # balanced by tokens across ranks
+    metrics = trainer.train_step(share)                      # micro-batched; V → V + 1
     weights = trainer.full_state_dict()                       # collective across ranks
-    rank 0: broadcaster.sync(weights, V + 1); buffer.publish_version(V + 1)
+    rank 0: publisher.publish(weights, V + 1)   # on its own thread: sync to the engines,
+                                                # then buffer.publish_version(V + 1)
     every checkpoint.every_steps: checkpoint.save(...)           # sharded DCP + meta.json
 
 A restarted learner first resumes from its latest checkpoint (``learners.checkpoint``).
@@ -13,6 +15,7 @@ A restarted learner first resumes from its latest checkpoint (``learners.checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -22,8 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.metrics import MetricsWriter, Timers
+from asyncrl.metrics import Timers, val_score
+from asyncrl.prometheus import start_endpoint
+from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer
+from buffers.lease import keep_leased
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,7 @@ class RankContext:
     world: int
     client: BufferClient
     member: str
+    address: str | None = None
 
 
 def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, master_port: int,
@@ -52,12 +59,14 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed + rank)
-    device = init_learner_group(rank, world, master_port=master_port, device=cfg.learner.device)
-    ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address),
-                      f"learner-{rank}")
+    device = init_learner_group(rank, world, master_port=master_port,
+                                master_addr=cfg.learner.master_addr, device=cfg.learner.device)
+    ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address), f"learner-{rank}",
+                      address)
+    driver = None
     try:
         model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-        trainer = make_trainer(model_dir, cfg.learner, device)
+        trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim)
         checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
         _resume(ctx, checkpointer, trainer, driver)
@@ -70,6 +79,8 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         if driver is not None:
             driver.finish(state, trainer.version)
     finally:
+        if driver is not None:
+            driver.close()
         ctx.client.close()
         shutdown_learner_group()
 
@@ -99,50 +110,78 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
 
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
            checkpointer) -> None:
-    from asyncrl.models import PAD_ID
-    from learners.batching import collate
-    from learners.losses.filters import filter_groups, zero_loss_mask
+    from learners.balance import scatter_batch
 
     cfg, timers = ctx.cfg, Timers()
-    share = cfg.learner.groups_per_step // ctx.world
     while trainer.version < cfg.learner.total_steps:
         with timers("wait_data"):
-            batch = _next_batch(ctx, trainer, driver, share, stop)
+            batch = _next_batch(ctx, trainer, driver, stop)
         if batch is None:
             break
-        groups, filter_counts = filter_groups(batch.groups, cfg.learner.loss)
-        # train_step is collective: a rank whose groups were all filtered still takes part,
-        # with a group that trains no token.
-        groups = groups or [zero_loss_mask(batch.groups[0])]
-        with timers("compute"):
-            metrics = trainer.train_step(collate(groups, cfg.learner.advantage_std_norm, PAD_ID,
-                                                 advantage=cfg.learner.loss.advantage))
-        ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
-        metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
-        metrics.update(_consumed_versions(batch.groups, trainer.version - 1, ctx.world))
+        # The step may outlast buffer.reclaim_idle_s: rank 0 renews the batch's lease
+        # meanwhile, so it is not redelivered to another learner and trained twice.
+        lease = (keep_leased(ctx.client, ctx.member, batch, cfg.buffer.reclaim_idle_s)
+                 if driver is not None else contextlib.nullcontext())
+        with timers("compute"), lease:
+            whole, filter_counts = _collate(cfg, batch) if driver is not None else (None, {})
+            metrics = trainer.train_step(scatter_batch(whole, ctx.rank, ctx.world))
+        stats: dict = {}
+        if driver is not None:   # rank 0 read the batch: it acks it and reports on it
+            ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
+            metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
+            metrics.update(_consumed_versions(batch.groups, trainer.version - 1,
+                                              cfg.buffer.max_staleness))
+            stats = batch.stats
         with timers("gather"):
             state = trainer.full_state_dict()
         should_stop = False
         if driver is not None:
-            should_stop = driver.after_step(trainer.version, state, metrics, batch.stats,
-                                            timers.pop("learner/"))
-        checkpointer.after_step(trainer, _counters(cfg, trainer.version, batch.stats))
+            should_stop = driver.after_step(trainer.version, state, metrics, stats, timers.pop())
+        checkpointer.after_step(trainer, _counters(cfg, trainer.version, stats))
         if _agree(should_stop or stop.is_set(), ctx.world):
             break
 
 
-def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, share: int,
-                stop: threading.Event):
-    """Wait for ``share`` fresh groups; meanwhile keep heartbeating and re-sync late joiners."""
-    while not stop.is_set():
-        batch = ctx.client.get_batch(ctx.member, share, trainer.version, BATCH_POLL_S)
-        if batch is not None:
-            return batch
-        ctx.client.heartbeat(ctx.member, "learner", {"state": "waiting for data",
-                                                     "version": trainer.version})
+def _collate(cfg: Config, batch):
+    """Rank 0: the step's groups, filtered (DAPO), as ONE batch with advantages per group."""
+    from asyncrl.models import PAD_ID
+    from learners.batching import collate
+    from learners.losses.filters import filter_groups, zero_loss_mask
+
+    groups, filter_counts = filter_groups(batch.groups, cfg.learner.loss)
+    # train_step is collective: a step whose groups were all filtered still runs, with a group
+    # that trains no token.
+    groups = groups or [zero_loss_mask(batch.groups[0])]
+    loss = cfg.learner.loss
+    return collate(groups, cfg.learner.advantage_std_norm, PAD_ID, advantage=loss.advantage,
+                   step_advantage=loss.step_advantage,
+                   step_gamma=loss.step_gamma), filter_counts
+
+
+def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event):
+    """Rank 0 waits for ``groups_per_step`` fresh groups, heartbeating and re-syncing late
+    joiners; after every poll all ranks agree whether a batch came or a stop. Returns the batch
+    on rank 0, ``True`` on the others, ``None`` on every rank to stop. The other ranks wait in
+    that agreement rather than in the batch's scatter, so an empty buffer never runs into the
+    process group's timeout."""
+    groups = ctx.cfg.learner.groups_per_step
+    while True:
+        batch = None
+        if driver is not None and not stop.is_set():
+            batch = ctx.client.get_batch(ctx.member, groups, trainer.version, BATCH_POLL_S)
+        got, stopping = _agree_any([batch is not None, stop.is_set()], ctx.world)
+        if got and not stopping:
+            return batch if driver is not None else True
+        if not got:
+            # Rank 0 keeps its last step's record in the heartbeat: a monitor of a learner
+            # starved for data still shows that step (and that the learner is waiting).
+            last = driver.last_record if driver is not None else {}
+            ctx.client.heartbeat(ctx.member, "learner", {**last, "state": "waiting for data",
+                                                         "version": trainer.version})
+        if stopping:
+            return None   # a batch fetched meanwhile stays unacked: the buffer redelivers it
         if driver is not None:
             driver.resync_late_joiners(trainer.version)
-    return None
 
 
 def _counters(cfg: Config, version: int, stats: dict) -> dict[str, Any]:
@@ -152,35 +191,39 @@ def _counters(cfg: Config, version: int, stats: dict) -> dict[str, Any]:
             "buffer": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
 
 
-def _consumed_versions(groups, version: int, world: int) -> dict[str, float]:
-    """Staleness of what this step trained on, reduced over ranks (the s = 0 test reads it)."""
-    import torch
-    import torch.distributed as dist
-
+def _consumed_versions(groups, version: int, max_staleness: int) -> dict[str, Any]:
+    """Staleness of what this step trained on: the whole batch, on rank 0 (the s = 0 test
+    reads it), with ``staleness/hist``: groups consumed at staleness 0..s (the gate admits no
+    more; anything older was dropped by the buffer)."""
     versions = [g.versions[g.loss_mask.astype(bool)] for g in groups]
     lo = min(int(v.min()) for v in versions if v.size)
     hi = max(int(v.max()) for v in versions if v.size)
     stale = [version - g.min_version() for g in groups]
-    t = torch.tensor([-lo, hi, max(stale), sum(stale), len(stale)], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(t[:3], op=dist.ReduceOp.MAX)
-        dist.all_reduce(t[3:], op=dist.ReduceOp.SUM)
-    return {"learner/consumed_version_min": -t[0].item(),
-            "learner/consumed_version_max": t[1].item(),
-            "learner/staleness_max": t[2].item(),
-            "learner/staleness_mean": (t[3] / t[4]).item()}
+    hist = [0] * (max_staleness + 1)
+    for value in stale:
+        hist[min(max(value, 0), max_staleness)] += 1
+    return {"staleness/consumed_version_min": float(lo),
+            "staleness/consumed_version_max": float(hi),
+            "staleness/max": float(max(stale)),
+            "staleness/mean": sum(stale) / len(stale),
+            "staleness/hist": hist}
 
 
 def _agree(flag: bool, world: int) -> bool:
     """Every rank stops together: rank 0 decides (eval target), any rank may be told to stop."""
+    return _agree_any([flag], world)[0]
+
+
+def _agree_any(flags: list[bool], world: int) -> list[bool]:
+    """Each flag OR-ed over the ranks (one all-reduce). COLLECTIVE."""
     import torch
     import torch.distributed as dist
 
     if world == 1:
-        return flag
-    t = torch.tensor([float(flag)])
+        return flags
+    t = torch.tensor([float(f) for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 class _RankZero:
@@ -188,59 +231,74 @@ class _RankZero:
 
     def __init__(self, ctx: RankContext, model_dir: Path) -> None:
         from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
-        from learners.weights import WeightBroadcaster
+        from learners.dist import broadcast_host
+        from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
+        from learners.weights_publisher import WeightPublisher
         from rollouters.engines.torch_engine import TorchEngine
-        from rollouters.tasks import make_task
+        from rollouters.eval import make_evaluator
 
         self.ctx, self.cfg = ctx, ctx.cfg
-        self.broadcaster = WeightBroadcaster(ctx.client, self.cfg.weights)
-        self.writer = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
-        self.task = make_task(self.cfg.task, self.cfg.run.seed)
+        # The publisher delivers weights on a thread of its own: it gets a client of its own.
+        self.weights_client = connect_buffer(self.cfg, ctx.address)
+        self.publisher = WeightPublisher(
+            self.weights_client,
+            WeightBroadcaster(self.weights_client,
+                              engine_weights(self.cfg.weights, self.cfg.rollout.engine),
+                              sim_sync_s=self.cfg.sim.sync_s,
+                              align=broadcast_align(self.cfg.rollout.engine),
+                              host=broadcast_host(self.cfg, ctx.address)),
+            overlap=self.cfg.weights.overlap)
+        self.writer = make_sinks(self.cfg.monitor, self.cfg.run_dir, self.cfg.run.name,
+                                 self.cfg.model_dump(mode="json"))
+        self.endpoint = start_endpoint(self.cfg.monitor, "learner", ctx.member)
+        self.evaluator = make_evaluator(self.cfg, model_dir)
         self.eval_engine = TorchEngine(load_causal_lm(model_dir, self.cfg.model.dtype, "cpu"),
                                        eos_id=EOS_ID, pad_id=PAD_ID)
         self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
+        self.last_record: dict[str, Any] = {}
 
     def resumed(self, state, version: int) -> None:
         """After a restart from a checkpoint, engines that outlived the learner hold weights it
         lost: send them the restored ones right away, and again to any that join later."""
         self.last_state = state
-        self.broadcaster.sync(state, version)
-        self.ctx.client.publish_version(version)  # a fresh buffer learns V; a surviving one has it
+        self.publisher.deliver_now(state, version)  # a fresh buffer learns V; a surviving one has it
 
     def after_step(self, version: int, state, metrics: dict, stats: dict,
                    phase_times: dict) -> bool:
-        sync = self.broadcaster.sync(state, version)
-        self.ctx.client.publish_version(version)
+        sync = self.publisher.publish(state, version)  # overlap: the previous version's metrics
         self.last_state = state
         now = time.monotonic()
-        metrics["learner/tokens_per_s"] = metrics["learner/tokens"] / (now - self.last_step_end)
+        step_s = now - self.last_step_end
+        metrics["perf/trained_tokens_per_s"] = metrics["perf/trained_tokens"] / step_s
         self.last_step_end = now
-        record = {"step": version, "time_s": round(now - self.start, 3), **metrics,
+        record = {"step": version, "training/global_step": version,
+                  "time_s": round(now - self.start, 3), "timing/step": step_s, **metrics,
                   **phase_times, **sync,
                   **{f"buffer/{k}": v for k, v in stats.items()}, **self._rollout_totals()}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
             record.update(self.evaluate(state, version))
         self.writer.write(record)
+        if self.endpoint is not None:
+            self.endpoint.publish(record)
         self.ctx.client.heartbeat(self.ctx.member, "learner", record)
+        self.last_record = record
         _log_step(record)
         target = self.cfg.eval.stop_at_accuracy
-        return target is not None and record.get("eval/accuracy", -1.0) >= target
+        score = val_score(record)
+        return target is not None and score is not None and score >= target
 
     def evaluate(self, state, version: int) -> dict[str, float]:
-        from rollouters.eval import evaluate
-
         self.eval_engine.load_weights(state.items(), version=version)
-        self.last_eval = evaluate(self.eval_engine, self.task, self.cfg.rollout.max_new_tokens)
+        self.last_eval = self.evaluator(self.eval_engine)
         return self.last_eval
 
     def resync_late_joiners(self, version: int) -> None:
         """An engine that joined after the last step would wait for weights forever while
         the learner waits for data (with small s): give it the current version now."""
-        if self.last_state is not None and self.broadcaster.needs_sync():
-            logger.info("engines changed while waiting for data: re-sending version %d", version)
-            self.broadcaster.sync(self.last_state, version)
+        if self.last_state is not None:
+            self.publisher.resync(self.last_state, version)
 
     def _rollout_totals(self) -> dict[str, float]:
         members = self.ctx.client.status().get("members", {})
@@ -248,23 +306,39 @@ class _RankZero:
                  if m.get("role") == "rollout" and m.get("alive")]
         return {"rollout/workers": len(infos),
                 "rollout/tokens_per_s": sum(i.get("tokens_per_s", 0.0) for i in infos),
-                "rollout/gate_wait_s": sum(i.get("gate_wait_s", 0.0) for i in infos)}
+                "rollout/gate_wait_s": sum(i.get("gate_wait_s", 0.0) for i in infos),
+                "rollout/generate_s": sum(i.get("generate_s", 0.0) for i in infos)}
 
     def finish(self, state, version: int) -> None:
+        self.publisher.wait()  # the last version is published before the run is marked done
         final = self.evaluate(state, version)
         record = {"step": "final", "time_s": round(time.monotonic() - self.start, 3), **final}
         self.writer.write(record)
         (self.cfg.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         self.ctx.client.set_key("run/status", {"status": "done"})
-        self.broadcaster.close()
+        self.close()
+        logger.info("final held-out greedy eval: %s", final)
+
+
+    def close(self) -> None:
+        """Finish the weight delivery in flight (engines leave), flush the metric sinks and stop
+        serving /metrics (idempotent)."""
+        if self.weights_client is not None:
+            try:
+                self.publisher.close()
+            finally:
+                self.weights_client.close()
+                self.weights_client = None
         self.writer.close()
-        logger.info("final held-out greedy eval: accuracy %.3f (position accuracy %.3f, n=%d)",
-                    final["eval/accuracy"], final["eval/position_accuracy"], final["eval/n"])
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
 
 
 def _log_step(record: dict) -> None:
-    logger.info("step %s  reward %.3f  loss %+.4f  staleness max %d  %s",
-                record["step"], record.get("learner/reward_mean", float("nan")),
-                record.get("learner/loss", float("nan")),
-                record.get("learner/staleness_max", 0),
-                f"eval acc {record['eval/accuracy']:.3f}" if "eval/accuracy" in record else "")
+    score = val_score(record)
+    logger.info("step %s  score %.3f  loss %+.4f  staleness max %d  %s",
+                record["step"], record.get("critic/score/mean", float("nan")),
+                record.get("actor/loss", float("nan")),
+                record.get("staleness/max", 0),
+                f"val score {score:.3f}" if score is not None else "")

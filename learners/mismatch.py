@@ -58,6 +58,16 @@ def mismatch_sums(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, clip
         return torch.cat([head, hist])
 
 
+def merge_mismatch_sums(total: Tensor | None, sums: Tensor) -> Tensor:
+    """Combine two :func:`mismatch_sums` of one rank (micro-batches): add, except the max.
+    ``total=None`` starts a sum."""
+    if total is None:
+        return sums
+    merged = total + sums
+    merged[5] = torch.maximum(total[5], sums[5])
+    return merged
+
+
 def reduce_mismatch(sums: Tensor) -> Tensor:
     """All-reduce :func:`mismatch_sums` over the default group: SUM, except the max. COLLECTIVE."""
     import torch.distributed as dist

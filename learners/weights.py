@@ -3,12 +3,15 @@
 One update, as seen on the control plane (``weights/announce``)::
 
     {"version": int, "epoch": int, "members": [member, ...],   # rank = index + 1
-     "store": "host:port", "transport": "gloo", "timeout_s": float,
+     "store": "host:port", "group": str, "transport": "gloo", "transport_opts": {...},
+     "timeout_s": float,
      "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
      "buckets": [{"nbytes", "count"}, ...]}
 
 Members are the alive ``rollout`` members of the control plane, sorted. A *membership epoch* is
-one process group over them; it is reused while they stay the same. When they change, the new
+one process group over them (named ``group``, see :func:`learners.weights_group.group_name`,
+with SGLang's store layout so an SGLang server can be a member); it is reused while they stay
+the same. When they change, the new
 epoch starts with a handshake on the control plane so that nobody blocks on a dead peer:
 receivers write ``weights/join/<member>``, the broadcaster waits for all of them (up to
 ``timeout_s``) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after ``go`` does
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +49,10 @@ from learners.weights_group import (
     ANNOUNCE_KEY,
     GROUP_KEY,
     ack_key,
-    await_key,
+    await_keys,
     broadcast_async,
     drop_group,
+    group_name,
     join_key,
     new_group,
     serve_store,
@@ -55,7 +60,7 @@ from learners.weights_group import (
 from learners.weights_plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
 from learners.weights_receiver import WeightReceiver
 
-__all__ = ["WeightBroadcaster", "WeightReceiver"]
+__all__ = ["WeightBroadcaster", "WeightReceiver", "broadcast_align", "engine_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,28 +75,45 @@ class _Group:
     pg: dist.ProcessGroup
 
 
+def engine_weights(cfg: WeightsConfig, engine: str) -> WeightsConfig:
+    """``cfg`` as engines of kind ``engine`` (``rollout.engine``) need it: an SGLang peer
+    makes one blocking HTTP request per bucket while its server is paused, so for SGLang every
+    tensor is packed into buckets (``alone_mb = 0``): few large requests, not one per tensor."""
+    return cfg.model_copy(update={"alone_mb": 0.0}) if engine == "sglang" else cfg
+
+
+def broadcast_align(engine: str) -> int:
+    """The bucket alignment the engines of kind ``engine`` (``rollout.engine``) can receive:
+    SGLang's flattened buckets carry no padding, our receivers take any alignment."""
+    return 1 if engine == "sglang" else ALIGN
+
+
 class WeightBroadcaster:
     """Sends each new version to every rollout engine; never hangs on, or dies of, a lost one.
 
     ``control`` is used only from the thread that calls :meth:`sync` (clients are not
     thread-safe). The store server lives as long as this object; groups come and go with
-    membership epochs. ``align`` is the plan's tensor alignment in a bucket (1 for SGLang
-    peers, whose flattened buckets have no padding).
+    membership epochs. ``align`` is the plan's tensor alignment in a bucket: 1 for SGLang
+    peers, whose ``flattened_bucket`` receive expects the tensors' bytes back to back (see
+    :func:`rollouters.engines.sglang_engine.sglang_requests`); :func:`broadcast_align` picks it.
     """
 
     def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
-                 align: int = ALIGN):
+                 align: int = ALIGN, sim_sync_s: float = 0.0):
         self._control = control
         self._cfg = cfg
         self._host = host
         self._align = align
+        self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
+        self._transport_opts: dict[str, Any] = {}  # announced; new_group's extra arguments
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
-        if cfg.transport != "gloo":
-            raise NotImplementedError(f"weight transport {cfg.transport!r} (only gloo so far)")
+        if cfg.transport not in ("gloo", "sim"):
+            raise NotImplementedError(f"weight transport {cfg.transport!r} (gloo or sim)")
         self._store = serve_store(host, cfg.timeout_s)
         self.address = f"{host}:{self._store.port}"
         self._epoch = 0
+        self._token = uuid.uuid4().hex[:8]  # group names unique to this broadcaster
         self._group: _Group | None = None
         self._evicted_at: dict[str, float] = {}  # member → time.monotonic() of its eviction
         self._evicted_now: list[str] = []  # evicted during the running sync: not retried in it
@@ -141,14 +163,20 @@ class WeightBroadcaster:
 
         Raises only if the control plane itself fails; lost or slow engines are evicted."""
         start = time.monotonic()
-        self._phases = {"weights/send_s": 0.0, "weights/ack_s": 0.0}
-        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align)
+        self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
+        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
+                            int(self._cfg.alone_mb * 2**20))
+        if self._cfg.transport == "sim":
+            opts = {"s_per_byte": self._sim_sync_s / max(plan.total_bytes, 1)}
+            if opts != self._transport_opts:
+                self._drop()  # a group's wire speed is fixed when it is created
+                self._transport_opts = opts
         try:
             delivered, attempts = self._deliver(plan, state_dict, version)
             evicted = len(self._evicted_now)
         finally:
             self._evicted_now = []
-        return {"weights/sync_s": time.monotonic() - start,
+        return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
                 "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
                 "weights/buckets": float(len(plan.bucket_nbytes)),
@@ -191,7 +219,8 @@ class WeightBroadcaster:
         self._send(self._group.pg, plan, state)
         sent = time.monotonic()
         late = self._wait_acks(members, version)
-        self._phases = {"weights/send_s": sent - started, "weights/ack_s": time.monotonic() - sent}
+        self._phases = {"timing/weight_send": sent - started,
+                        "timing/weight_ack": time.monotonic() - sent}
         if late:
             self._evict(late, "no ack")
             return []
@@ -231,7 +260,8 @@ class WeightBroadcaster:
         manifest, buckets = plan.to_json()
         self._control.set_key(ANNOUNCE_KEY, {
             "version": version, "epoch": self._epoch, "members": members,
-            "store": self.address, "transport": self._cfg.transport,
+            "store": self.address, "group": group_name(self._token, self._epoch),
+            "transport": self._cfg.transport, "transport_opts": self._transport_opts,
             "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
 
     def _rendezvous(self, members: list[str]) -> bool:
@@ -241,15 +271,15 @@ class WeightBroadcaster:
         def joined(value: dict[str, Any]) -> bool:
             return value.get("epoch") == epoch and value.get("store") == self.address
 
-        missing = [m for m in members
-                   if await_key(self._control, join_key(m), joined, deadline) is None]
+        by_key = {join_key(m): m for m in members}
+        missing = [by_key[k] for k in await_keys(self._control, list(by_key), joined, deadline)]
         self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
                                           "go": not missing})
         if missing:
             self._evict(missing, "did not join")
             return False
-        pg = new_group(self._cfg.transport, self._store, epoch, 0, len(members) + 1,
-                       self._cfg.timeout_s, self._host)
+        pg = new_group(self._cfg.transport, self._store, group_name(self._token, epoch), 0,
+                       len(members) + 1, self._cfg.timeout_s, self._host, **self._transport_opts)
         self._group = _Group(epoch, tuple(members), pg)
         logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
         return True
@@ -262,8 +292,8 @@ class WeightBroadcaster:
             return (value.get("version", -1) >= version and value.get("epoch") == epoch
                     and value.get("store") == self.address)
 
-        return [m for m in members
-                if await_key(self._control, ack_key(m), acked, deadline) is None]
+        by_key = {ack_key(m): m for m in members}
+        return [by_key[k] for k in await_keys(self._control, list(by_key), acked, deadline)]
 
     def close(self) -> None:
         """Tell receivers to leave (an announcement without members), drop the group, stop

@@ -66,16 +66,38 @@ def buffer_device(transport: str) -> torch.device:
     return torch.device("cuda" if transport == "nccl" else "cpu")
 
 
-def new_group(transport: str, store: dist.Store, epoch: int, rank: int, world: int,
-              timeout_s: float, host: str) -> dist.ProcessGroup:
-    """The broadcast group of one membership epoch; blocks until all ``world`` ranks joined
-    (or raises after ``timeout_s``). Every epoch gets its own key prefix in the shared store."""
+def group_name(token: str, epoch: int) -> str:
+    """The name of one epoch's group: unique per broadcaster (``token``) and epoch, because
+    a long-lived engine (an SGLang server) keeps every group it joined by name and refuses to
+    join a second group of the same name."""
+    return f"asyncrl-{token}-epoch{epoch}"
+
+
+def new_group(transport: str, store: dist.Store, name: str, rank: int, world: int,
+              timeout_s: float, host: str, **transport_opts: Any) -> dist.ProcessGroup:
+    """The broadcast group ``name`` (one membership epoch); blocks until all ``world`` ranks
+    joined (or raises after ``timeout_s``). ``transport_opts`` come from the announcement
+    (``sim``: ``s_per_byte``).
+
+    The store keys follow the layout of SGLang's ``init_custom_process_group`` (also vLLM's
+    and OpenRLHF's): ``PrefixStore(name, store)`` handed to torch's
+    ``_new_process_group_helper``, which adds ``PrefixStore(f"{name}/")`` and, per device
+    backend, ``PrefixStore("cpu/")`` for gloo. Building the same chain here lets an SGLang
+    server (rank >= 1 via ``/init_weights_update_group``) meet our ranks in one group, while
+    this process keeps the group out of torch's global registry (no default group needed,
+    no name clashes, nothing to unregister)."""
+    if transport == "sim":
+        from learners.weights_sim import SimGroup
+
+        group = SimGroup(rank, world, float(transport_opts["s_per_byte"]))
+        return group  # type: ignore[return-value]  # what broadcast_async and drop_group use
     if transport != "gloo":
-        raise NotImplementedError(f"weight transport {transport!r} (only gloo so far)")
+        raise NotImplementedError(f"weight transport {transport!r} (gloo or sim)")
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = _timeout(timeout_s)
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"epoch{epoch}", store), rank, world, opts)
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
+    return dist.ProcessGroupGloo(keys, rank, world, opts)
 
 
 def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
@@ -122,3 +144,24 @@ def await_key(control: ControlPlane, key: str, accept: Callable[[dict[str, Any]]
                 return value
         if remaining <= 0 or (stop is not None and stop.is_set()):
             return None
+
+
+def await_keys(control: ControlPlane, keys: list[str], accept: Callable[[dict[str, Any]], bool],
+               deadline: float, poll_s: float = 1.0) -> list[str]:
+    """Wait until every key in ``keys`` holds a value that passes ``accept``; returns those
+    that still do not at ``deadline`` (empty: all accepted).
+
+    One :meth:`ControlPlane.get_keys` reads every key per round, so a rendezvous over N
+    members costs a few round trips, not N. Between rounds it long-polls the first missing
+    key (the others usually arrive at about the same time), so it never spins."""
+    missing = list(keys)
+    seqs: dict[str, int] = {}
+    while True:
+        found = control.get_keys(missing)
+        seqs.update({key: seq for key, (seq, _) in found.items()})
+        missing = [key for key in missing if key not in found or not accept(found[key][1])]
+        remaining = deadline - time.monotonic()
+        if not missing or remaining <= 0:
+            return missing
+        control.get_key(missing[0], newer_than=seqs.get(missing[0], 0),
+                        timeout_s=max(0.0, min(poll_s, remaining)))

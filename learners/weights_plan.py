@@ -89,21 +89,30 @@ def _aligned(n: int, align: int = ALIGN) -> int:
 
 
 def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
-                 align: int = ALIGN) -> BucketPlan:
+                 align: int = ALIGN, alone_bytes: int = 0) -> BucketPlan:
     """Greedy plan in state-dict order: open a new bucket when the next tensor would overflow.
-    Tensors start at multiples of ``align`` bytes inside their bucket."""
+    Tensors start at multiples of ``align`` bytes inside their bucket.
+
+    ``alone_bytes`` > 0: a tensor of at least that many bytes gets a bucket of its own, so the
+    sender broadcasts the tensor's own memory instead of first copying it into a staging
+    buffer (:func:`pack_bucket`); only the small tensors are packed. One copy of the model
+    fewer on the sender, for one collective per large tensor."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if align <= 0:
         raise ValueError(f"align must be positive, got {align}")
     specs: list[TensorSpec] = []
     sizes: list[int] = []
+    closed = False  # the last bucket holds a tensor travelling alone: nothing joins it
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
+        alone = 0 < alone_bytes <= nbytes
         offset = _aligned(sizes[-1], align) if sizes else 0
-        if not sizes or (offset + nbytes > bucket_bytes and sizes[-1] > 0):
+        if not sizes or closed or (alone and sizes[-1] > 0) \
+                or (offset + nbytes > bucket_bytes and sizes[-1] > 0):
             sizes.append(0)
             offset = 0
+        closed = alone
         specs.append(TensorSpec(name, tuple(tensor.shape), dtype_name(tensor.dtype),
                                 len(sizes) - 1, offset, nbytes))
         sizes[-1] = offset + nbytes

@@ -11,9 +11,16 @@ changes, dropped when the group is): fresh ones page-fault on every byte. All of
 broadcasts are posted at once, so bucket *i+1* lands while bucket *i* is unpacked. ``apply`` is
 called once, after the last bucket, with every tensor of the update: one call is the commit,
 so an engine never generates with half of a new version, and its pause (the time it holds
-its own lock to copy) is one copy of the model, not the transfer. The price of reuse:
-``apply`` gets views into the pool, valid only until it returns; it must copy what it keeps
-(every engine's ``load_weights`` copies into its own parameters anyway).
+its own lock) is the commit alone, not the transfer.
+
+Two kinds of commit. By default ``apply`` gets views into the pool, valid only until it
+returns, and copies them into the engine (``load_weights``): the pause is one memcpy of the
+model. With ``adopt=True`` the receiver keeps TWO pools and alternates them, so the tensors
+``apply`` gets stay untouched until the update after next; the engine may then make them its
+parameters without a copy (``TorchEngine.adopt_weights``: a pointer swap per tensor). The
+update after next lands in the other pool, which by then the engine has let go of (it adopted
+the next update's). Memory: two pools, the engine's original parameters are released by its
+first adoption, so about the same as one pool plus the model.
 """
 
 from __future__ import annotations
@@ -54,11 +61,13 @@ class WeightReceiver:
     not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`.
     ``apply(named, version)`` is called once per update with every tensor of it; the tensors
     view reused receive buffers, so they are valid only until ``apply`` returns (copy what you
-    keep). ``host`` is the address the gloo device binds.
+    keep), unless ``adopt``: then they stay valid until ``apply`` is called with the next
+    update, so the engine may keep them as its weights. ``host`` is the address the gloo
+    device binds.
     """
 
     def __init__(self, control: ControlPlane, member: str, apply: Apply,
-                 host: str = "127.0.0.1", poll_s: float = 0.25) -> None:
+                 host: str = "127.0.0.1", poll_s: float = 0.25, adopt: bool = False) -> None:
         self.member = member
         self._control = control
         self._apply = apply
@@ -71,7 +80,10 @@ class WeightReceiver:
         self._group: dist.ProcessGroup | None = None
         self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._group
         self._store: dist.TCPStore | None = None
-        self._pool: BucketBuffers | None = None  # receive buffers, reused while the plan holds
+        self._adopt = adopt
+        # receive buffers, reused while the plan holds; two when the engine adopts tensors
+        self._pools: list[BucketBuffers | None] = [None, None] if adopt else [None]
+        self._next_pool = 0  # adopt: the pool the engine does not hold
         self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
 
     @property
@@ -130,6 +142,8 @@ class WeightReceiver:
         named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]),
                               ann.get("transport", "gloo"))
         self._apply(named, version)
+        if self._adopt:  # the engine holds this pool now: the next update uses the other
+            self._next_pool = 1 - self._next_pool
         with self._version_cv:
             self._last_version = version
             self._version_cv.notify_all()
@@ -142,8 +156,8 @@ class WeightReceiver:
             return False
         store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
         self._store = dial_store(store, timeout_s)
-        self._group = new_group(ann.get("transport", "gloo"), self._store, epoch, rank, world,
-                                timeout_s, self._host)
+        self._group = new_group(ann.get("transport", "gloo"), self._store, ann["group"], rank,
+                                world, timeout_s, self._host, **ann.get("transport_opts", {}))
         self._group_id = (store, epoch)
         logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
         return True
@@ -181,16 +195,19 @@ class WeightReceiver:
         return named
 
     def _pool_for(self, plan: BucketPlan, device: torch.device) -> BucketBuffers:
-        if self._pool is None or not self._pool.fits(plan, device):
-            self._pool = None  # let the old buffers go before allocating the new ones
-            self._pool = BucketBuffers(plan, device, slots=len(plan.bucket_nbytes))
-            logger.info("weights: %s receive pool for %d buckets: %.1f MB", self.member,
-                        len(plan.bucket_nbytes), self._pool.nbytes / 1e6)
-        return self._pool
+        index = self._next_pool
+        pool = self._pools[index]
+        if pool is None or not pool.fits(plan, device):
+            self._pools[index] = None  # let the old buffers go before allocating the new ones
+            pool = self._pools[index] = BucketBuffers(plan, device,
+                                                      slots=len(plan.bucket_nbytes))
+            logger.info("weights: %s receive pool %d for %d buckets: %.1f MB", self.member,
+                        index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
+        return pool
 
     def _leave(self) -> None:
         """Drop the group (aborting any broadcast still pending into the pool) and the pool
         with it, so that no aborted receive can write into buffers a later update reads."""
         drop_group(self._group)
         self._group, self._group_id, self._store = None, None, None
-        self._pool = None
+        self._pools = [None] * len(self._pools)  # an adopted pool lives on in the engine

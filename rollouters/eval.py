@@ -1,18 +1,33 @@
-"""Greedy evaluation on the task's fixed held-out prompts."""
+"""Greedy validation on held-out prompts, reported as ``val/test_score/<task>``.
+
+Digit tasks: exact-match accuracy of one batched call. Workflows (single-turn, multi-turn
+agents, custom): the SAME workflow as training, one greedy episode per held-out sample, scored
+by its return (the mean is the test score). :func:`make_evaluator` picks one from the config.
+"""
 
 from __future__ import annotations
 
 import logging
 
+from asyncrl.metrics import val_score_key
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from rollouters.engines.base import Engine
 from rollouters.tasks.digits import Task
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 logger = logging.getLogger(__name__)
 
 
 def evaluate(engine: Engine, task: Task, max_new_tokens: int, batch_size: int = 256
              ) -> dict[str, float | int]:
-    """Exact-match and position accuracy of greedy completions on ``task.eval_prompts()``.
+    """Exact-match accuracy (``val/test_score/<task>``), position accuracy
+    (``val/position_score/<task>``) and prompt count of greedy completions on
+    ``task.eval_prompts()``, a set the training prompts never include.
 
     Greedy, so the numbers depend only on the weights, not on sampling noise.
     """
@@ -29,8 +44,102 @@ def evaluate(engine: Engine, task: Task, max_new_tokens: int, batch_size: int = 
             exact += task.exact(prompt, completion.tokens)
             position += task.reward(prompt, completion.tokens)
     count = len(prompts)
-    metrics = {"eval/accuracy": exact / count if count else 0.0,
-               "eval/position_accuracy": position / count if count else 0.0,
-               "eval/n": count}
+    metrics = {val_score_key(task.name): exact / count if count else 0.0,
+               f"val/position_score/{task.name}": position / count if count else 0.0,
+               f"val/num_prompts/{task.name}": count}
     logger.info("eval at version %d: %s", engine.version, metrics)
     return metrics
+
+
+def evaluate_workflow(engine: Engine, cfg: Config, tokenizer, seed: int = 0
+                      ) -> dict[str, float | int]:
+    """One greedy episode of the configured workflow per held-out sample (``[data]`` eval set,
+    or the env's own). ``val/test_score/<task>`` is the mean return."""
+    import asyncio
+
+    from rollouters.workflows.batching import BatchingEngine
+    from rollouters.workflows.factory import eval_samples, make_workflow
+    from rollouters.workflows.runner import EpisodeRunner
+
+    name, samples = eval_samples(cfg)
+    workflow = make_workflow(cfg, tokenizer, seed)
+    batching = BatchingEngine(engine, temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                              greedy=True)
+    runner = EpisodeRunner(workflow, batching, max_staleness=None,
+                           episode_timeout_s=cfg.workflow.episode_timeout_s)
+
+    async def run_all() -> list:
+        return await asyncio.gather(*(runner.episode(s) for s in samples))
+
+    loop = asyncio.new_event_loop()
+    try:
+        trajectories = loop.run_until_complete(run_all())
+    finally:
+        loop.close()
+        reward = getattr(workflow, "reward", None)
+        if reward is not None:
+            reward.close()
+    returns = [t.total_reward if t is not None else 0.0 for t in trajectories]
+    count = len(samples)
+    metrics = {val_score_key(name): sum(returns) / count if count else 0.0,
+               f"val/success/{name}": sum(r >= 1.0 - 1e-6 for r in returns) / count
+               if count else 0.0,
+               f"val/num_prompts/{name}": count,
+               f"val/failed_episodes/{name}": sum(t is None for t in trajectories)}
+    logger.info("eval at version %d: %s", engine.version, metrics)
+    return metrics
+
+
+def make_evaluator(cfg: Config, model_dir: str | Path) -> Callable[[Engine], dict]:
+    """``evaluator(engine) -> metrics`` for the configured task or workflow."""
+    if cfg.workflow.type == "digits":
+        from rollouters.tasks import make_task
+
+        task = make_task(cfg.task, cfg.run.seed)
+        return lambda engine: evaluate(engine, task, cfg.rollout.max_new_tokens)
+    from asyncrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return lambda engine: evaluate_workflow(engine, cfg, tokenizer, cfg.run.seed)
+
+
+def load_policy(cfg: Config, checkpoint: str | Path):
+    """``(model, version, model_dir)`` from an HF model directory (``final/``, ``hf/step_V``) or
+    a learner checkpoint (``checkpoints/step_V``, sharded DCP: loaded into the initial model)."""
+    import json
+
+    from asyncrl.models import load_causal_lm, prepare_model_dir
+
+    path = Path(checkpoint).expanduser()
+    if (path / "config.json").is_file():
+        version = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
+        return load_causal_lm(path, cfg.model.dtype), version, path
+    if not (path / ".metadata").is_file():
+        from asyncrl.config import ConfigError
+
+        raise ConfigError(f"--checkpoint {path}: neither an HF model directory "
+                          "(config.json) nor a learner checkpoint (.metadata)")
+    import torch.distributed.checkpoint as dcp
+
+    model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
+    model = load_causal_lm(model_dir, cfg.model.dtype)
+    state = {"actor_model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["actor_model"])
+    meta = path / "meta.json"
+    version = json.loads(meta.read_text())["version"] if meta.is_file() else -1
+    return model, version, model_dir
+
+
+def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
+    """`asyncrl eval`: the periodic validation, alone, on the weights at ``checkpoint``."""
+    import torch
+
+    from asyncrl.models import EOS_ID, PAD_ID
+    from rollouters.engines.torch_engine import TorchEngine
+
+    torch.set_num_threads(cfg.rollout.threads)
+    model, version, model_dir = load_policy(cfg, checkpoint)
+    engine = TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, version=max(version, 0))
+    return {"checkpoint": str(checkpoint), "version": version,
+            **make_evaluator(cfg, model_dir)(engine)}

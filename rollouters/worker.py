@@ -1,27 +1,36 @@
 """The rollout worker loop: ask the gate, generate groups, hand them to the buffer.
 
-Weights arrive on a background thread (:class:`learners.weights.WeightReceiver`) and are loaded
-between decode steps, so generation never stops for a sync; every token records its version.
+Weights arrive on a background thread (:func:`rollouters.engines.make_weight_receiver`) and are
+loaded between decode steps, so generation never stops for a sync; every token records its
+version.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
 from asyncrl.metrics import RateMeter
+from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, connect_buffer
 from buffers.protocol import DONE
 
+if TYPE_CHECKING:
+    from learners.weights_receiver import WeightReceiver
+
 logger = logging.getLogger(__name__)
 
-GATE_POLL_S = 0.02  # how often a worker re-asks a closed gate (a loopback round trip is ~0.1 ms)
+GATE_POLL_S = 0.02  # re-ask a closed gate this soon when the buffer's version is due to move
+GATE_IDLE_S = 0.5  # otherwise wait up to this long for new weights before asking again
 HEARTBEAT_S = 1.0
+# rollout.engine = "sim": workers per process, as threads (a simulated engine only waits; a few
+# processes keep the interpreter lock from serialising 64 engines' protocol work).
+SIM_WORKERS_PER_PROCESS = 16
 
 
 @dataclass
@@ -38,27 +47,30 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     import torch
 
     from asyncrl.models import prepare_model_dir
-    from learners.weights_receiver import WeightReceiver
-    from rollouters.engines import make_engine
-    from rollouters.tasks import make_task
+    from learners.dist import broadcast_host
+    from rollouters.engines import make_engine, make_weight_receiver
+    from rollouters.producers import make_producer
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.rollout.threads)
     member = f"rollout-{index}-{os.getpid()}"
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     engine = make_engine(cfg, model_dir, index)
-    task = make_task(cfg.task, cfg.run.seed)
+    producer = make_producer(cfg, engine, model_dir, index)
     client = connect_buffer(cfg, address)
     receiver_client = connect_buffer(cfg, address)  # clients are per thread
-    receiver = WeightReceiver(receiver_client, member,
-                              lambda named, version: engine.load_weights(named.items(), version))
+    receiver = make_weight_receiver(engine, receiver_client, member,
+                                    host=broadcast_host(cfg, address))
+    endpoint = start_endpoint(cfg.monitor, "rollout", member, index)
     try:
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
-        rng = random.Random(cfg.run.seed * 7919 + index)
-        _loop(cfg, member, engine, task, client, rng, stop)
+        _loop(cfg, member, engine, producer, client, stop, endpoint, receiver)
     finally:
+        producer.close()
+        if endpoint is not None:
+            endpoint.close()
         receiver.stop()
         receiver_client.close()
         client.close()
@@ -66,15 +78,41 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
         logger.info("%s stopped", member)
 
 
-def _loop(cfg: Config, member: str, engine, task, client: BufferClient,
-          rng: random.Random, stop: threading.Event) -> None:
-    from rollouters.workflows.single_turn import generate_groups
+def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
+                       stop: threading.Event) -> None:
+    """Rollout workers ``indices`` as threads of this process, sharing ``stop``; the first
+    failure stops the others, and this raises once all have ended."""
+    failures: list[int] = []
 
+    def run(index: int) -> None:
+        try:
+            run_rollout_worker(cfg, index, address, stop)
+        except Exception:  # noqa: BLE001 - reported, then every thread is stopped
+            logger.exception("rollout worker %d failed: stopping the others", index)
+            failures.append(index)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"rollout-{i}", daemon=True)
+               for i in indices]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise RuntimeError(f"rollout workers {sorted(failures)} failed")
+
+
+def _loop(cfg: Config, member: str, engine, producer, client: BufferClient,
+          stop: threading.Event, endpoint: MetricsEndpoint | None,
+          receiver: WeightReceiver) -> None:
     stats, tokens = WorkerStats(), RateMeter()
     next_beat = 0.0
     while not stop.is_set():
         if time.monotonic() >= next_beat:
-            state = client.heartbeat(member, "rollout", _info(engine, stats, tokens))
+            info = {**_info(engine, stats, tokens), **producer.metrics()}
+            state = client.heartbeat(member, "rollout", info)
+            if endpoint is not None:  # producer metrics are namespaced already
+                endpoint.publish({k if "/" in k else f"rollout/{k}": v for k, v in info.items()})
             next_beat = time.monotonic() + HEARTBEAT_S
             if state.get("run_status") == DONE:
                 break
@@ -83,19 +121,40 @@ def _loop(cfg: Config, member: str, engine, task, client: BufferClient,
             break
         if grant.granted == 0:
             start = time.perf_counter()
-            stop.wait(GATE_POLL_S)
+            _wait_for_gate(grant.version, engine.version, receiver, stop)
             stats.gate_wait_s += time.perf_counter() - start
             continue
         start = time.perf_counter()
-        groups = generate_groups(engine, task, task.sample(rng, grant.granted),
-                                 cfg.rollout.group_size, cfg.rollout.temperature,
-                                 cfg.rollout.max_new_tokens, run_id=cfg.run.name)
+        groups = producer.produce(grant.granted)
         stats.generate_s += time.perf_counter() - start
-        results = client.put_many(member, groups)  # one round trip per window, not per group
-        stats.groups += sum(r.accepted for r in results)
-        stats.rejected += sum(not r.accepted for r in results)
-        tokens.add(sum(group.num_generated for group in groups))
+        if len(groups) < grant.granted:  # episodes dropped, or the data ran out
+            client.release(member, grant.granted - len(groups))
+        if groups:
+            results = client.put_many(member, groups)  # one round trip per window
+            stats.groups += sum(r.accepted for r in results)
+            stats.rejected += sum(not r.accepted for r in results)
+            tokens.add(sum(group.num_generated for group in groups))
+        producer.handed_over()
+        if producer.exhausted:
+            logger.info("%s: data exhausted (data.epochs = %d)", member, cfg.data.epochs)
+            break
     client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), "state": "stopped"})
+
+
+def _wait_for_gate(buffer_version: int, engine_version: int, receiver: WeightReceiver,
+                   stop: threading.Event) -> None:
+    """Wait before asking a closed gate again, without polling the buffer in a tight loop.
+
+    The gate opens when the learner publishes a version, and the learner publishes only after
+    the engines acked its weights. So: if this engine already holds weights newer than the
+    buffer's version, the publish is a moment away: ask again soon. Otherwise nothing will
+    open the gate before new weights arrive: wait for them (event-driven, no request), at most
+    ``GATE_IDLE_S`` (a release by another worker can open it too). With 64 engines this turns
+    thousands of refused requests per second into a handful."""
+    if engine_version > buffer_version:
+        stop.wait(GATE_POLL_S)
+    else:
+        receiver.wait_for_version(engine_version + 1, GATE_IDLE_S)
 
 
 def _info(engine, stats: WorkerStats, tokens: RateMeter) -> dict:

@@ -1,13 +1,13 @@
 """The config schema. Every field says what it means; validation is local to its component.
 
-Cross-component checks (``learner.groups_per_step`` divisible by ``learner.ranks``) live in
+Cross-component checks (``learner.node_rank`` below ``learner.nnodes``) live in
 :meth:`Config._check_consistency`, which only rejects, never rewrites a sibling section.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -34,6 +34,10 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1)
     intermediate_size: int = Field(256, ge=8)
     max_position_embeddings: int = Field(64, ge=8)
+    extra_tokens: list[str] = Field(default_factory=list,
+                                    description="Whole-word tokens appended to the digit "
+                                                "vocabulary (e.g. [\"lookup(\", \")\"] for the "
+                                                "lookup agent env).")
 
 
 class ModelConfig(Section):
@@ -46,6 +50,100 @@ class TaskConfig(Section):
     name: Literal["copy", "reverse", "sort"] = Field("copy", description="Built-in digit task.")
     length: int = Field(4, ge=1, le=32, description="Digits per prompt.")
     eval_size: int = Field(256, ge=1, description="Held-out prompts for greedy evaluation.")
+
+
+class RewardConfig(Section):
+    """How a response is scored (workflows `single_turn` and `multi_turn`; digit tasks score
+    themselves). Rewards that raise or time out score 0 and are counted."""
+
+    type: Literal["exact", "math", "code", "custom"] = Field(
+        "exact", description="exact: extracted answer == data answer field; math: equivalence "
+                             "by math-verify; code: run the response with the row's tests in "
+                             "a sandbox; custom: the function at `path`.")
+    path: str = Field("", description="custom: import path 'pkg.module:fn' of "
+                                      "fn(response, sample) -> float, sync or async.")
+    timeout_s: float = Field(30.0, gt=0, description="A reward still running after this "
+                                                     "scores 0 (counted as a timeout).")
+    tests_field: str = Field("tests", description="code: data field holding the tests "
+                                                  "(Python source); falls back to the answer.")
+    code_wall_s: float = Field(10.0, gt=0, description="code: wall-clock limit per program.")
+    code_cpu_s: int = Field(5, ge=1, description="code: CPU-seconds limit (RLIMIT_CPU).")
+    code_memory_mb: int = Field(512, ge=64, description="code: address-space limit (RLIMIT_AS).")
+    code_max_processes: int = Field(16, ge=1, description="code: extra processes allowed.")
+
+    @model_validator(mode="after")
+    def _check_path(self) -> RewardConfig:
+        if self.type == "custom" and not self.path:
+            raise ValueError("reward.type = 'custom' needs reward.path ('pkg.module:fn')")
+        return self
+
+
+class DataConfig(Section):
+    """Where prompts come from for `single_turn` and `multi_turn` workflows.
+
+    Rows are read from a JSONL file, a Parquet file or a local HF ``datasets`` directory (one
+    saved with ``save_to_disk``). Each row becomes a sample: ``prompt_template`` formatted with
+    the row's fields, the ``answer_field`` value, and the row itself for rewards and envs.
+    Empty ``path`` with a built-in env: the env generates its own prompts."""
+
+    path: str = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
+    format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
+        "auto", description="File format; auto picks by suffix (a directory is `hf`).")
+    split: str = Field("train", description="hf: split to use when the directory holds a "
+                                            "DatasetDict.")
+    prompt_template: str = Field("{prompt}", description="Python format string over the row's "
+                                                         "fields, e.g. 'Q: {question}'.")
+    answer_field: str = Field("answer", description="Row field compared by the reward "
+                                                    "(empty: none).")
+    id_field: str = Field("", description="Row field used as the sample id (empty: the row "
+                                          "index).")
+    shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
+    seed: int = Field(0, ge=0, description="Shuffle seed.")
+    epochs: int = Field(0, ge=0, description="Passes over the data; 0 = no limit.")
+    eval_path: str = Field("", description="Held-out rows for validation (same format and "
+                                           "template); empty with a built-in env: its own.")
+    eval_size: int = Field(0, ge=0, description="Validate on the first N held-out rows; 0 = all.")
+    name: str = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
+                                      "or the env name.")
+
+
+class WorkflowConfig(Section):
+    """What an episode is. `digits`: the built-in digit tasks ([task]). `single_turn`: prompt
+    → response → [reward]. `multi_turn`: the agent loop over an environment. `custom`: your
+    ``async def run_episode(engine, sample)``."""
+
+    type: Literal["digits", "single_turn", "multi_turn", "custom"] = Field(
+        "digits", description="Episode kind (see the section's doc).")
+    path: str = Field("", description="custom: import path 'pkg.module:name' of an async "
+                                      "run_episode(engine, sample) function, or of a factory "
+                                      "called with (ctx) that returns an object having one.")
+    env: str = Field("", description="multi_turn: a built-in env ('lookup') or the import path "
+                                     "'pkg.module:Env' of a class/factory making one env.")
+    env_args: dict[str, Any] = Field(default_factory=dict,
+                                     description="Keyword arguments for the env factory.")
+    tool_format: Literal["hermes", "compact"] = Field(
+        "hermes", description="Tool calls: hermes '<tool_call>{json}</tool_call>', or compact "
+                              "'name(arg)' for tiny vocabularies.")
+    max_turns: int = Field(4, ge=1, description="multi_turn: most model turns per episode.")
+    system_prompt: str = Field("", description="Optional system message.")
+    chat_template: bool = Field(True, description="single_turn: render the prompt through the "
+                                                  "tokenizer's chat template (else raw text).")
+    stale_policy: Literal["drop", "requeue"] = Field(
+        "requeue", description="An episode whose oldest token would be more than "
+                               "buffer.max_staleness versions old is dropped, or restarted "
+                               "from its first turn (requeue; at most max_requeues times).")
+    max_requeues: int = Field(2, ge=0, description="requeue: restarts before a drop.")
+    episode_timeout_s: float = Field(600.0, gt=0, description="An episode still running after "
+                                                              "this is dropped, counted.")
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> WorkflowConfig:
+        if self.type == "custom" and not self.path:
+            raise ValueError("workflow.type = 'custom' needs workflow.path ('pkg.module:name')")
+        if self.type == "multi_turn" and not self.env:
+            raise ValueError("workflow.type = 'multi_turn' needs workflow.env (a built-in env "
+                             "such as 'lookup', or 'pkg.module:Env')")
+        return self
 
 
 class BufferConfig(Section):
@@ -69,22 +167,38 @@ class BufferConfig(Section):
     max_message_bytes: int = Field(64 << 20, ge=1024,
                                    description="Larger trajectory groups are rejected.")
     reclaim_idle_s: float = Field(60.0, gt=0,
-                                  description="Groups delivered but not acked for this long (a "
-                                              "dead learner) are redelivered.")
+                                  description="Groups delivered but neither acked nor renewed "
+                                              "for this long (a dead learner) are redelivered; "
+                                              "a live learner renews every reclaim_idle_s / 3.")
     spill_path: str = Field("", description="ZMQ: append-only file so a broker restart loses "
                                             "nothing accepted and unacked (empty: memory only).")
     heartbeat_timeout_s: float = Field(15.0, gt=0,
                                        description="A silent rollout worker's in-flight groups "
                                                    "are released after this long.")
     request_timeout_s: float = Field(30.0, gt=0, description="Client-side request timeout.")
+    reconnect_s: float = Field(60.0, ge=0, description="ZMQ: how long a client keeps retrying a "
+                                                       "request that timed out (the broker is "
+                                                       "restarting) before giving up; puts are "
+                                                       "never retried. 0: no retries.")
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch", "vllm", "vllm-server"] = Field(
-        "torch", description="Inference engine: pure-torch reference, in-process vLLM, or an "
-                             "external vLLM OpenAI server fleet at `url` (attached, not started).")
-    url: str = Field("", description="vllm-server: base URL(s) of the server(s), comma-"
-                                     "separated; worker i attaches to entry i mod len.")
+    engine: Literal["torch", "vllm", "vllm-server", "sglang", "sim"] = Field(
+        "torch", description="Inference engine: pure-torch reference, in-process vLLM, an "
+                             "external vLLM OpenAI server fleet at `url` (attached, not "
+                             "started), SGLang servers (at `url`, or one launched per worker), "
+                             "or `sim`: calibrated waits instead of compute (see [sim]); sim "
+                             "workers run as threads of one process.")
+    url: str = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
+                                     "separated, one per worker (worker i attaches to entry i).")
+    sglang_module: str = Field("sglang.launch_server",
+                               description="sglang without `url`: the module each worker runs "
+                                           "(`python -m`) to launch its own server.")
+    sglang_args: list[str] = Field(default_factory=list,
+                                   description="sglang without `url`: extra launch flags (e.g. "
+                                               "--mem-fraction-static 0.5).")
+    server_start_timeout_s: float = Field(600.0, gt=0, description="sglang without `url`: how "
+                                          "long a launched server may take to get ready.")
     kv_cache_memory_mb: int = Field(64, ge=0, description="vllm: KV cache size (MB); 0 sizes it "
                                                           "from gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
@@ -92,7 +206,8 @@ class RolloutConfig(Section):
                                                       "memory the engine may take.")
     enforce_eager: bool = Field(True, description="vllm: no CUDA graphs / torch.compile (fast "
                                                   "start; turn off for long GPU runs).")
-    request_timeout_s: float = Field(120.0, gt=0, description="vllm-server: HTTP timeout.")
+    request_timeout_s: float = Field(120.0, gt=0, description="vllm-server, sglang: HTTP "
+                                                              "timeout.")
     workers: int = Field(2, ge=1, description="Rollout worker processes (one engine each).")
     group_size: int = Field(16, ge=1, description="Samples per prompt (G).")
     groups_per_batch: int = Field(8, ge=1, description="Groups generated in one engine call.")
@@ -127,6 +242,12 @@ class LossConfig(Section):
                             "leave-one-out baseline; reinforce_pp: r − group mean, divided by "
                             "the std over the rank's batch; gae: GAE with a learned critic "
                             "(a value head on a copy of the model, trained alongside).")
+    step_advantage: Literal["broadcast", "per_step"] = Field(
+        "broadcast", description="Multi-step trajectories: broadcast the trajectory's "
+                                 "advantage to every step, or per_step: each step's "
+                                 "return-to-go normalised with the same step of the group's "
+                                 "other trajectories (advantage grpo, dr_grpo or rloo).")
+    step_gamma: float = Field(1.0, gt=0, le=1, description="per_step: discount γ per step.")
     gae_gamma: float = Field(1.0, gt=0, le=1, description="GAE discount γ per token.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE λ: 0 trusts the critic, 1 is "
                                                             "Monte-Carlo.")
@@ -159,15 +280,30 @@ class LossConfig(Section):
     mismatch_warn_abs_logp: float = Field(
         0.5, gt=0, description="Warn when the mean |logp_train − logp_rollout| passes this.")
 
+    @model_validator(mode="after")
+    def _check_step_advantage(self) -> LossConfig:
+        if self.step_advantage == "per_step" and self.advantage not in ("grpo", "dr_grpo", "rloo"):
+            raise ValueError(f"learner.loss.step_advantage = 'per_step' needs advantage grpo, "
+                             f"dr_grpo or rloo (got {self.advantage!r})")
+        return self
+
 
 class LearnerConfig(Section):
-    backend: Literal["fsdp2", "deepspeed"] = Field(
-        "fsdp2", description="Training backend: torch FSDP2, or DeepSpeed ZeRO (optional "
-        "dependency; stage from zero_stage).")
+    backend: Literal["fsdp2", "deepspeed", "sim"] = Field(
+        "fsdp2", description="Training backend: torch FSDP2, DeepSpeed ZeRO (optional "
+        "dependency; stage from zero_stage), or `sim`: a wait proportional to the trained "
+        "tokens instead of compute (see [sim]).")
     zero_stage: Literal[2, 3] = Field(
         2, description="DeepSpeed only: ZeRO-2 shards optimizer state and gradients; ZeRO-3 "
         "also shards the weights (less memory, more communication).")
-    ranks: int = Field(1, ge=1, description="Training ranks on this node.")
+    ranks: int = Field(1, ge=1, description="Training ranks on this node (torchrun's "
+                       "--nproc-per-node; CLI --nproc-per-node).")
+    nnodes: int = Field(1, ge=1, description="Learner nodes (CLI --nnodes); world size = nnodes "
+                        "x ranks, node K runs global ranks K*ranks .. K*ranks+ranks-1.")
+    node_rank: int = Field(0, ge=0, description="This node's index (CLI --node-rank); node 0 "
+                           "holds global rank 0, which reads the buffer and publishes weights.")
+    master_addr: str = Field("127.0.0.1", min_length=1, description="Host of global rank 0's "
+                             "rendezvous (CLI --master-addr); reachable from every node.")
     groups_per_step: int = Field(32, ge=1, description="Groups consumed per optimizer step.")
     total_steps: int = Field(200, ge=1, description="Optimizer steps before the run ends.")
     lr: float = Field(1e-3, gt=0)
@@ -179,13 +315,80 @@ class LearnerConfig(Section):
                              description="Policy loss, advantages, aggregation, KL, filters.")
     threads: int = Field(1, ge=1, description="torch threads per rank.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cuda uses NCCL.")
-    master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 = free.")
+    master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port (CLI "
+                             "--master-port); 0 = a free one, single node only.")
+    micro_batch_tokens: int = Field(16384, ge=0, description="Tokens per forward/backward; a "
+                                    "rank's share runs as micro-batches with gradient "
+                                    "accumulation (0 = one micro-batch). Padding counts unless "
+                                    "packing.")
+    packing: bool = Field(False, description="Pack a micro-batch's sequences into one row "
+                          "(positions restart per sequence, no attention across them) instead "
+                          "of padding rows. Pays with flash-attention on GPU; on CPU sdpa the "
+                          "block mask is slower than padding (bench/RESULTS.md).")
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="FSDP2 parameter dtype for compute (gradients reduce and the "
+        "optimizer steps in fp32): auto = bf16 on CUDA, fp32 on CPU.")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's "
+                                           "activations in backward: less memory, ~1/3 more "
+                                           "compute.")
 
 
 class WeightsConfig(Section):
-    transport: Literal["gloo"] = Field("gloo", description="Learner → engine broadcast backend.")
+    transport: Literal["gloo", "sim"] = Field(
+        "gloo", description="Learner → engine broadcast backend; `sim` replaces each broadcast "
+                            "by a wait of sim.sync_s in total (the handshake, announcements and "
+                            "acks stay real).")
+    overlap: bool = Field(True, description="Deliver each version to the engines (and publish "
+                                            "it) on a thread while the learner goes on to the "
+                                            "next step; false: sync before the next step.")
     bucket_mb: float = Field(32.0, gt=0, description="Broadcast bucket size (MB).")
+    alone_mb: float = Field(1.0, ge=0, description="Tensors at least this big (MB) are "
+                                                   "broadcast from their own memory, one "
+                                                   "collective each, instead of being copied "
+                                                   "into a bucket; 0 packs every tensor "
+                                                   "(always 0 for sglang peers: one HTTP "
+                                                   "request per bucket).")
     timeout_s: float = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+    host: str = Field("127.0.0.1", min_length=1,
+                      description="Address each side of the broadcast binds and announces "
+                                  "(learner rank 0's store, every engine's gloo device). "
+                                  "Roles on several machines: \"auto\" (the address of the "
+                                  "interface that reaches the buffer) or an explicit one.")
+
+
+class SimConfig(Section):
+    """Simulated compute (``rollout.engine``, ``learner.backend``, ``weights.transport`` =
+    "sim"): the real worker, buffer, gate, learner loop and weight-sync protocol run, and only
+    the model's arithmetic becomes calibrated waits. This measures the system's own overhead at
+    a scale these machines cannot compute (bench/pipeline.py)."""
+
+    decode_step_s: float = Field(0.002, gt=0, description="Seconds per decode step of one "
+                                                          "sequence running alone.")
+    batch_slowdown: float = Field(0.0, ge=0,
+                                  description="Batching effect: a decode step with `a` active "
+                                              "sequences takes decode_step_s·(1 + "
+                                              "batch_slowdown·(a−1)/max_batch).")
+    max_batch: int = Field(256, ge=1, description="Sequences an engine decodes at full slowdown.")
+    prefill_s: float = Field(0.0, ge=0, description="Fixed time before the first token.")
+    length: Literal["fixed", "uniform", "lognormal"] = Field(
+        "lognormal", description="Response-length distribution: fixed (= mean_tokens), "
+                                 "uniform on [1, 2·mean_tokens − 1], or lognormal with `sigma` "
+                                 "(a long tail like reasoning traces); all capped at "
+                                 "rollout.max_new_tokens (capped responses finish by length).")
+    mean_tokens: float = Field(64.0, ge=1, description="Mean response length (before the cap).")
+    sigma: float = Field(1.0, gt=0, description="lognormal: σ of log length (1.0 ≈ long tail).")
+    train_token_s: float = Field(1e-5, ge=0, description="Learner seconds per trained token, for "
+                                                         "all ranks together (a rank waits for "
+                                                         "its share times the world size).")
+    model_params: float = Field(7e9, gt=0, description="Parameters of the simulated model "
+                                                       "(sync time = bytes / bandwidth).")
+    param_bytes: int = Field(2, ge=1, description="Bytes per parameter on the wire (bf16 = 2).")
+    sync_gb_per_s: float = Field(50.0, gt=0, description="Broadcast bandwidth, GB/s.")
+
+    @property
+    def sync_s(self) -> float:
+        """Seconds one weight broadcast takes on the wire."""
+        return self.model_params * self.param_bytes / (self.sync_gb_per_s * 1e9)
 
 
 class EvalConfig(Section):
@@ -195,9 +398,69 @@ class EvalConfig(Section):
 
 
 class LauncherConfig(Section):
-    type: Literal["local"] = Field("local", description="Where `asyncrl up` starts roles.")
+    """How `asyncrl up` starts the roles and keeps the rollout fleet (and broker) alive."""
+
+    type: Literal["local", "ray"] = Field(
+        "local", description="Where `asyncrl up` starts roles: local OS processes, or actors on "
+                             "a Ray cluster (placement groups sized by `resources`).")
+    address: str = Field("", description="ray: cluster to join (`ray start --head` prints it, "
+                                         "e.g. 127.0.0.1:6379); empty starts a private local one.")
     stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
     refresh_s: float = Field(2.0, gt=0, description="Progress line period of `asyncrl up`.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of one crashed rollout worker (or "
+                                                   "ZMQ broker) before the run is stopped; a "
+                                                   "worker that ran `healthy_after_s` is "
+                                                   "forgiven its earlier crashes.")
+    restart_backoff_s: float = Field(1.0, ge=0, description="Wait before the first restart; "
+                                                            "doubled after each further one.")
+    healthy_after_s: float = Field(60.0, gt=0, description="A process that ran this long before "
+                                                           "crashing starts a fresh restart count.")
+
+
+class RoleResources(Section):
+    """What one process of a role asks the cluster for (Ray placement-group bundles)."""
+
+    cpus: float = Field(1.0, ge=0, description="CPUs per process.")
+    gpus: float = Field(0.0, ge=0, description="GPUs per process.")
+
+
+class ResourcesConfig(Section):
+    """Resource pools per role: one bundle per learner rank and per rollout worker."""
+
+    learner: RoleResources = Field(default_factory=RoleResources,
+                                   description="Per learner rank.")
+    rollout: RoleResources = Field(default_factory=RoleResources,
+                                   description="Per rollout worker.")
+    buffer: RoleResources = Field(default_factory=lambda: RoleResources(cpus=0.5),
+                                  description="The ZMQ broker.")
+
+
+class MonitorConfig(Section):
+    """What every role exposes for watching a run: metric sinks and Prometheus endpoints."""
+
+    prometheus_port: int = Field(
+        0, ge=0, le=65535 - 1024,
+        description="Base port of the Prometheus /metrics endpoints on 127.0.0.1 (0 = off): the "
+                    "buffer serves base + 0, the learner base + 1, rollout worker i base + 2 + i.")
+    prometheus_host: str = Field("127.0.0.1", description="Address the /metrics endpoints bind.")
+    sinks: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where the learner writes its per-step metrics: jsonl (<run dir>/"
+                    "metrics.jsonl, read by `asyncrl plot`), tensorboard (<run dir>/tensorboard; "
+                    "needs the tensorboard package), wandb (needs the wandb package).")
+    wandb_project: str = Field("asyncrl", min_length=1, description="wandb project name.")
+    wandb_mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="wandb mode; offline writes <run dir>/wandb for `wandb sync`.")
+    tui: Literal["auto", "rich", "plain"] = Field(
+        "auto", description="Live view of `asyncrl up`/`monitor`: rich (a full-screen table), "
+                            "plain (progress lines), auto (rich when stdout is a terminal).")
+    history: int = Field(120, ge=2, description="Learner steps kept for the sparklines.")
+
+    @model_validator(mode="after")
+    def _check_sinks(self) -> MonitorConfig:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"monitor.sinks lists a sink twice: {self.sinks}")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -222,13 +485,19 @@ class Config(Section):
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    reward: RewardConfig = RewardConfig()
+    data: DataConfig = DataConfig()
+    workflow: WorkflowConfig = WorkflowConfig()
     buffer: BufferConfig = BufferConfig()
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
     weights: WeightsConfig = WeightsConfig()
     eval: EvalConfig = EvalConfig()
     launcher: LauncherConfig = LauncherConfig()
+    resources: ResourcesConfig = ResourcesConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    sim: SimConfig = SimConfig()
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -238,12 +507,15 @@ class Config(Section):
                 "learner.backend = 'deepspeed' has no training checkpoints yet (they are "
                 "sharded DCP of FSDP2 modules): set checkpoint.every_steps = 0 and "
                 "checkpoint.resume = false, or use learner.backend = 'fsdp2'")
-        if self.learner.groups_per_step % self.learner.ranks:
-            raise ValueError(
-                f"learner.groups_per_step ({self.learner.groups_per_step}) must be divisible by "
-                f"learner.ranks ({self.learner.ranks}): each rank consumes an equal share")
-        if self.task.length + 2 + self.rollout.max_new_tokens > \
-                self.model.tiny.max_position_embeddings and not self.model.path:
+        if self.learner.node_rank >= self.learner.nnodes:
+            raise ValueError(f"learner.node_rank ({self.learner.node_rank}) must be below "
+                             f"learner.nnodes ({self.learner.nnodes})")
+        if self.learner.nnodes > 1 and self.learner.master_port == 0:
+            raise ValueError("learner.nnodes > 1 needs a fixed learner.master_port (every node "
+                             "must dial the same one; 0 picks a free port on one machine only)")
+        if self.workflow.type == "digits" and self.task.length + 2 + \
+                self.rollout.max_new_tokens > self.model.tiny.max_position_embeddings \
+                and not self.model.path:
             raise ValueError(
                 "model.tiny.max_position_embeddings is shorter than prompt + "
                 "rollout.max_new_tokens")

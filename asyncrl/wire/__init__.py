@@ -7,6 +7,7 @@ from asyncrl.wire.group import (
     WireError,
     decode_group,
     encode_group,
+    encode_group_views,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "WireError",
     "decode_group",
     "encode_group",
+    "encode_group_views",
 ]

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from asyncrl.config.schema import LearnerConfig
+    from asyncrl.config.schema import LearnerConfig, SimConfig
     from learners.backends.base import Trainer
 
 
 def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
-                 version: int = 0) -> Trainer:
-    """Build the backend named by ``cfg.backend`` (needs the learner process group first)."""
+                 version: int = 0, sim: SimConfig | None = None) -> Trainer:
+    """Build the backend named by ``cfg.backend`` (needs the learner process group first);
+    ``sim`` is the root config's ``[sim]`` section, used by the ``sim`` backend only."""
     if cfg.backend == "fsdp2":
         from learners.backends.fsdp2 import Fsdp2Trainer
         return Fsdp2Trainer(model_path, cfg, device, version=version)
@@ -26,6 +27,10 @@ def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.devic
         # Optional dependency: importing this module fails with a hint when it is missing.
         from learners.backends.deepspeed import DeepSpeedTrainer
         return DeepSpeedTrainer(model_path, cfg, device, version=version)
+    if cfg.backend == "sim":
+        from asyncrl.config.schema import SimConfig
+        from learners.backends.sim import SimTrainer
+        return SimTrainer(model_path, cfg, sim or SimConfig(), version=version)
     raise ValueError(f"unknown learner backend {cfg.backend!r}")
 
 

@@ -8,12 +8,14 @@ state-dict gather. Every public method is COLLECTIVE, as in FSDP2.
 Gradient scaling (verified by ``tests/unit/test_deepspeed.py``): ZeRO's gradient reduction
 AVERAGES over the data-parallel ranks, exactly like FSDP2's reduce-scatter, so the loss is again
 the weighted sum / GLOBAL unit count × world size. Clipping is DeepSpeed's ``gradient_clipping``
-(same rule as ``clip_grad_norm_``); ``learner/grad_norm`` is DeepSpeed's pre-clip global norm.
+(same rule as ``clip_grad_norm_``); ``actor/grad_norm`` is DeepSpeed's pre-clip global norm.
 
 The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU Adam needs a
 ~50 s g++ build on first use. ZeRO still wraps it (flat fp32 partitions per rank).
 
-Not supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
+One forward per step: ``learner.micro_batch_tokens`` and ``learner.packing`` are FSDP2-only for
+now (DeepSpeed's own gradient accumulation rescales the loss per micro-batch; wiring our global
+normalisation through it is left to do). Not supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
 unsharded replica on every rank (no optimizer state; under ZeRO-3 this costs one model copy per
 rank). Sharded training checkpoints (``learners.checkpoint``) use torch DCP on FSDP2 modules and do
 not cover this backend; ``save_pretrained`` (the HF export) does.
@@ -40,10 +42,13 @@ except ImportError as exc:  # optional dependency
                       "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8") from exc
 
 from asyncrl.config.schema import LearnerConfig
-from learners.backends.fsdp2 import Fsdp2Trainer, token_logprobs
+from learners.backends.fsdp2 import Fsdp2Trainer
+from learners.packing import token_logprobs_and_entropy
 from learners.batching import TrainBatch
 from learners.dist import resolve_device
 from learners.losses.objective import objective
+from learners.losses.policy import masked_mean
+from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -119,23 +124,25 @@ class DeepSpeedTrainer(Fsdp2Trainer):
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics are global and
-        identical on every rank (``learner/step_time_s`` is the slowest rank's)."""
+        identical on every rank (``timing/train_step`` is the slowest rank's)."""
         start = time.perf_counter()
         batch = batch.to(self.device)
         proximal, ref = self._frozen_logprobs(batch)
         # Through the engine: its forward sets up the ZeRO backward hooks for this step.
-        logprobs = token_logprobs(self.engine, batch)
+        logprobs, entropy = token_logprobs_and_entropy(self.engine, batch)
         loss_sum, units, stats = objective(self.cfg, batch, logprobs, proximal, ref)
+        stats["entropy"] = masked_mean(entropy, batch.loss_mask)
         global_units = units.clone()
         dist.all_reduce(global_units)
         # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
         self.engine.backward(loss_sum * self.world / global_units.clamp(min=1.0))
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
-        metrics = self._global_metrics(loss_sum.detach(), global_units, stats, batch.rewards)
+        metrics = step_metrics(loss_sum.detach(), global_units, stats, batch)
         metrics.update(self._mismatch(logprobs.detach(), batch))
-        metrics["learner/grad_norm"] = float(self.engine.get_global_grad_norm())
-        metrics["learner/step_time_s"] = self._max_over_ranks(time.perf_counter() - start)
+        metrics["actor/grad_norm"] = float(self.engine.get_global_grad_norm())
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
         return metrics
 
     def full_state_dict(self) -> dict[str, Tensor]:

@@ -28,41 +28,69 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.schema import LearnerConfig
 from learners.batching import TrainBatch
 from learners.critic import Critic, ValueModel
 from learners.dist import resolve_device
+from learners.losses.aggregation import aggregation_weights
 from learners.losses.objective import objective
-from learners.mismatch import mismatch_metrics, mismatch_sums, reduce_mismatch, warn_if_mismatched
+from learners.losses.policy import masked_mean
+from learners.mismatch import (
+    merge_mismatch_sums,
+    mismatch_metrics,
+    mismatch_sums,
+    reduce_mismatch,
+    warn_if_mismatched,
+)
+from learners.packing import micro_batches, token_logprobs_and_entropy
+from learners.packing import token_logprobs as packed_or_padded_logprobs
+from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
 
 # Non-weight files copied next to a saved checkpoint so that an engine can load the directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
-# Objective stats that are means over tokens: reported as means over the GLOBAL tokens.
-_TOKEN_MEANS = ("clip_frac", "is_capped_frac", "kl_ref")
 
 
 def token_logprobs(model: nn.Module, batch: TrainBatch) -> Tensor:
-    """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (see the batching shift)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return logprobs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (see the batching shift):
+    one padded forward of the whole batch (:func:`learners.packing.token_logprobs`)."""
+    return packed_or_padded_logprobs(model, batch, packing=False)
 
 
-def shard_model(model: nn.Module, world: int, device_type: str) -> None:
-    """``fully_shard`` each decoder layer, then the root (which holds embeddings, norm, head)."""
+def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
+    """``learner.mixed_precision``: bf16 compute on CUDA by default, fp32 on CPU."""
+    if cfg.mixed_precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+
+
+def shard_model(model: nn.Module, world: int, device_type: str,
+                param_dtype: torch.dtype = torch.float32, checkpointing: bool = False) -> None:
+    """``fully_shard`` each decoder layer, then the root (which holds embeddings, norm, head).
+
+    ``param_dtype`` below fp32 is FSDP2 mixed precision: the sharded fp32 master weights are
+    cast when gathered for compute, gradients are reduced in fp32 and AdamW steps in fp32.
+    ``checkpointing`` wraps each layer first so its activations are recomputed in backward
+    (state-dict names are unchanged: torch's state-dict helpers strip the wrapper's prefix).
+    """
     mesh = init_device_mesh(device_type, (world,))
-    layers = getattr(getattr(model, "model", model), "layers", None)
+    decoder = getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers to shard")
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for i, layer in enumerate(layers):
+        if checkpointing:
+            layer = checkpoint_wrapper(layer)
+            layers[i] = layer
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 class Fsdp2Trainer:
@@ -91,7 +119,8 @@ class Fsdp2Trainer:
         if cfg.loss.advantage == "gae":
             value_model = ValueModel(model_path, dtype).to(self.device)
             value_model.eval()   # no dropout, like the actor
-            shard_model(value_model, self.world, self.device.type)
+            shard_model(value_model, self.world, self.device.type,
+                        compute_dtype(cfg, self.device), cfg.activation_checkpointing)
             self.critic = Critic(value_model, cfg, self.world)
         logger.info("rank %d/%d: %s sharded, %d params, version %d, loss %s/%s/%s, reference %s",
                     self.rank, self.world, type(self.model).__name__,
@@ -103,74 +132,91 @@ class Fsdp2Trainer:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
-        shard_model(model, self.world, self.device.type)
+        shard_model(model, self.world, self.device.type, compute_dtype(self.cfg, self.device),
+                    self.cfg.activation_checkpointing)
         return model
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics are global and
-        identical on every rank (``learner/step_time_s`` is the slowest rank's)."""
+        identical on every rank (``timing/train_step`` is the slowest rank's).
+
+        The share runs as micro-batches of ``learner.micro_batch_tokens`` (packed or padded,
+        ``learners.packing``) with gradients accumulated. Every micro-batch's loss is divided by
+        the GLOBAL unit count of the whole step, known before the first backward, so the sum of
+        the micro-batches' gradients is exactly the gradient of the unbatched step."""
         start = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
             batch, critic_metrics = self.critic.advantages_and_update(batch)
-        proximal, ref = self._frozen_logprobs(batch)
-        logprobs = token_logprobs(self.model, batch)
-        loss_sum, units, stats = objective(self.cfg, batch, logprobs, proximal, ref)
-        global_units = units.clone()
-        dist.all_reduce(global_units)
+        global_units = self._global_units(batch)
         # × world: FSDP2 averages gradients over ranks; we want their sum (module docstring).
-        (loss_sum * self.world / global_units.clamp(min=1.0)).backward()
+        scale = self.world / global_units.clamp(min=1.0)
+        loss_sum, stats, mismatch = torch.zeros((), device=self.device), [], None
+        for micro in self._micro_batches(batch):
+            proximal, ref = self._frozen_logprobs(micro)
+            logprobs, entropy = token_logprobs_and_entropy(self.model, micro, self.cfg.packing)
+            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
+            micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
+            (micro_loss * scale).backward()
+            loss_sum += micro_loss.detach()
+            stats.append(micro_stats)
+            mismatch = merge_mismatch_sums(mismatch, self._mismatch_sums(logprobs.detach(), micro))
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        metrics = self._global_metrics(loss_sum.detach(), global_units, stats, batch.rewards)
-        metrics.update(self._mismatch(logprobs.detach(), batch))
+        metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)
+        metrics.update(self._mismatch_metrics(mismatch))
         metrics.update(critic_metrics)
-        metrics["learner/grad_norm"] = float(_full(grad_norm))
-        metrics["learner/step_time_s"] = self._max_over_ranks(time.perf_counter() - start)
+        metrics["actor/grad_norm"] = float(_full(grad_norm))
+        metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
         return metrics
+
+    def _global_units(self, batch: TrainBatch) -> Tensor:
+        """The step's aggregation units over every rank's share (tokens, samples or groups)."""
+        _, units = aggregation_weights(batch.loss_mask, batch.group_index,
+                                       self.cfg.loss.aggregation, batch.group_tokens)
+        units = units.detach().clone()
+        dist.all_reduce(units)
+        return units
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """This rank's micro-batches, padded with zero-weight ones to the most any rank has:
+        FSDP's all-gathers need every rank to run the same number of forwards and backwards."""
+        plan = micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.packing)
+        count = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return plan + [batch.as_pad()] * (int(count.item()) - len(plan))
 
     @torch.no_grad()
     def _frozen_logprobs(self, batch: TrainBatch) -> tuple[Tensor | None, Tensor | None]:
         """Before the update: proximal logprobs under the current weights (decoupled PPO) and
         the reference's logprobs (KL). Collective (FSDP all-gathers) whenever configured."""
+        packing = self.cfg.packing
         proximal = None
         if self.cfg.loss.policy_loss == "decoupled_ppo":
-            proximal = token_logprobs(self.model, batch)
-        ref = token_logprobs(self.reference, batch) if self.reference is not None else None
+            proximal = packed_or_padded_logprobs(self.model, batch, packing)
+        ref = (packed_or_padded_logprobs(self.reference, batch, packing)
+               if self.reference is not None else None)
         return proximal, ref
 
-    def _mismatch(self, logprobs: Tensor, batch: TrainBatch) -> dict[str, float]:
-        """Global train-vs-rollout mismatch of the pre-update logprobs; warns past the bound."""
+    def _mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
         high = self.cfg.loss.clip_eps_high
-        sums = mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask,
+        return mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask,
                              self.cfg.clip_eps, self.cfg.clip_eps if high is None else high)
+
+    def _mismatch_metrics(self, sums: Tensor) -> dict[str, float]:
+        """Global train-vs-rollout mismatch from this rank's sums; warns past the bound."""
         metrics = mismatch_metrics(reduce_mismatch(sums))
         if self.rank == 0:
             warn_if_mismatched(metrics, self.cfg.loss.mismatch_warn_abs_logp)
         return metrics
 
-    def _global_metrics(self, loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor],
-                        rewards: Tensor) -> dict[str, float]:
-        """All-reduce sums once, then divide: token means over global tokens, reward over samples."""
-        tokens = stats["tokens"]
-        zero = torch.zeros((), device=tokens.device)
-        sums = torch.stack([loss_sum.float(), tokens,
-                            *(stats.get(k, zero) * tokens for k in _TOKEN_MEANS),
-                            rewards.sum().float(), torch.tensor(float(rewards.numel()),
-                                                                device=rewards.device)])
-        dist.all_reduce(sums)
-        values = sums.tolist()
-        total_tokens, total_samples = max(values[1], 1.0), max(values[-1], 1.0)
-        metrics = {"learner/loss": values[0] / max(float(global_units), 1.0),
-                   "learner/tokens": values[1]}
-        for i, name in enumerate(_TOKEN_MEANS):
-            if name in stats:
-                metrics[f"learner/{name}"] = values[2 + i] / total_tokens
-        metrics["learner/reward_mean"] = values[-2] / total_samples
-        return metrics
+    def _mismatch(self, logprobs: Tensor, batch: TrainBatch) -> dict[str, float]:
+        """Global train-vs-rollout mismatch of the pre-update logprobs of one whole batch."""
+        return self._mismatch_metrics(self._mismatch_sums(logprobs, batch))
 
     def _max_over_ranks(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -202,6 +248,25 @@ class Fsdp2Trainer:
                     shutil.copy2(self.model_path / name, path / name)
             logger.info("saved version %d to %s", self.version, path)
         dist.barrier()
+
+
+def merge_token_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Objective stats of several micro-batches as those of their union: ``tokens`` and
+    ``*_sum`` add, ``*_max``/``*_min`` take the extreme, the rest are token means (weighted by
+    each part's ``tokens``). A pad micro-batch (no tokens) changes nothing."""
+    tokens = torch.stack([p["tokens"] for p in parts])
+    merged = {"tokens": tokens.sum()}
+    for key in parts[0]:
+        values = torch.stack([p[key].float() for p in parts])
+        if key.endswith("_sum"):
+            merged[key] = values.sum()
+        elif key.endswith("_max"):
+            merged[key] = values.max()
+        elif key.endswith("_min"):
+            merged[key] = values.min()
+        elif key != "tokens":
+            merged[key] = (values * tokens).sum() / tokens.sum().clamp(min=1.0)
+    return merged
 
 
 def _full(value: Tensor) -> Tensor:

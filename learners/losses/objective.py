@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from learners.losses.aggregation import aggregate, aggregation_weights
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 def objective(cfg: LearnerConfig, batch: TrainBatch, logprobs: Tensor,
               proximal_logprobs: Tensor | None = None, ref_logprobs: Tensor | None = None
               ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """``(Σ w·(ℓ + β·kl), local units, stats)``; stats are detached token means plus
-    ``tokens``. ``ref_logprobs`` is required when ``cfg.loss.kl_coef > 0``."""
+    """``(Σ w·(ℓ + β·kl), local units, stats)``; stats are detached token means, ``tokens``,
+    the advantages' extremes, and with ``kl_in_reward`` ``kl_penalty_sum`` (``β·Σ kl`` over all
+    samples, the reward the KL took away). ``ref_logprobs`` is required when
+    ``cfg.loss.kl_coef > 0``."""
     loss = cfg.loss
     mask = batch.loss_mask
     advantages = batch.advantages
@@ -39,11 +42,23 @@ def objective(cfg: LearnerConfig, batch: TrainBatch, logprobs: Tensor,
         stats["kl_ref"] = masked_mean(kl.detach(), mask)
         if loss.kl_in_reward:
             advantages = advantages - loss.kl_coef * kl_reward_to_go(kl, mask)
+            stats["kl_penalty_sum"] = loss.kl_coef * (kl.detach() * mask).sum().float()
     per_token, policy_stats = policy_token_loss(cfg, logprobs, batch.behaviour_logprobs,
                                                 advantages, mask, proximal_logprobs)
     stats.update(policy_stats)
     if kl is not None and not loss.kl_in_reward:
         per_token = per_token + loss.kl_coef * kl
-    weights, units = aggregation_weights(mask, batch.group_index, loss.aggregation)
+    weights, units = aggregation_weights(mask, batch.group_index, loss.aggregation,
+                                         batch.group_tokens)
     stats["tokens"] = mask.sum().float()
+    stats.update(_advantage_stats(advantages.detach(), mask))
     return aggregate(per_token, weights), units, stats
+
+
+def _advantage_stats(advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Mean, max and min of the advantages the loss used, on trained tokens (±inf if none)."""
+    trained = mask.bool()
+    inf = torch.tensor(float("inf"), device=advantages.device)
+    return {"advantage_mean": masked_mean(advantages, mask),
+            "advantage_max": torch.where(trained, advantages, -inf).max().float(),
+            "advantage_min": torch.where(trained, advantages, inf).min().float()}

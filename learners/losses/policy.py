@@ -2,7 +2,8 @@
 
 Every function returns ``(per_token, stats)``; :mod:`learners.losses.aggregation` turns
 ``per_token`` into the loss. ``stats["clip_frac"]`` is the fraction of masked tokens whose
-gradient the clip (or truncation) zeroes or caps. Notation: ``A`` the advantage, ``logp`` the
+gradient the clip (or truncation) zeroes or caps; ``stats["ratio_mean"]`` the token mean of the
+ratio the loss uses (1 for REINFORCE, which has none). Notation: ``A`` the advantage, ``logp`` the
 current (trained) logprob, ``logp_μ`` the behaviour (engine) logprob, ``logp_prox`` the
 proximal logprob recomputed by the learner, ``clip(x) = clamp(x, 1 − ε_low, 1 + ε_high)``
 (``ε_high > ε_low`` is DAPO's clip-higher: low-probability tokens may grow further).
@@ -32,12 +33,14 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-                       clip_high: float) -> tuple[Tensor, Tensor]:
-    """``−min(ratio·A, clip(ratio)·A)`` per token, and the fraction where the clip is active."""
+                       clip_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """``−min(ratio·A, clip(ratio)·A)`` per token; stats: the fraction where the clip is
+    active and the mean ratio."""
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    return per_token, masked_mean((clipped < unclipped).to(ratio.dtype), mask)
+    return per_token, {"clip_frac": masked_mean((clipped < unclipped).to(ratio.dtype), mask),
+                       "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
 def ppo_clip_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,
@@ -47,8 +50,7 @@ def ppo_clip_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages
     ``ℓ = −min(r·A, clip(r)·A)``. ``clip_high=None`` means symmetric (``= clip_low``)."""
     ratio = torch.exp(logprobs - behaviour_logprobs)
     high = clip_low if clip_high is None else clip_high
-    per_token, clip_frac = _clipped_surrogate(ratio, advantages, mask, clip_low, high)
-    return per_token, {"clip_frac": clip_frac}
+    return _clipped_surrogate(ratio, advantages, mask, clip_low, high)
 
 
 def decoupled_ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor,
@@ -65,9 +67,8 @@ def decoupled_ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor,
     ratio = torch.exp(logprobs - proximal_logprobs)
     raw_weight = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
     weight = raw_weight.clamp(max=weight_cap)
-    surrogate, clip_frac = _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
-    stats = {"clip_frac": clip_frac,
-             "is_capped_frac": masked_mean((raw_weight > weight_cap).to(ratio.dtype), mask)}
+    surrogate, stats = _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
+    stats["is_capped_frac"] = masked_mean((raw_weight > weight_cap).to(ratio.dtype), mask)
     return weight * surrogate, stats
 
 
@@ -82,7 +83,8 @@ def tis_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Ten
     """
     ratio = torch.exp(logprobs - behaviour_logprobs).detach()
     weight = ratio.clamp(max=cap)
-    stats = {"clip_frac": masked_mean((ratio > cap).to(ratio.dtype), mask)}
+    stats = {"clip_frac": masked_mean((ratio > cap).to(ratio.dtype), mask),
+             "ratio_mean": masked_mean(ratio, mask)}
     return -weight * advantages * logprobs, stats
 
 
@@ -101,14 +103,14 @@ def gspo_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Te
     m = mask.to(logprobs.dtype)
     log_s = ((logprobs - behaviour_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     ratio = torch.exp(log_s.detach().unsqueeze(-1) + logprobs - logprobs.detach())
-    per_token, clip_frac = _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
-    return per_token, {"clip_frac": clip_frac}
+    return _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
 
 
 def reinforce_token_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor
                          ) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE: ``ℓ = −A·logp``, no ratio, no clip (correct only on-policy)."""
-    return -advantages * logprobs, {"clip_frac": masked_mean(torch.zeros_like(logprobs), mask)}
+    return -advantages * logprobs, {"clip_frac": masked_mean(torch.zeros_like(logprobs), mask),
+                                    "ratio_mean": masked_mean(torch.ones_like(logprobs), mask)}
 
 
 def ppo_clip_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor,

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from buffers.protocol import ControlPlane
+    from learners.weights_receiver import WeightReceiver
     from rollouters.engines.base import Engine
 
 
@@ -25,12 +27,16 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
     if kind == "vllm-server":
         from rollouters.engines.vllm_server import VLLMServerEngine
 
-        urls = [u.strip() for u in cfg.rollout.url.split(",") if u.strip()]
-        if cfg.rollout.workers > len(urls):
-            raise ValueError(f"rollout.workers ({cfg.rollout.workers}) > servers in rollout.url "
-                             f"({len(urls)}): a server takes weights from one worker only")
-        return VLLMServerEngine(urls[index], eos_id=EOS_ID,
+        return VLLMServerEngine(_server_url(cfg, index), eos_id=EOS_ID,
                                 timeout_s=cfg.rollout.request_timeout_s)
+    if kind == "sim":
+        from asyncrl.models import DIGIT_OFFSET
+        from rollouters.engines.sim import SimEngine
+
+        return SimEngine(cfg.sim, eos_id=EOS_ID, token_ids=range(DIGIT_OFFSET, DIGIT_OFFSET + 10),
+                         seed=seed)
+    if kind == "sglang":
+        return _sglang_engine(cfg, model_dir, index, seed)
     device = str(resolve_device(cfg.rollout.device, index))
     if kind == "vllm":
         from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
@@ -50,3 +56,46 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
         return TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device), eos_id=EOS_ID,
                            pad_id=PAD_ID, device=device, seed=seed)
     raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
+def _server_url(cfg: Config, index: int) -> str:
+    """Worker ``index``'s server in ``rollout.url``: one server per worker, because a server
+    takes weights from one worker only."""
+    urls = [u.strip() for u in cfg.rollout.url.split(",") if u.strip()]
+    if cfg.rollout.workers > len(urls):
+        raise ValueError(f"rollout.workers ({cfg.rollout.workers}) > servers in rollout.url "
+                         f"({len(urls)}): a server takes weights from one worker only")
+    return urls[index]
+
+
+def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) -> Engine:
+    """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang_module``)."""
+    from rollouters.engines.sglang_engine import SglangEngine, SglangServer
+
+    r = cfg.rollout
+    timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
+                "update_timeout_s": 2 * cfg.weights.timeout_s}  # a join waits for the others
+    if r.url.strip():
+        return SglangEngine(_server_url(cfg, index), **timeouts)
+    server = SglangServer(r.sglang_module, model_dir, cfg.model.dtype, seed, list(r.sglang_args),
+                          cfg.run_dir / f"sglang-{index}.log", r.server_start_timeout_s)
+    return SglangEngine(server.url, server=server, **timeouts)
+
+
+def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
+                         host: str = "127.0.0.1") -> WeightReceiver:
+    """The rollout side of the weight sync for ``engine``: an SGLang server receives the
+    broadcast itself (:class:`SglangWeightPeer`); every other engine through this process,
+    adopting the received tensors where it can (``adopt_weights``), else copying them.
+    ``host``: where this process's end of the broadcast binds (``weights.host``)."""
+    from learners.weights_receiver import WeightReceiver
+    from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
+
+    if isinstance(engine, SglangEngine):
+        return SglangWeightPeer(control, member, engine)
+    adopt = getattr(engine, "adopt_weights", None)
+    if adopt is not None:  # zero-copy commit: the engine keeps the received tensors
+        return WeightReceiver(control, member, adopt, host=host, adopt=True)
+    return WeightReceiver(control, member,
+                          lambda named, version: engine.load_weights(named.items(), version),
+                          host=host)

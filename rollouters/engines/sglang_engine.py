@@ -12,14 +12,16 @@ learner's broadcast (see :class:`SglangWeightPeer` for what that asks of the lea
 
 from __future__ import annotations
 
-import json
 import logging
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -27,7 +29,8 @@ import torch
 from buffers.protocol import ControlPlane
 from learners.weights_plan import BucketPlan
 from learners.weights_receiver import WeightReceiver
-from rollouters.engines.base import Completion
+from rollouters.engines.base import Completion, check_generate_args
+from rollouters.engines.http import request_json
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +42,72 @@ class SglangError(RuntimeError):
     """The server answered with an error (HTTP status >= 400, or ``success: false``)."""
 
 
-class SglangTimeout(TimeoutError):
+class SglangTimeout(SglangError, TimeoutError):
     """The server did not answer within the call's timeout (or could not be reached)."""
+
+
+def server_args(model_dir: str | Path, host: str, port: int, dtype: str, seed: int) -> list[str]:
+    """The ``sglang.launch_server`` flags our engine needs: token ids in and out
+    (``--skip-tokenizer-init``), one tensor-parallel rank (the weight group gives each server
+    one rank, see :class:`SglangWeightPeer`)."""
+    return ["--model-path", str(model_dir), "--host", host, "--port", str(port),
+            "--skip-tokenizer-init", "--dtype", dtype, "--random-seed", str(seed),
+            "--tp-size", "1"]
+
+
+class SglangServer:
+    """An SGLang server this rollout worker launched and owns (``rollout.engine = "sglang"``
+    without ``rollout.url``): ``python -m <module> <server_args> <extra>``, ready once
+    ``GET /health`` answers. It stays in the worker's process group, so whoever kills the
+    worker's group (``asyncrl up``, a test) kills the server too; :meth:`stop` ends it with
+    SIGTERM (SGLang's launcher then ends its scheduler and detokenizer processes)."""
+
+    def __init__(self, module: str, model_dir: str | Path, dtype: str, seed: int,
+                 extra: list[str], log_path: Path, start_timeout_s: float = 600.0,
+                 host: str = "127.0.0.1") -> None:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", module, *server_args(model_dir, host, port, dtype, seed),
+                 *extra], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("SGLang server %s started (%s, pid %d)", self.url, module, self._proc.pid)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise SglangError(f"SGLang server exited with {self._proc.returncode} before "
+                                  f"it was ready; log: {self.log_path}")
+            try:
+                request_json("GET", self.url, "/health", None, 5.0, SglangError, SglangTimeout)
+                return
+            except SglangError:
+                if time.monotonic() > deadline:
+                    raise SglangTimeout(f"SGLang server {self.url} not ready within "
+                                        f"{timeout_s:.0f}s (rollout.server_start_timeout_s); "
+                                        f"log: {self.log_path}") from None
+                time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server, SIGKILL it after ``timeout_s``; idempotent."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self._proc.poll() is not None:
+                return
+            self._proc.send_signal(sig)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("SGLang server pid %d ignored %s", self._proc.pid, sig.name)
 
 
 class SglangEngine:
@@ -54,7 +121,7 @@ class SglangEngine:
 
     def __init__(self, url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0,
                  update_timeout_s: float = 600.0, pause_mode: PauseMode = "in_place",
-                 version: int = 0) -> None:
+                 version: int = 0, server: SglangServer | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
@@ -62,6 +129,7 @@ class SglangEngine:
         self.pause_mode = pause_mode
         self._version = version
         self._lock = threading.Lock()  # guards _version (generate threads vs the peer's)
+        self._server = server  # launched by us: stopped by close()
 
     @property
     def version(self) -> int:
@@ -73,25 +141,11 @@ class SglangEngine:
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         """POST JSON, return the decoded answer; raise :class:`SglangError` on an HTTP error
         or ``success: false``, :class:`SglangTimeout` when no answer comes in time."""
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise SglangError(f"{path}: HTTP {exc.code}: {detail}") from exc
-        except TimeoutError as exc:
-            raise SglangTimeout(f"{path}: no answer within {timeout_s:.1f}s") from exc
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
-                raise SglangTimeout(f"{path}: no answer within {timeout_s:.1f}s") from exc
-            raise SglangError(f"{path}: {self.url} unreachable: {exc.reason}") from exc
-        answer = json.loads(raw) if raw.strip() else {}
+        answer = request_json("POST", self.url, path, body, timeout_s, SglangError,
+                              SglangTimeout)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise SglangError(f"{path}: {answer.get('message', 'failed')}")
-        return answer
+        return {} if answer is None else answer
 
     # --- generation ------------------------------------------------------------------------
 
@@ -107,10 +161,7 @@ class SglangEngine:
         If one did, the label understates freshness: the staleness filter may then drop a
         sample it could have kept, but never keeps one staler than allowed, and the behaviour
         logprobs are SGLang's own, so the importance ratios stay right either way."""
-        if not prompts or n < 1 or max_new_tokens < 1 or any(not p for p in prompts):
-            raise ValueError("need non-empty prompts, n >= 1 and max_new_tokens >= 1")
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         rows = [list(p) for p in prompts for _ in range(n)]
         body = {"input_ids": rows, "return_logprob": True,
                 "sampling_params": {"temperature": 0.0 if greedy else temperature,
@@ -152,6 +203,11 @@ class SglangEngine:
             "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
             "backend": backend}, self.update_timeout_s)
 
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Make the server forget a group it joined (it refuses to join a second group of
+        the same name, and each group holds connections)."""
+        self._post("/destroy_weights_update_group", {"group_name": group_name}, self.timeout_s)
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                         shapes: list[list[int]], group_name: str,
                                         flush_cache: bool, weight_version: str | None = None,
@@ -182,7 +238,10 @@ class SglangEngine:
         raise NotImplementedError("SglangEngine receives weights through SglangWeightPeer")
 
     def close(self) -> None:
-        """Nothing to release: every HTTP call opens and closes its own connection."""
+        """Stop the server if we launched it (an attached one keeps running: it is not ours);
+        every HTTP call opens and closes its own connection."""
+        if self._server is not None:
+            self._server.stop()
 
 
 def parse_completion(item: dict[str, Any], version: int) -> Completion:
@@ -210,24 +269,26 @@ class SglangWeightPeer(WeightReceiver):
     :class:`learners.weights.WeightBroadcaster` exactly like :class:`WeightReceiver` (same
     join → go handshake, same acks, same eviction), but the group member is the SGLang
     server, not this process. On a new epoch it asks the server to join the group
-    (``/init_weights_update_group`` with ``group_name = "epoch<N>"``); on each update it
-    pauses generation, asks for one ``/update_weights_from_distributed`` per bucket with that
-    bucket's names/dtypes/shapes and ``load_format = "flattened_bucket"`` (SGLang then
-    receives the bucket as ONE flat ``uint8`` broadcast, the same collective our broadcaster
-    sends), resumes, and acks.
+    (``/init_weights_update_group`` with the announcement's ``group`` name, our rank as
+    ``rank_offset`` and the backend); on each update it pauses generation, asks for one
+    ``/update_weights_from_distributed`` per bucket with that bucket's names/dtypes/shapes and
+    ``load_format = "flattened_bucket"`` (SGLang then receives the bucket as ONE flat
+    ``uint8`` broadcast, the same collective our broadcaster sends), resumes, and acks. When
+    it leaves a group it asks the server to ``/destroy_weights_update_group`` it.
 
-    What the learner must do differently for SGLang peers (not done here):
+    What this asks of the learner side (done there):
 
-    * create its side of the group the way SGLang's ``init_custom_process_group`` does:
-      ``torch.distributed`` rendezvous at ``master_address:master_port`` (our store), keys
-      under ``PrefixStore(f"{group_name}/")`` and the backend's own device prefix, i.e.
-      through torch's ``_new_process_group_helper`` with the same ``group_name`` (and the
-      same torch version on both sides), not a bare ``ProcessGroupGloo(PrefixStore(...))``;
-      and ``world_size`` must count every tensor-parallel rank of the server;
-    * pack buckets without padding: SGLang's ``FlattenedTensorBucket`` concatenates the
-      tensors' bytes back to back, while our plan aligns offsets to 16 bytes. A plan with
-      ``ALIGN = 1`` for SGLang peers (or any plan whose padding happens to be zero, which
-      :func:`sglang_requests` checks) is byte-identical;
+    * its side of the group uses the store layout of SGLang's ``init_custom_process_group``
+      (rendezvous at ``master_address:master_port``, which is our store; keys under
+      ``PrefixStore(group_name)`` then torch's ``f"{group_name}/"`` and ``"cpu/"`` prefixes):
+      :func:`learners.weights_group.new_group` builds exactly that chain;
+    * buckets are packed without padding (``align = 1``,
+      :func:`learners.weights.broadcast_align`), because SGLang's ``FlattenedTensorBucket``
+      concatenates the tensors' bytes back to back; :func:`sglang_requests` refuses a padded
+      plan rather than let the collective fail;
+    * one rank per server: SGLang joins as ``rank_offset + tp_rank``, and the announcement
+      gives every member one rank, so servers must run with ``tp_size = 1`` (data-parallel
+      fleets are fine: one worker and one server each);
     * NCCL on GPU: SGLang receives into CUDA memory, so a gloo group works only if its
       build supports CUDA tensors; ``backend = "nccl"`` is the intended setting there.
     """
@@ -238,6 +299,7 @@ class SglangWeightPeer(WeightReceiver):
         self.engine = engine
         self.pause_s: list[float] = []  # per update: pause → resume, for metrics and benches
         self._version_in_flight = -1
+        self._group_name: str | None = None  # the server's current group
 
     def _serve(self, ann: dict[str, Any]) -> None:
         self._version_in_flight = int(ann.get("version", -1))  # read by _receive below
@@ -252,17 +314,17 @@ class SglangWeightPeer(WeightReceiver):
             return False
         store, epoch = ann["store"], int(ann["epoch"])
         host, port = store.rsplit(":", 1)
-        self.engine.init_weights_update_group(host, int(port), rank, world, f"epoch{epoch}",
+        self._group_name = ann["group"]
+        self.engine.init_weights_update_group(host, int(port), rank, world, ann["group"],
                                               ann.get("transport", "gloo"))
         self._group_id = (store, epoch)
-        logger.info("weights: SGLang %s joined epoch %d as rank %d/%d", self.member, epoch,
+        logger.info("weights: SGLang %s joined %s as rank %d/%d", self.member, ann["group"],
                     rank, world)
         return True
 
     def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
         """Pause, one request per bucket (the server receives it), resume; no tensors here."""
-        assert self._group_id is not None
-        group_name = f"epoch{self._group_id[1]}"
+        assert self._group_name is not None
         version = self._version_in_flight
         requests = sglang_requests(plan)
         started = time.monotonic()
@@ -270,10 +332,23 @@ class SglangWeightPeer(WeightReceiver):
             for index, request in enumerate(requests):
                 last = index == len(requests) - 1
                 self.engine.update_weights_from_distributed(
-                    **request, group_name=group_name, flush_cache=last,
+                    **request, group_name=self._group_name, flush_cache=last,
                     weight_version=str(version) if last else None, load_format=FLATTENED)
         self.pause_s.append(time.monotonic() - started)
         return {}
+
+    def _leave(self) -> None:
+        """Our side as :class:`WeightReceiver`, then the server's: it keeps every group it
+        joined by name until told to destroy it. Best effort: a dead learner or a server
+        that never joined must not stop the next epoch."""
+        super()._leave()
+        name, self._group_name = self._group_name, None
+        if name is not None:
+            try:
+                self.engine.destroy_weights_update_group(name)
+            except SglangError as exc:
+                logger.warning("weights: SGLang %s could not drop %s: %s", self.member, name,
+                               exc)
 
 
 def sglang_requests(plan: BucketPlan) -> list[dict[str, list[Any]]]:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 
 from rollouters.engines.base import Completion, check_generate_args
+from rollouters.engines.http import request_json
 
 logger = logging.getLogger(__name__)
 
@@ -176,18 +175,8 @@ class VLLMServerEngine:
     # --- HTTP ------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                payload = response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:500]
-            raise ServerError(f"{method} {self.url}{path}: HTTP {exc.code}: {detail}") from exc
-        except OSError as exc:
-            raise ServerError(f"{method} {self.url}{path}: {exc}") from exc
-        return json.loads(payload) if payload else None
+        return request_json(method, self.url, path, body, self.timeout_s, ServerError,
+                            ServerError)
 
     def close(self) -> None:
         """Forget the transfer group (the server keeps running: it is not ours)."""

@@ -1,4 +1,8 @@
-"""Single-turn workflow: one engine call for a batch of prompts, one group per prompt.
+"""Single-turn workflows: one engine call per prompt.
+
+:func:`generate_groups` is the digit tasks' fast path (one batched call for a window of
+prompts). :class:`SingleTurnWorkflow` is the general one behind the workflow API: the sample's
+prompt through the chat template (or raw), one response, scored by the configured reward.
 
 Engine-agnostic on purpose (only the :class:`Engine` protocol is used), so the same code feeds
 the buffer whether the torch engine or vLLM produced the samples.
@@ -11,7 +15,11 @@ from typing import Any
 
 from asyncrl.wire.group import TrajectoryGroup
 from rollouters.engines.base import Completion, Engine
+from rollouters.rewards.base import RewardScorer
 from rollouters.tasks.digits import Prompt, Task
+from rollouters.tasks.sample import Sample
+from rollouters.workflows.api import EpisodeEngine, Trajectory
+from rollouters.workflows.chat import ChatFormat
 
 
 def generate_groups(engine: Engine, task: Task, prompts: list[Prompt], group_size: int,
@@ -41,3 +49,28 @@ def _sample(task: Task, prompt: Prompt, completion: Completion) -> dict[str, Any
         "reward": task.reward(prompt, completion.tokens),
         "finish_reason": completion.finish_reason,
     }
+
+
+class SingleTurnWorkflow:
+    """Prompt → one response → reward. ``chat=None`` encodes the prompt text as is."""
+
+    def __init__(self, tokenizer: Any, reward: RewardScorer, chat: ChatFormat | None,
+                 system_prompt: str = "") -> None:
+        self.tokenizer, self.reward, self.chat = tokenizer, reward, chat
+        self.system_prompt = system_prompt
+
+    def prompt_tokens(self, sample: Sample) -> list[int]:
+        if self.chat is None:
+            return list(self.tokenizer.encode(sample.prompt, add_special_tokens=True))
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt \
+            else []
+        return self.chat.prompt_tokens([*messages, {"role": "user", "content": sample.prompt}])
+
+    async def run_episode(self, engine: EpisodeEngine, sample: Sample) -> Trajectory | None:
+        trajectory = Trajectory(metadata={"sample_id": sample.sample_id})
+        trajectory.add_context(self.prompt_tokens(sample))
+        completion = await engine.generate(trajectory.tokens)
+        trajectory.add_turn(completion)
+        text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
+        trajectory.reward = await self.reward.score(text, sample)
+        return trajectory

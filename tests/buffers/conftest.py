@@ -44,7 +44,26 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-class RedisServer:
+class ServerProcess:
+    """A server subprocess (``proc``, made by ``start``) that can be stopped and restarted."""
+
+    proc: subprocess.Popen | None
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
+        self.start()
+
+
+class RedisServer(ServerProcess):
     """One ``redis-server`` process, bound to 127.0.0.1, that can be stopped and restarted."""
 
     def __init__(self, directory: Path, extra: Sequence[str] = (), tls: bool = False) -> None:
@@ -79,21 +98,11 @@ class RedisServer:
 
         eventually(ready, START_TIMEOUT_S, f"redis-server on port {self.port}")
 
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
-        self.proc = None
-
-    def restart(self, kill: bool = False) -> None:
-        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
-        self.start()
-
     def _tail(self) -> str:
         return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
 
-class BrokerProcess:
+class BrokerProcess(ServerProcess):
     """The ZMQ broker through the CLI, on a fixed port, spilling to ``directory/spill``."""
 
     def __init__(self, directory: Path, config: BufferConfig, groups_per_step: int) -> None:
@@ -120,16 +129,6 @@ class BrokerProcess:
             return self.address_file.exists()
 
         eventually(ready, START_TIMEOUT_S, "the ZMQ broker's address file")
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
-        self.proc = None
-
-    def restart(self, kill: bool = False) -> None:
-        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
-        self.start()
 
 
 @dataclass

@@ -24,6 +24,7 @@ import pytest
 
 from asyncrl.wire import encode_group
 from buffers import Batch, Buffer, BufferClient, ControlPlane, PutResult
+from buffers.lease import keep_leased
 from tests.buffers import eventually, make_group
 from tests.buffers.conftest import ROOT, child_env
 
@@ -217,6 +218,37 @@ def test_a_live_consumers_batch_is_not_served_twice_within_reclaim_idle(backend)
     assert second.get_batch("learner-b", 1, 0, timeout_s=0.3) is None
     first.ack("learner-a", batch)
     assert (first.status()["consumed"], first.status()["depth"]) == (2, 0)
+
+
+def _one_batch_held(backend, reclaim_idle_s: float) -> tuple[BufferClient, BufferClient, Batch]:
+    """(holder, other, batch): ``holder`` was served group "a" as learner-a."""
+    d = backend.start(reclaim_idle_s=reclaim_idle_s)
+    holder, other = d.client(), d.client()
+    holder.put("w", make_group("a"))
+    return holder, other, holder.get_batch("learner-a", 1, 0, timeout_s=5.0)
+
+
+def test_a_renewed_lease_outlives_reclaim_idle_and_a_lapsed_one_is_reclaimed(backend):
+    holder, other, batch = _one_batch_held(backend, reclaim_idle_s=1.0)
+    until = time.monotonic() + 3.0  # three times reclaim_idle_s, renewing all along
+    while time.monotonic() < until:
+        assert holder.renew("learner-a", batch) == 1
+        assert other.get_batch("learner-b", 1, 0, timeout_s=0.2) is None
+    assert other.renew("learner-b", batch) == 0  # only the holder renews its lease
+    again = other.get_batch("learner-b", 1, 0, timeout_s=10.0)  # renewals stopped: reclaimed
+    assert ids(again) == ["a"]
+    assert holder.renew("learner-a", batch) == 0  # lost, and renewing cannot take it back
+    other.ack("learner-b", again)
+    assert (other.status()["consumed"], other.status()["redelivered"]) == (1, 1)
+
+
+def test_keep_leased_renews_in_the_background_during_a_long_step(backend):
+    holder, other, batch = _one_batch_held(backend, reclaim_idle_s=0.6)
+    with keep_leased(holder, "learner-a", batch, reclaim_idle_s=0.6):  # a 2 s "step"
+        assert other.get_batch("learner-b", 1, 0, timeout_s=2.0) is None
+    holder.ack("learner-a", batch)
+    status = holder.status()
+    assert (status["consumed"], status["depth"], status["redelivered"]) == (1, 0, 0)
 
 
 def test_a_late_ack_after_redelivery_counts_each_group_once(backend):
@@ -420,6 +452,17 @@ def test_get_key_long_poll_wakes_on_set(backend):
         assert future.result(timeout=10) == (2, {"epoch": 2})
     assert time.monotonic() - start < 2.0
     assert setter.status()["keys"] == ["other", "rdzv"]
+
+
+def test_get_keys_reads_many_keys_in_one_call(backend):
+    d = backend.start()
+    reader, writer = d.client(), d.client()
+    assert reader.get_keys([]) == {} and reader.get_keys(["nope"]) == {}
+    writer.set_key("ack/a", {"version": 1})
+    writer.set_key("ack/b", {"version": 1})
+    writer.set_key("ack/b", {"version": 2})
+    assert reader.get_keys(["ack/a", "ack/b", "ack/c"]) == {"ack/a": (1, {"version": 1}),
+                                                           "ack/b": (2, {"version": 2})}
 
 
 def test_status_has_every_documented_key(backend):

@@ -1,23 +1,19 @@
-"""SglangEngine against a protocol fixture, because SGLang cannot be installed on these CPU
-machines (it pins a CUDA torch build; see ``notes/vllm-cpu.md``).
+"""SglangEngine and SglangWeightPeer against a protocol fixture, because SGLang cannot be
+installed on these CPU machines (it pins a CUDA torch build; see ``notes/vllm-cpu.md``).
 
-The fixture is a real HTTP server on 127.0.0.1 (stdlib ``http.server`` in a thread). It checks
-every request body against the documented SGLang 0.5.x request schemas
-(``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` and its sampling params,
-``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
-``PauseGenerationReqInput``, ``ContinueGenerationReqInput``, ``UpdateWeightVersionReqInput``):
-required fields, field types, and no unknown fields (HTTP 400 otherwise). It answers with the
-documented response shapes and records every call. The same tests against a real server live
-in ``test_sglang_real.py``.
+The fixture (``tests/engines/sglang_fixture.py``) is a real HTTP server on 127.0.0.1 that
+validates every request body against the documented SGLang 0.5.x request schemas
+(``python/sglang/srt/managers/io_struct.py``) and answers HTTP 400 on any violation; with
+``join_groups`` it joins the learner's gloo group the way SGLang's ``init_custom_process_group``
+does (torch's rendezvous and ``_new_process_group_helper``) and receives the broadcast. Here it
+generates scripted tokens; ``test_sglang_run.py`` runs it with a real tiny model behind the
+real learner and rollout worker, and ``test_sglang_real.py`` targets a real server.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -26,8 +22,7 @@ import torch
 from asyncrl.config.schema import BufferConfig, WeightsConfig
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
-from learners.weights import WeightBroadcaster
-from learners.weights_group import broadcast, dial_store, new_group
+from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
 from learners.weights_plan import BucketPlan, TensorSpec
 from rollouters.engines.sglang_engine import (
     SglangEngine,
@@ -36,178 +31,14 @@ from rollouters.engines.sglang_engine import (
     SglangWeightPeer,
     sglang_requests,
 )
-
-INT, STR, BOOL, NUM = (int,), (str,), (bool,), (int, float)
-OPT_STR = (str, type(None))
-
-# path → (required fields, optional fields); a type tuple, or a callable check
-SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "/generate": ({}, {
-        "input_ids": lambda v: isinstance(v, list) and all(
-            isinstance(row, list) and row and all(type(t) is int for t in row) for row in v),
-        "sampling_params": dict, "return_logprob": BOOL, "rid": STR, "stream": BOOL,
-        "return_text_in_logprobs": BOOL, "logprob_start_len": INT, "top_logprobs_num": INT}),
-    "/init_weights_update_group": (
-        {"master_address": STR, "master_port": INT, "rank_offset": INT, "world_size": INT},
-        {"group_name": STR, "backend": STR}),
-    "/update_weights_from_distributed": (
-        {"names": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-         "dtypes": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-         "shapes": lambda v: isinstance(v, list) and all(
-             isinstance(s, list) and all(type(d) is int for d in s) for s in v)},
-        {"group_name": STR, "flush_cache": BOOL, "abort_all_requests": BOOL,
-         "weight_version": OPT_STR, "load_format": OPT_STR, "torch_empty_cache": BOOL}),
-    "/pause_generation": ({}, {"mode": lambda v: v in ("abort", "retract", "in_place")}),
-    "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
-    "/update_weight_version": ({"new_version": STR}, {"abort_all_requests": BOOL}),
-}
-SAMPLING = {"temperature": NUM, "max_new_tokens": INT, "n": INT, "top_p": NUM, "top_k": INT,
-            "stop_token_ids": list, "ignore_eos": BOOL}
-
-
-def _check(fields: dict[str, Any], spec: Any, name: str) -> str | None:
-    value = fields[name]
-    if callable(spec) and not isinstance(spec, (tuple, type)):
-        return None if spec(value) else f"bad value for {name}: {value!r}"
-    types = spec if isinstance(spec, tuple) else (spec,)
-    if isinstance(value, bool) and bool not in types:
-        return f"{name} must be {types}, got bool"
-    return None if isinstance(value, types) else f"{name} must be {types}, got {value!r}"
-
-
-def validate(path: str, body: Any) -> str | None:
-    """The first schema violation in ``body`` for ``path``, or None."""
-    if path not in SCHEMAS:
-        return f"unknown path {path}"
-    if not isinstance(body, dict):
-        return "body must be a JSON object"
-    required, optional = SCHEMAS[path]
-    for name in required:
-        if name not in body:
-            return f"missing required field {name}"
-    for name in body:
-        spec = required.get(name, optional.get(name))
-        if spec is None:
-            return f"unknown field {name}"
-        error = _check(body, spec, name)
-        if error:
-            return error
-    for name in body.get("sampling_params", {}) if path == "/generate" else ():
-        if name not in SAMPLING:
-            return f"unknown sampling param {name}"
-        error = _check(body["sampling_params"], SAMPLING[name], name)
-        if error:
-            return error
-    return None
-
-
-class FakeSglang:
-    """State and answers of the fake server; ``hold`` makes ``/generate`` wait for
-    ``release`` (and sets ``arrived``), so tests can interleave calls deterministically."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.weight_version = "default"
-        self.hold = False
-        self.arrived = threading.Event()
-        self.release = threading.Event()
-        self.group: Any = None  # join_groups: a real gloo group, as our learner builds it
-        self.join_groups = False
-        self.received: dict[str, torch.Tensor] = {}
-
-    def answer(self, path: str, body: dict[str, Any]) -> Any:
-        self.calls.append((path, body))
-        if path == "/generate":
-            return self._generate(body)
-        if path in ("/pause_generation", "/continue_generation"):
-            return {"message": "ok"}
-        if path == "/update_weight_version":
-            self.weight_version = body["new_version"]
-            return {"success": True, "message": "ok", "new_version": self.weight_version}
-        if path == "/init_weights_update_group" and self.join_groups:
-            self._join(body)
-        if path == "/update_weights_from_distributed" and self.join_groups:
-            self._receive(body)
-        if path == "/update_weights_from_distributed" and body.get("weight_version"):
-            self.weight_version = body["weight_version"]
-        return {"success": True, "message": "Succeeded to update parameter online."}
-
-    def _join(self, body: dict[str, Any]) -> None:
-        """Join the learner's group the way OUR receiver does (``PrefixStore("epoch<N>")``);
-        real SGLang prefixes differently, see SglangWeightPeer's docstring."""
-        store = dial_store(f"{body['master_address']}:{body['master_port']}", 10.0)
-        epoch = int(body["group_name"].removeprefix("epoch"))
-        self.group = new_group(body["backend"], store, epoch, body["rank_offset"],
-                               body["world_size"], 10.0, "127.0.0.1")
-
-    def _receive(self, body: dict[str, Any]) -> None:
-        """``load_format = "flattened_bucket"``: one uint8 broadcast of the tensors' bytes
-        back to back (SGLang's FlattenedTensorBucket), then split by dtype and shape."""
-        assert body["load_format"] == "flattened_bucket"
-        dtypes = [getattr(torch, d) for d in body["dtypes"]]
-        sizes = [math.prod(s) * torch.empty(0, dtype=d).element_size()
-                 for s, d in zip(body["shapes"], dtypes)]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        broadcast(self.group, flat)
-        for name, dtype, shape, part in zip(body["names"], dtypes, body["shapes"],
-                                            flat.split(sizes)):
-            self.received[name] = part.view(dtype).view(shape)
-
-    def _generate(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        if self.hold:
-            self.arrived.set()
-            self.release.wait(timeout=30)
-        n_new = body["sampling_params"]["max_new_tokens"]
-        out = []
-        for i, row in enumerate(body["input_ids"]):
-            tokens = [(sum(row) + i + k) % 50 for k in range(n_new)]
-            out.append({"text": "", "output_ids": tokens, "meta_info": {
-                "id": f"req-{i}", "finish_reason": {"type": "length", "length": n_new},
-                "prompt_tokens": len(row), "completion_tokens": n_new,
-                "weight_version": self.weight_version,
-                "output_token_logprobs": [[-0.1 * (k + 1), t, None]
-                                          for k, t in enumerate(tokens)]}})
-        return out
-
-
-def _handler(fake: FakeSglang) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError:
-                return self._send(400, {"error": "invalid JSON"})
-            error = validate(self.path, body)
-            if error:
-                return self._send(400, {"error": error})
-            self._send(200, fake.answer(self.path, body))
-
-        def _send(self, status: int, payload: Any) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:  # keep pytest output clean
-            return None
-
-    return Handler
+from tests.engines.sglang_fixture import FakeSglang, serve
 
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, FakeSglang]]:
     fake = FakeSglang()
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", fake
-    fake.release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with serve(fake) as (url, _):
+        yield url, fake
 
 
 def test_generate_sends_token_ids_and_parses_logprobs(server) -> None:
@@ -319,14 +150,17 @@ def test_bucket_requests_need_an_unpadded_plan() -> None:
 
 def test_weight_peer_follows_the_real_broadcaster(server) -> None:
     """The peer's handshake, group join and per-bucket requests against the real
-    WeightBroadcaster and broker; the fixture server receives the buckets over gloo."""
+    WeightBroadcaster and broker; the fixture joins the group through torch's own
+    rendezvous and group helper (as SGLang does) and receives the buckets over gloo. Two
+    versions: the group is reused; the peer's stop makes the server drop it."""
     url, fake = server
     fake.join_groups = True
     address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
     learner, own = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     engine = SglangEngine(url, update_timeout_s=20.0)
     peer = SglangWeightPeer(own, "sglang-0", engine)
-    broadcaster = WeightBroadcaster(learner, WeightsConfig(bucket_mb=0.0001, timeout_s=10))
+    broadcaster = WeightBroadcaster(learner, WeightsConfig(bucket_mb=0.0001, timeout_s=10),
+                                    align=broadcast_align("sglang"))
     try:
         learner.heartbeat("sglang-0", "rollout", {})
         peer.start()
@@ -344,11 +178,54 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
                          "/continue_generation"]
         updates = [b for p, b in fake.calls if p == "/update_weights_from_distributed"]
         assert [u["flush_cache"] for u in updates] == [False, True]
-        assert updates[-1]["weight_version"] == "5" and updates[0]["group_name"] == "epoch1"
+        assert updates[-1]["weight_version"] == "5"
+        assert updates[0]["group_name"] == fake.calls[0][1]["group_name"]
+        assert list(fake.groups) == [updates[0]["group_name"]]
         assert len(peer.pause_s) == 1
+        state = {name: tensor * 2 for name, tensor in state.items()}
+        broadcaster.sync(state, version=6)
+        assert peer.wait_for_version(6, timeout=10) and fake.weight_version == "6"
+        assert all(torch.equal(fake.received[name], t) for name, t in state.items())
+        assert [p for p, _ in fake.calls].count("/init_weights_update_group") == 1
+        peer.stop()
+        assert fake.groups == {} and fake.calls[-1][0] == "/destroy_weights_update_group"
     finally:
         peer.stop()
         broadcaster.close()
         learner.close()
         own.close()
         stop_broker()
+
+
+def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> None:
+    """``rollout.engine = "sglang"`` with ``rollout.url``: one server per worker, and the
+    worker's weight receiver is the peer (the server receives the broadcast itself)."""
+    from asyncrl.config import load_config
+    from learners.weights_receiver import WeightReceiver
+    from rollouters.engines import make_engine, make_weight_receiver
+
+    url, _ = server
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
+                             f"rollout.url={url}", "rollout.workers=1"])
+    engine = make_engine(cfg, tmp_path, 0)
+    assert isinstance(engine, SglangEngine) and engine.url == url
+    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    control = ZmqBufferClient(address, 10.0)
+    try:
+        assert isinstance(make_weight_receiver(engine, control, "m"), SglangWeightPeer)
+        assert type(make_weight_receiver(object(), control, "m")) is WeightReceiver
+    finally:
+        control.close()
+        stop_broker()
+    two = load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
+                             f"rollout.url={url}", "rollout.workers=2"])
+    with pytest.raises(ValueError, match="rollout.workers"):
+        make_engine(two, tmp_path, 0)
+
+
+def test_sglang_plans_pack_every_tensor() -> None:
+    """SGLang gets one HTTP request per bucket: large tensors are not sent alone for it."""
+    cfg = WeightsConfig(alone_mb=1.0)
+    assert engine_weights(cfg, "sglang").alone_mb == 0.0
+    assert engine_weights(cfg, "torch") is cfg and broadcast_align("torch") == 16
+    assert broadcast_align("sglang") == 1

@@ -2,9 +2,10 @@
 the CPU machines, where ``test_sglang_protocol.py`` covers the protocol with a fixture).
 
 Set ``ASYNCRL_SGLANG_URL`` (e.g. ``http://127.0.0.1:30000``) to a server launched with
-``python -m sglang.launch_server --model-path <model> --skip-tokenizer-init`` (token ids in
-and out). Everything is skipped otherwise. Weight sync through a real broadcast group is not
-covered yet: it needs the learner-side change described in ``SglangWeightPeer``.
+``python -m sglang.launch_server --model-path <model> --skip-tokenizer-init --tp-size 1``
+(token ids in and out), and ``ASYNCRL_SGLANG_MODEL`` to that model's directory for the weight
+sync test. Everything is skipped otherwise. Not run yet: no SGLang server was available to the
+session that wrote it (the same protocol runs against the fixture in CI).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import math
 import os
 
 import pytest
+import torch
 
-from rollouters.engines.sglang_engine import SglangEngine
+from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
 
 URL = os.environ.get("ASYNCRL_SGLANG_URL", "")
+MODEL = os.environ.get("ASYNCRL_SGLANG_MODEL", "")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,3 +57,39 @@ def test_pause_continue_and_version_label(engine: SglangEngine) -> None:
     engine.set_version(engine.version + 1)
     out = engine.generate([[1, 2]], n=1, temperature=1.0, max_new_tokens=2)
     assert out[0][0].versions == [engine.version] * len(out[0][0].tokens)
+
+
+@pytest.mark.skipif(not MODEL, reason="ASYNCRL_SGLANG_MODEL not set (the server's model dir)")
+def test_weight_sync_through_the_broadcast_group(engine: SglangEngine) -> None:
+    """The real learner broadcaster and the peer: zeroed weights make every logit equal
+    (greedy picks token 0), the original weights bring the original output back."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightBroadcaster, broadcast_align
+
+    state = AutoModelForCausalLM.from_pretrained(MODEL, torch_dtype="auto").state_dict()
+    prompt = [[7, 8, 9]]
+    before = engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens
+    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    learner, own = ZmqBufferClient(address, 30.0), ZmqBufferClient(address, 30.0)
+    peer = SglangWeightPeer(own, "sglang-real", engine)
+    broadcaster = WeightBroadcaster(learner, WeightsConfig(timeout_s=120),
+                                    align=broadcast_align("sglang"))
+    try:
+        learner.heartbeat("sglang-real", "rollout", {})
+        peer.start()
+        broadcaster.sync({k: torch.zeros_like(v) for k, v in state.items()}, version=1)
+        assert peer.wait_for_version(1, timeout=120)
+        assert engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens == [0] * 4
+        broadcaster.sync(state, version=2)
+        assert peer.wait_for_version(2, timeout=120)
+        assert engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens == before
+    finally:
+        peer.stop()
+        broadcaster.close()
+        learner.close()
+        own.close()
+        stop_broker()

@@ -65,3 +65,12 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(poll_s)
+
+
+def step_records(metrics: Path) -> list[dict]:
+    """The learner's per-step records in a run's metrics.jsonl (none before it exists)."""
+    from asyncrl.metrics import read_jsonl
+
+    if not metrics.exists():
+        return []
+    return [r for r in read_jsonl(metrics) if isinstance(r.get("step"), int)]

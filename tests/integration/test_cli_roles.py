@@ -36,10 +36,10 @@ def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
     records = [r for r in read_jsonl(tmp_path / "roles" / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
     assert [r["step"] for r in records] == list(range(1, 121))
-    rewards = [r["learner/reward_mean"] for r in records]
+    rewards = [r["critic/score/mean"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.2 and last > 0.5, (first, last)  # chance is ~0.08 of positions right
-    assert max(r["learner/staleness_max"] for r in records) <= 2
+    assert max(r["staleness/max"] for r in records) <= 2
     assert records[-1]["rollout/workers"] == 2
     assert (tmp_path / "roles" / "final" / "config.json").exists()
     assert (tmp_path / "roles" / "eval.json").exists()

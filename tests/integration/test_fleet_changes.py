@@ -1,5 +1,6 @@
 """Engines join and die mid-run: a late engine gets the current weights before it generates,
-a SIGKILLed engine is evicted from the broadcast group and the run goes on."""
+a SIGKILLed engine is evicted from the broadcast group and the run goes on, and Ctrl-C on a
+fleet that joined makes it leave cleanly."""
 
 from __future__ import annotations
 
@@ -9,17 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.metrics import read_jsonl
 from buffers.zmq_client import ZmqBufferClient
-from tests.integration.conftest import QUICKSTART, Processes, wait_for
+from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
 
 pytestmark = pytest.mark.slow
 
-
-def _steps(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [r for r in read_jsonl(path) if isinstance(r.get("step"), int)]
 
 
 def _rollout(status: dict, index: int) -> dict:
@@ -30,7 +25,10 @@ def _rollout(status: dict, index: int) -> dict:
 def test_engines_join_and_die_mid_run(tmp_path: Path, processes: Processes) -> None:
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=fleet",
             "--set", "learner.total_steps=100000", "--set", "eval.every_steps=0",
-            "--set", "buffer.heartbeat_timeout_s=3", "--set", "weights.timeout_s=5"]
+            "--set", "buffer.heartbeat_timeout_s=30", "--set", "weights.timeout_s=5"]
+    # Liveness (30 s) slower than a learner step even on a loaded machine, so the killed engine
+    # is still listed at the next sync and its eviction (join timeout, 5 s) is what removes it:
+    # with 3 s, a step slower than 3 s let liveness drop it first and nothing was evicted.
     address_file = tmp_path / "buffer.addr"
     processes.start("buffer", "buffer", str(QUICKSTART), *sets, "--address-file",
                     str(address_file))
@@ -40,26 +38,35 @@ def test_engines_join_and_die_mid_run(tmp_path: Path, processes: Processes) -> N
     first = processes.start("rollout0", "rollout", str(QUICKSTART), *sets, "--buffer", address,
                             "--workers", "1", "--first-index", "0")
     metrics = tmp_path / "fleet" / "metrics.jsonl"
-    wait_for(lambda: len(_steps(metrics)) >= 5, 180, "five steps with one engine")
+    wait_for(lambda: len(step_records(metrics)) >= 5, 180, "five steps with one engine")
 
     client = ZmqBufferClient(address, timeout_s=10)
     try:
         joined_at = client.status()["version"]
-        processes.start("rollout1", "rollout", str(QUICKSTART), *sets, "--buffer", address,
-                        "--workers", "1", "--first-index", "1")
+        joiner = processes.start("rollout1", "rollout", str(QUICKSTART), *sets,
+                                 "--buffer", address, "--workers", "1", "--first-index", "1")
         wait_for(lambda: _rollout(client.status(), 1).get("info", {}).get("groups", 0) > 0,
                  120, "the late engine to produce groups")
         late = _rollout(client.status(), 1)["info"]
         assert late["engine_version"] >= joined_at, (late, joined_at)  # synced before it worked
 
         os.killpg(first.pid, signal.SIGKILL)
-        killed_at = len(_steps(metrics))
-        wait_for(lambda: len(_steps(metrics)) >= killed_at + 10, 180,
+        killed_at = len(step_records(metrics))
+        wait_for(lambda: len(step_records(metrics)) >= killed_at + 10, 180,
                  "ten more steps after an engine was killed")
     finally:
         client.close()
-    after = _steps(metrics)[killed_at + 5:]
+    after = step_records(metrics)[killed_at + 5:]
     assert all(r["weights/members"] == 1 for r in after), [r["weights/members"] for r in after]
-    assert sum(r["weights/evicted"] for r in _steps(metrics)) >= 1 or \
+    assert sum(r.get("weights/evicted", 0) for r in step_records(metrics)) >= 1 or \
         "evicting" in processes.log("learner")
     assert learner.poll() is None  # the learner never stopped
+
+    os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in its terminal: the foreground group
+    assert joiner.wait(timeout=60) == 0, processes.log("rollout1")
+    assert "rollout-1-" in processes.log("rollout1") and "stopped" in processes.log("rollout1")
+    with ZmqBufferClient(address, timeout_s=10) as client:
+        gone = [m for name, m in client.status()["members"].items()
+                if name.startswith("rollout-1-")]
+        assert gone and all(m.get("info", {}).get("state") == "stopped" for m in gone), gone
+    assert learner.poll() is None  # the run outlives the fleet that left

@@ -28,7 +28,12 @@ def test_quickstart_learns_with_redis(tmp_path: Path, processes: Processes) -> N
     run_dir = tmp_path / name
     assert not (run_dir / "buffer.addr").exists()  # no broker process: Redis is the broker
     final = json.loads((run_dir / "eval.json").read_text())
-    assert final["eval/accuracy"] >= 0.9, final
+    assert final["val/test_score/copy"] >= 0.9, final
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
-    assert max(r["learner/staleness_max"] for r in records) <= 2
-    assert records[-1]["buffer/version"] == records[-1]["step"] - 1  # stats read before publish
+    assert max(r["staleness/max"] for r in records) <= 2
+    # Buffer stats are read before the step's publish; the previous version's delivery runs on
+    # the publisher's thread (weights.overlap) and may not have published yet. Its metrics
+    # arrive with this step's record.
+    last = records[-1]
+    assert last["buffer/version"] in (last["step"] - 2, last["step"] - 1), last
+    assert last["weights/version"] == last["step"] - 1, last

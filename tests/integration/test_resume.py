@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.metrics import read_jsonl
 from learners.checkpoint import latest, read_meta
-from tests.integration.conftest import QUICKSTART, Processes, wait_for
+from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +22,9 @@ TOTAL_STEPS = 60
 KILL_AFTER = 12   # steps: past the checkpoints at 5 and 10
 
 
-def _steps(metrics: Path) -> list[dict]:
-    if not metrics.exists():
-        return []
-    return [r for r in read_jsonl(metrics) if isinstance(r.get("step"), int)]
-
 
 def _mean_reward(records: list[dict]) -> float:
-    return sum(r["learner/reward_mean"] for r in records) / len(records)
+    return sum(r["critic/score/mean"] for r in records) / len(records)
 
 
 def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
@@ -46,11 +40,11 @@ def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, *at)
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, *at,
                               "--workers", "2")
-    wait_for(lambda: len(_steps(run_dir / "metrics.jsonl")) >= KILL_AFTER, 120,
+    wait_for(lambda: len(step_records(run_dir / "metrics.jsonl")) >= KILL_AFTER, 120,
              f"{KILL_AFTER} learner steps")
     os.killpg(learner.pid, signal.SIGKILL)
     learner.wait()
-    before = _steps(run_dir / "metrics.jsonl")
+    before = step_records(run_dir / "metrics.jsonl")
     checkpoint = latest(run_dir / "checkpoints")
     assert checkpoint is not None, processes.log("learner")
     version = read_meta(checkpoint).version
@@ -61,12 +55,12 @@ def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
     assert rollout.wait(timeout=30) == 0, processes.log("rollout")
     assert f"resuming at version {version}" in processes.log("learner2")
 
-    after = _steps(run_dir / "metrics.jsonl")[len(before):]
+    after = step_records(run_dir / "metrics.jsonl")[len(before):]
     published = before[-1]["step"]  # + 1 if killed between publish and the metrics write
     assert after[0]["step"] - 1 in (published, published + 1), (before[-1], after[0])
     assert [r["step"] for r in after] == list(range(after[0]["step"], TOTAL_STEPS + 1))
     # Chance is ~0.06 and rises slowly (~0.07 at the kill, ~0.13 at step 40 in a run here).
     assert _mean_reward(after[-5:]) > _mean_reward(before[-5:]) + 0.03, (before, after)
-    assert max(r["learner/staleness_max"] for r in after) <= 2
+    assert max(r["staleness/max"] for r in after) <= 2
     final = read_meta(latest(run_dir / "checkpoints"))
     assert final.version == TOTAL_STEPS and final.counters["finished"]

@@ -187,7 +187,7 @@ def test_broadcast_versions_evict_and_rejoin(tmp_path: Path) -> None:
         procs[1].wait()
         metrics = sync_and_check(broadcaster, model, 3, [MEMBERS[0]], tmp_path)
         assert metrics["weights/evicted"] == 1
-        assert metrics["weights/sync_s"] < 3 * TIMEOUT_S, "the learner must not hang"
+        assert metrics["timing/weight_sync"] < 3 * TIMEOUT_S, "the learner must not hang"
         assert broadcaster.members() == [MEMBERS[0]], "the dead engine stays out"
 
         procs.append(start_receiver(address, LATE, tmp_path, seed=9, fail_at=LATE_FAILS_AT))
@@ -283,7 +283,7 @@ def test_unpadded_plan_and_reused_buffers() -> None:
             assert broadcaster.sync(state, version)["weights/members"] == 1
             assert receiver.wait_for_version(version, timeout=TIMEOUT_S)
             assert all(torch.equal(got[version][k], v) for k, v in state.items()), version
-            pools.append(receiver._pool)
+            pools.append(receiver._pools[0])
         assert pools[0] is not None and pools[0] is pools[1] is pools[2], "one pool, reused"
     finally:
         broadcaster.close()
@@ -291,6 +291,55 @@ def test_unpadded_plan_and_reused_buffers() -> None:
         for client in (control, beats, own):
             client.close()
         stop_broker()
+
+
+@pytest.mark.timeout(60)
+def test_adopting_engine_alternates_receive_pools() -> None:
+    """``adopt=True`` with a real TorchEngine over real gloo: every version becomes the
+    engine's parameters without a copy, and consecutive versions land in different pools, so
+    a receive never writes into the tensors the engine is generating with."""
+    from asyncrl.config.schema import BufferConfig, TinyModelConfig, WeightsConfig
+    from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.weights import WeightBroadcaster
+    from rollouters.engines import make_weight_receiver
+    from rollouters.engines.torch_engine import TorchEngine
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), EOS_ID, PAD_ID)
+    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
+    own = ZmqBufferClient(address, 10.0)
+    receiver = make_weight_receiver(engine, own, "engine-a")
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.05, timeout_s=TIMEOUT_S))
+
+    def pool_of(ptr: int) -> int:
+        starts = [pool.slot(0).data_ptr() for pool in receiver._pools]
+        ends = [s + pool.nbytes for s, pool in zip(starts, receiver._pools)]
+        return next(i for i, (s, e) in enumerate(zip(starts, ends)) if s <= ptr < e)
+
+    try:
+        beats.heartbeat("engine-a", "rollout", {"engine_version": -1})
+        receiver.start()
+        ptrs = []
+        for version in (1, 2, 3):
+            state = build_tiny_model(TinyModelConfig(), len(VOCAB), version).state_dict()
+            assert broadcaster.sync(state, version)["weights/members"] == 1
+            assert receiver.wait_for_version(version, timeout=TIMEOUT_S)
+            params = dict(engine.model.named_parameters())
+            assert engine.version == version
+            assert all(torch.equal(params[k], v) for k, v in state.items() if k in params)
+            ptrs.append([p.data_ptr() for p in params.values()])
+        homes = [{pool_of(ptr) for ptr in version_ptrs} for version_ptrs in ptrs]
+        assert homes == [{0}, {1}, {0}], homes  # the pools stay the same objects throughout
+    finally:
+        broadcaster.close()
+        receiver.stop()
+        for client in (control, beats, own):
+            client.close()
+        stop_broker()
+
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -9,7 +9,7 @@ from pathlib import Path
 import tomllib
 
 from asyncrl.cli import main
-from asyncrl.monitor import progress_line, render
+from asyncrl.monitor import progress_line
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
@@ -49,8 +49,9 @@ STATUS = {
     "groups_per_step": 4, "staleness_hist": {"1": 5, "0": 30}, "uptime_s": 12.0,
     "members": {
         "learner-0": {"role": "learner", "alive": True,
-                      "info": {"step": 7, "learner/reward_mean": 0.5, "learner/staleness_max": 1,
-                               "learner/staleness_mean": 0.25, "learner/tokens_per_s": 900.0}},
+                      "info": {"step": 7, "critic/score/mean": 0.5, "staleness/max": 1,
+                               "staleness/mean": 0.25, "perf/trained_tokens_per_s": 900.0,
+                               "val/test_score/copy": 0.75, "timing/wait_data": 0.125}},
         "rollout-0-1": {"role": "rollout", "alive": True,
                         "info": {"engine_version": 6, "tokens_per_s": 1234.0, "groups": 20}},
         "rollout-1-2": {"role": "rollout", "alive": False, "info": {}},
@@ -58,11 +59,7 @@ STATUS = {
 }
 
 
-def test_monitor_view_shows_what_users_watch() -> None:
+def test_progress_line_shows_what_users_watch() -> None:
     line = progress_line(STATUS)
-    assert line.startswith("v7") and "reward 0.500" in line and "gen 1,234 tok/s" in line
-    screen = render(STATUS)
-    assert "rejected 2" in screen and "0:30  1:5" in screen  # histogram sorted by staleness
-    assert "rollout-0-1" in screen and "rollout-1-2" in screen
-    engine_row = next(row for row in screen.splitlines() if row.startswith("rollout-0-1"))
-    assert engine_row.split()[2:4] == ["6", "1"]  # engine version and its lag behind v7
+    assert line.startswith("v7") and "score 0.500" in line and "gen 1,234 tok/s" in line
+    assert "train 900 tok/s" in line and "val 0.750" in line and "stale mean 0.25 max 1" in line

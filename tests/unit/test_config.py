@@ -40,8 +40,12 @@ def test_override_wins_over_file(tmp_path: Path) -> None:
     ("learner.lr=-1", "learner.lr: Input should be greater than 0 (got -1)"),
     ("buffer.type=kafka", "buffer.type: Input should be 'zmq' or 'redis' (got 'kafka')"),
     ("rollout.workers=many", "rollout.workers: Input should be a valid integer"),
-    ("learner.ranks=3", "learner.groups_per_step (32) must be divisible by learner.ranks (3)"),
+    ("learner.node_rank=1", "learner.node_rank (1) must be below learner.nnodes (1)"),
+    ("learner.nnodes=2", "learner.nnodes > 1 needs a fixed learner.master_port"),
     ("learner.backend=deepspeed", "set checkpoint.every_steps = 0 and checkpoint.resume = false"),
+    ("launcher.type=k8s", "launcher.type: Input should be 'local' or 'ray' (got 'k8s')"),
+    ("launcher.max_restarts=-1", "launcher.max_restarts: Input should be greater than or equal"),
+    ("resources.rollout.gpus=-1", "resources.rollout.gpus: Input should be greater than or equal"),
 ])
 def test_errors_name_the_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -80,3 +84,11 @@ def test_resolved_toml_round_trips() -> None:
     cfg = load_config(None, ["eval.stop_at_accuracy=0.9", "run.name=x"])
     again = validate_config(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+
+
+def test_ray_launcher_and_resources_config() -> None:
+    cfg = load_config(None, ["launcher.type=ray", "launcher.address=127.0.0.1:6379",
+                             "resources.learner.gpus=1", "resources.rollout.cpus=2"])
+    assert (cfg.launcher.type, cfg.launcher.address) == ("ray", "127.0.0.1:6379")
+    assert (cfg.resources.learner.gpus, cfg.resources.learner.cpus) == (1.0, 1.0)
+    assert cfg.resources.rollout.cpus == 2.0 and cfg.launcher.max_restarts == 3

@@ -1,7 +1,7 @@
 """FSDP2 over real gloo process groups: two ranks on half a batch each == one rank on all of it.
 
 Since Adam is nearly invariant to the gradient's scale, equal weights alone would not catch a
-gradient that is off by the world size; equal ``learner/grad_norm`` metrics do (they are taken
+gradient that is off by the world size; equal ``actor/grad_norm`` metrics do (they are taken
 before clipping), so both are compared.
 """
 
@@ -165,10 +165,10 @@ def test_two_ranks_match_one_rank_sequence_kl_gae(seq_kl_runs: dict[int, Path],
                                               tiny_model_dir: Path) -> None:
     _assert_worlds_match(seq_kl_runs, tiny_model_dir)
     metrics = _load(seq_kl_runs[2] / "rank0.pt")["metrics"]
-    assert metrics[-1]["learner/kl_ref"] > 0
+    assert metrics[-1]["actor/kl_loss"] > 0
     # The zero-initialised critic predicts 0 at first, then learns the rewards' scale.
-    assert metrics[0]["critic/value_mean"] == 0.0
-    assert metrics[-1]["critic/value_mean"] != 0.0
+    assert metrics[0]["critic/values/mean"] == 0.0
+    assert metrics[-1]["critic/values/mean"] != 0.0
 
 
 def _assert_worlds_match(runs: dict[int, Path], tiny_model_dir: Path) -> None:
@@ -182,14 +182,14 @@ def _assert_worlds_match(runs: dict[int, Path], tiny_model_dir: Path) -> None:
     assert moved > 1e-3   # training moved the weights far more than the tolerance
     for step_single, step_multi in zip(single["metrics"], multi["metrics"]):
         for name, value in step_single.items():
-            if name != "learner/step_time_s":
+            if name != "timing/train_step":
                 assert step_multi[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
 
 
 def test_metrics_identical_on_all_ranks(runs: dict[int, Path]) -> None:
     rank0, rank1 = _load(runs[2] / "rank0.pt"), _load(runs[2] / "rank1.pt")
     assert rank0["metrics"] == rank1["metrics"]
-    assert rank0["metrics"][0]["learner/tokens"] == collate(make_groups(), True, 0).num_tokens
+    assert rank0["metrics"][0]["perf/trained_tokens"] == collate(make_groups(), True, 0).num_tokens
     assert rank1["state"] == {}   # the full state dict lands on rank 0 only
 
 
@@ -210,7 +210,7 @@ def _initial_state(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def test_kl_to_sharded_reference(variant_runs: dict[str, Path], tiny_model_dir: Path) -> None:
     run = _load(variant_runs["kl"] / "rank0.pt")
-    kl = [m["learner/kl_ref"] for m in run["metrics"]]
+    kl = [m["actor/kl_loss"] for m in run["metrics"]]
     assert kl[0] == pytest.approx(0.0, abs=1e-7)   # the reference IS the initial policy
     assert kl[1] > 0 and kl[2] > 0                 # ...and stays frozen while the actor moves
     initial = _initial_state(tiny_model_dir)
@@ -221,10 +221,25 @@ def test_decoupled_ppo_runs(variant_runs: dict[str, Path]) -> None:
     run = _load(variant_runs["decoupled"] / "rank0.pt")
     for metrics in run["metrics"]:
         # One update per batch: the proximal policy IS the current one, so the ratio is 1.
-        assert metrics["learner/clip_frac"] == 0.0
-        assert 0.0 <= metrics["learner/is_capped_frac"] <= 1.0
-        assert metrics["mismatch/tokens"] == metrics["learner/tokens"]
+        assert metrics["actor/clipfrac"] == 0.0
+        assert 0.0 <= metrics["actor/is_capped_frac"] <= 1.0
+        assert metrics["mismatch/tokens"] == metrics["perf/trained_tokens"]
+        assert metrics["actor/ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert run["version"] == STEPS
+
+
+def test_verl_named_metrics(runs: dict[int, Path]) -> None:
+    metrics = _load(runs[2] / "rank0.pt")["metrics"]
+    groups = make_groups()
+    lengths = [int(g.loss_mask[s].sum()) for g in groups for s in g.sample_slices()]
+    for step in metrics:
+        assert 0.0 < step["actor/entropy"] <= np.log(VOCAB) + 1e-5
+        assert step["actor/lr"] == CFG.lr
+        assert step["response_length/mean"] == pytest.approx(np.mean(lengths))
+        assert step["response_length/max"] == max(lengths)
+        assert step["critic/score/mean"] == pytest.approx(np.mean(
+            [r for g in groups for r in g.rewards]))
+        assert step["critic/rewards/mean"] == step["critic/score/mean"]  # no KL in the reward
 
 
 def test_mismatch_metrics_reported(runs: dict[int, Path]) -> None:

@@ -49,7 +49,9 @@ def _batch(logprobs: list[list[float]], advantages: list[list[float]]) -> TrainB
                       behaviour_logprobs=torch.tensor(logprobs), versions=ids,
                       advantages=torch.tensor(advantages), rewards=torch.zeros(b),
                       min_versions=torch.zeros(b, dtype=torch.int64),
-                      group_index=torch.zeros(b, dtype=torch.int64))
+                      group_index=torch.zeros(b, dtype=torch.int64),
+                      group_tokens=torch.full((b,), float(b * t)),
+                      sample_mask=torch.ones(b, dtype=torch.bool))
 
 
 def test_objective_kl_in_loss_k3_literal() -> None:

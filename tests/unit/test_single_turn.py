@@ -62,8 +62,8 @@ def test_empty_prompt_list() -> None:
 def test_evaluate_reports_greedy_accuracy() -> None:
     task = DigitTask("copy", 3, 20, seed=0)
     metrics = evaluate(_engine(), task, max_new_tokens=4, batch_size=8)
-    assert metrics["eval/n"] == 20
-    assert 0.0 <= metrics["eval/accuracy"] <= metrics["eval/position_accuracy"] <= 1.0
+    assert metrics["val/num_prompts/copy"] == 20
+    assert 0.0 <= metrics["val/test_score/copy"] <= metrics["val/position_score/copy"] <= 1.0
     assert metrics == evaluate(_engine(), task, max_new_tokens=4, batch_size=20)
 
 
@@ -85,4 +85,4 @@ class _OracleEngine:
 def test_evaluate_perfect_engine() -> None:
     task = DigitTask("sort", 3, 10, seed=0)
     assert evaluate(_OracleEngine(task), task, max_new_tokens=4, batch_size=3) == \
-        {"eval/accuracy": 1.0, "eval/position_accuracy": 1.0, "eval/n": 10}
+        {"val/test_score/sort": 1.0, "val/position_score/sort": 1.0, "val/num_prompts/sort": 10}

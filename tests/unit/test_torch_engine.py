@@ -125,6 +125,30 @@ def test_unknown_weight_name_raises_and_changes_nothing() -> None:
     assert torch.equal(engine.state_dict()["model.norm.weight"], before["model.norm.weight"])
 
 
+def test_adopt_weights_takes_the_tensors_without_a_copy() -> None:
+    """The zero-copy commit: parameters become the given tensors (same storage), outputs are
+    the new model's; a tensor of another dtype is copied instead; a bad name changes nothing."""
+    engine, other = _engine(seed=0), _engine(seed=1)
+    new = other.state_dict()
+    new["model.norm.weight"] = new["model.norm.weight"].double()  # cannot be the parameter
+    engine.adopt_weights(new, version=3)
+    params = dict(engine.model.named_parameters())
+    assert params["model.layers.0.mlp.up_proj.weight"].data_ptr() == \
+        new["model.layers.0.mlp.up_proj.weight"].data_ptr()
+    norm = params["model.norm.weight"]
+    assert norm.dtype == torch.float32 and norm.data_ptr() != new["model.norm.weight"].data_ptr()
+    assert torch.equal(norm, new["model.norm.weight"].float())
+    got = engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True)
+    reference = other.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True)
+    assert [c.tokens for g in got for c in g] == [c.tokens for g in reference for c in g]
+    assert engine.version == 3
+    with pytest.raises(KeyError, match="no.such.weight"):
+        engine.adopt_weights({"model.norm.weight": torch.zeros(norm.shape),
+                              "no.such.weight": torch.zeros(3)}, version=4)
+    assert engine.version == 3 and torch.equal(params["model.norm.weight"],
+                                               new["model.norm.weight"].float())
+
+
 def test_load_from_another_thread_between_decode_steps() -> None:
     new_weights = _engine(seed=1).state_dict()
     holder: dict[str, TorchEngine] = {}

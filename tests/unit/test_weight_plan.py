@@ -94,6 +94,21 @@ def test_other_alignments_roundtrip(align: int) -> None:
     _assert_same(_roundtrip(plan, state), state)
 
 
+def test_large_tensors_travel_alone_from_their_own_memory() -> None:
+    """``alone_bytes``: each tensor of at least that size is a bucket of its own (packed as
+    its own bytes, no copy); smaller neighbours still share buckets; the roundtrip holds."""
+    state = {"s1": torch.randn(3), "big": torch.randn(64), "s2": torch.randn(2),
+             "s3": torch.randn(5), "big2": torch.randn(8, 8)}
+    plan = plan_buckets(state, bucket_bytes=1 << 20, alone_bytes=256)
+    assert [[s.name for s in plan.in_bucket(i)] for i in range(len(plan.bucket_nbytes))] == \
+        [["s1"], ["big"], ["s2", "s3"], ["big2"]]
+    packed = pack_bucket(plan, 1, state)
+    assert packed.data_ptr() == state["big"].data_ptr()
+    _assert_same(_roundtrip(plan, state), state)
+    assert plan_buckets(state, 1 << 20, alone_bytes=0).bucket_nbytes == \
+        plan_buckets(state, 1 << 20).bucket_nbytes
+
+
 def test_staging_buffers_are_reused_and_double_buffered() -> None:
     state = _state()
     plan = plan_buckets(state, bucket_bytes=100)

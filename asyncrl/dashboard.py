@@ -1,0 +1,189 @@
+"""The monitor's screen as a pure function of what it is shown: ``dashboard(status, history)``.
+
+``status`` is the buffer's ``status()`` (``asyncrl status --json``): its counters, the staleness
+histogram, and every member's last heartbeat (the learner's is its last metrics record, a
+rollout worker's its engine version, tokens/s and time split). ``history``
+(:class:`asyncrl.snapshot.History`) keeps the per-step series the sparklines draw, since a
+status snapshot only holds the latest step. Nothing here reads a socket or a clock, so tests
+render it to text exactly as a terminal shows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from asyncrl.metrics import val_score
+from asyncrl.snapshot import (MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, STEP_TIME,
+                              TIME_SPLIT, TRAINED_TOKENS_PER_S, History, engine_idle, fleet_idle,
+                              learner_idle, learner_info, rollouts)
+
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+BAR = "█"
+
+
+def sparkline(values: Sequence[float], width: int = 40) -> str:
+    """The last ``width`` values as block characters scaled between their min and max."""
+    shown = [v for v in values if v == v][-width:]  # NaN (a step without the value) skipped
+    if not shown:
+        return ""
+    lo, hi = min(shown), max(shown)
+    top = len(SPARK_CHARS) - 1
+    return "".join(SPARK_CHARS[0 if hi == lo else round((v - lo) / (hi - lo) * top)]
+                   for v in shown)
+
+
+def bar(fraction: float, width: int) -> str:
+    return BAR * round(max(0.0, min(1.0, fraction)) * width)
+
+
+def fmt(value: Any, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def dashboard(status: Mapping[str, Any], history: History | None = None) -> RenderableType:
+    """The whole screen: header, engines, staleness and buffer, learner time, curves."""
+    history = history or History()
+    return Group(_header(status), _engines(status, history),
+                 _SideBySide(_staleness(status), _buffer(status)),
+                 _SideBySide(_time_split(status, history), _curves(status, history)))
+
+
+SIDE_BY_SIDE_MIN_WIDTH = 100  # narrower terminals stack the panels instead
+
+
+class _SideBySide:
+    """Two panels in one row on a wide terminal, one above the other on a narrow one."""
+
+    def __init__(self, left: RenderableType, right: RenderableType) -> None:
+        self.left, self.right = left, right
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if options.max_width < SIDE_BY_SIDE_MIN_WIDTH:
+            yield self.left
+            yield self.right
+            return
+        grid = Table.grid(expand=True, padding=(0, 1))
+        grid.add_column(ratio=1)
+        grid.add_column(ratio=1)
+        grid.add_row(self.left, self.right)
+        yield grid
+
+
+def _header(status: Mapping[str, Any]) -> Text:
+    info = learner_info(status)
+    text = Text.assemble(
+        ("asyncrl ", "bold"), f"run {status.get('run_id') or '?'} · ",
+        (str(status.get("run_status", "?")), "bold green" if status.get("run_status") ==
+         "running" else "bold"),
+        f" · up {status.get('uptime_s', 0):.0f}s · ", ("learner ", "bold"),
+        (f"v{status.get('version', 0)}", "bold cyan"),
+        (f" ({info['state']})" if info.get("state") else "", "yellow"),
+        f" · reward {fmt(info.get(REWARD))} · val {fmt(val_score(info))}"
+        f" · train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s")
+    return text
+
+
+def _engines(status: Mapping[str, Any], history: History) -> Panel:
+    table = Table(expand=True, box=None, header_style="bold")
+    for name, justify in (("engine", "left"), ("alive", "left"), ("version", "right"),
+                          ("lag", "right"), ("tok/s", "right"), ("groups", "right"),
+                          ("heartbeat", "right"), ("idle", "right")):
+        table.add_column(name, justify=justify)
+    version, total = status.get("version", 0), 0.0
+    for name, member in rollouts(status).items():
+        info = member.get("info", {})
+        ev = info.get("engine_version")
+        alive = bool(member.get("alive"))
+        total += info.get("tokens_per_s", 0.0) if alive else 0.0
+        table.add_row(name, Text("yes" if alive else "no", "green" if alive else "red"),
+                      fmt(ev, "d"), fmt(None if ev is None else version - ev, "d"),
+                      f"{info.get('tokens_per_s', 0.0):,.0f}", str(info.get("groups", 0)),
+                      f"{member.get('last_seen_s_ago', 0.0):.1f}s ago",
+                      pct(engine_idle(info, history.engine_window.get(name))))
+    title = f"engines · {total:,.0f} tok/s generated · idle {pct(fleet_idle(status, history))}"
+    return Panel(table, title=title, title_align="left")
+
+
+def _staleness(status: Mapping[str, Any]) -> Panel:
+    """Histogram of consumed groups by staleness (versions behind when trained on)."""
+    hist = {int(k): int(v) for k, v in status.get("staleness_hist", {}).items()}
+    info = learner_info(status)
+    table = Table.grid(padding=(0, 1))
+    table.add_column(justify="right")
+    table.add_column()
+    table.add_column(justify="right")
+    peak = max(hist.values(), default=0)
+    for staleness in range(max(hist, default=-1) + 1):
+        count = hist.get(staleness, 0)
+        table.add_row(str(staleness), Text(bar(count / peak if peak else 0, 24), "magenta"),
+                      f"{count:,}")
+    last = Text("nothing consumed yet" if not hist else
+                f"last step: mean {fmt(info.get(STALENESS_MEAN), '.2f')} max "
+                f"{fmt(info.get(STALENESS_MAX), '.0f')}", "dim")
+    return Panel(Group(table, last), title=f"staleness of consumed groups (s ≤ "
+                                           f"{status.get('max_staleness', '?')})",
+                 title_align="left")
+
+
+def _buffer(status: Mapping[str, Any]) -> Panel:
+    depth, cap = status.get("depth", 0), status.get("max_groups") or 0
+    uptime = status.get("uptime_s") or 0.0
+    closed = status.get("gate_closed_s", 0.0)
+    rejected = status.get("rejected", {})
+    lines = [
+        Text.assemble("depth    ", (bar(depth / cap if cap else 0, 20), "blue"),
+                      f" {depth}/{cap or '?'}"),
+        Text(f"accepted {status.get('accepted', 0):,}  consumed {status.get('consumed', 0):,}  "
+             f"in flight {status.get('in_flight', 0)}"),
+        Text(f"drops    stale {status.get('dropped_stale', 0):,}  rejected "
+             f"{sum(rejected.values()):,}" + "".join(f"  {k} {v}" for k, v in rejected.items())),
+        Text.assemble("gate     ", ("open", "green") if status.get("gate_open") else
+                      ("CLOSED", "bold red"),
+                      f"  closed {closed:.1f}s ({closed / uptime if uptime else 0:.0%} of "
+                      f"uptime)"),
+    ]
+    return Panel(Group(*lines), title="buffer", title_align="left")
+
+
+def _time_split(status: Mapping[str, Any], history: History) -> Panel:
+    """The learner's last step: where its time went, and the idle ratios."""
+    info = learner_info(status)
+    parts = [(label, info.get(key)) for label, key in TIME_SPLIT]
+    step = info.get(STEP_TIME) or sum(v for _, v in parts if v) or 0.0
+    table = Table.grid(padding=(0, 1))
+    table.add_column()
+    table.add_column()
+    table.add_column(justify="right")
+    for label, seconds in parts:
+        share = seconds / step if seconds is not None and step else 0.0
+        table.add_row(label, Text(bar(share, 20), "yellow"),
+                      "-" if seconds is None else f"{seconds:.3f}s {share:>4.0%}")
+    idle = Text(f"idle: learner {pct(learner_idle(info))} · engines "
+                f"{pct(fleet_idle(status, history))}")
+    return Panel(Group(table, idle), title=f"learner step {fmt(info.get('step'), 'd')} · "
+                              f"{fmt(info.get(STEP_TIME), '.3f')}s", title_align="left")
+
+
+def _curves(status: Mapping[str, Any], history: History) -> Panel:
+    info = learner_info(status)
+    table = Table.grid(padding=(0, 1))
+    table.add_column()
+    table.add_column()
+    table.add_column(justify="right")
+    for label, name, key in (("reward", "reward", REWARD), ("|Δlogp|", "mismatch", MISMATCH),
+                             ("learner idle", "learner_idle", None)):
+        values = history.get(name)
+        last = info.get(key) if key else learner_idle(info)
+        table.add_row(label, Text(sparkline(values, 32), "cyan"), fmt(last))
+    steps = f"steps {history.steps[0]}–{history.steps[-1]}" if history.steps else "no steps yet"
+    return Panel(table, title=f"curves · {steps}", title_align="left")

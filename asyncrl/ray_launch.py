@@ -1,0 +1,374 @@
+"""`asyncrl up` with ``launcher.type = "ray"``: the roles as Ray actors in placement groups.
+
+Each learner rank and each rollout worker is one actor in its own placement-group bundle sized
+by ``resources.learner`` / ``resources.rollout`` (learner ranks in one group, packed; each rollout
+worker in a group of its own, so a restarted worker takes its predecessor's reservation back).
+The actors run the same per-process entry points the CLI roles run
+(:func:`learners.loop.run_learner_rank`, :func:`rollouters.worker.run_rollout_worker`, the ZMQ
+broker), each with a stop event the driver sets, so shutdown is the same ordered, graceful stop
+as the local launcher's: learner first (it saves), then the rollout fleet, then the broker. Role
+logs reach the driver through Ray's log streaming, prefixed with the role's name.
+
+Ray is imported only here, and only when this launcher is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from asyncrl.config import Config
+from asyncrl.launch import RoleFailed, is_resuming, run_dir_note, write_run_dir
+from asyncrl.monitor import make_view
+from asyncrl.supervise import RestartBudget, RestartPolicy
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 60.0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RoleActor:
+    """One role process on the cluster. Two threads: one runs the role, one may stop it."""
+
+    def __init__(self, name: str) -> None:
+        from asyncrl.roles import setup_logging
+
+        self.name = name
+        self.stop = threading.Event()
+        self.broker: Any = None
+        setup_logging(name)
+
+    def __repr__(self) -> str:  # Ray prefixes streamed log lines with this
+        return self.name
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from learners.dist import free_port
+
+        return free_port()
+
+    def bind_buffer(self, cfg: Config) -> str:
+        from buffers.zmq_broker import ZmqBroker
+
+        self.broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name)
+        address = self.broker.bind()
+        if cfg.buffer.host in ("0.0.0.0", "*", ""):  # bound everywhere: dial this node's IP
+            address = f"tcp://{self.node_ip()}:{address.rsplit(':', 1)[1]}"
+        return address
+
+    def serve_buffer(self) -> None:
+        try:
+            self.broker.serve(self.stop)
+        finally:
+            self.broker.close()
+
+    def run_learner(self, cfg: Config, rank: int, world: int, address: str | None,
+                    master_addr: str, master_port: int) -> None:
+        from learners.loop import run_learner_rank
+
+        learner = cfg.learner.model_copy(update={"master_addr": master_addr})
+        run_learner_rank(cfg.model_copy(update={"learner": learner}), rank, world, address,
+                         master_port, self.stop)
+
+    def run_rollout(self, cfg: Config, index: int, address: str | None) -> None:
+        from rollouters.worker import run_rollout_worker
+
+        run_rollout_worker(cfg, index, address, self.stop)
+
+    def request_stop(self) -> None:
+        self.stop.set()
+
+
+@dataclass
+class _Placed:
+    """A running actor, the call that runs its role, and where it is placed."""
+
+    name: str
+    actor: Any
+    ref: Any
+    bundle: Any  # (placement group, bundle index)
+    started: float = field(default_factory=time.monotonic)
+    budget: RestartBudget | None = None
+    restart_at: float | None = None
+
+
+class RayLauncher:
+    """Starts and supervises the roles on a Ray cluster; same contract as LocalLauncher."""
+
+    def __init__(self, cfg: Config, out: IO[str] = sys.stdout) -> None:
+        self.cfg = _absolute_run_dir(cfg)
+        self.out = out
+        self.stop = threading.Event()
+        self.policy = RestartPolicy.from_config(cfg.launcher)
+        self.buffer: _Placed | None = None
+        self.learners: list[_Placed] = []
+        self.rollouts: list[_Placed] = []
+        self.groups: list[Any] = []
+        self.address: str | None = None
+
+    def plan(self) -> list[str]:
+        """What `up` would place, one line each (``asyncrl up --dry-run``)."""
+        c, r = self.cfg, self.cfg.resources
+        lines = [f"ray.init(address={c.launcher.address or 'a private local cluster'!r})"]
+        if c.buffer.type == "zmq":
+            lines.append(f"actor buffer: ZMQ broker on {c.buffer.host}:{c.buffer.port} "
+                         f"(num_cpus={r.buffer.cpus}, num_gpus={r.buffer.gpus})")
+        world = c.learner.nnodes * c.learner.ranks
+        lines.append(f"placement group learner (PACK): {world} x "
+                     f"{_bundle(r.learner)}")
+        lines += [f"actor learner[{i}]: run_learner_rank(rank={i}, world={world})"
+                  for i in range(world)]
+        for i in range(c.rollout.workers):
+            lines.append(f"placement group rollout[{i}]: 1 x {_bundle(r.rollout)}; actor "
+                         f"rollout[{i}]: run_rollout_worker(index={i}, engine="
+                         f"{c.rollout.engine!r})")
+        return lines
+
+    def up(self) -> int:
+        address = self.cfg.launcher.address
+        if not address or address.split(":")[0] in ("127.0.0.1", "localhost"):
+            # Ray replaces a loopback address with the machine's external one unless this is
+            # set (read at import): a private or loopback cluster stays on 127.0.0.1.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+
+        resuming = is_resuming(self.cfg)
+        write_run_dir(self.cfg, resuming)
+        self._init_ray(ray)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self.stop.set())
+        try:
+            self.address = self._start_buffer(ray, resuming)
+            self._start_learners(ray)
+            self.rollouts = [self._start_rollout(ray, i) for i in range(self.cfg.rollout.workers)]
+            return self._supervise(ray)
+        except RoleFailed as exc:
+            logger.error("%s", exc)
+            self.out.write(f"run stopped: {exc}\n")
+            return 1
+        finally:
+            self.shutdown(ray)
+            ray.shutdown()
+
+    # --- start --------------------------------------------------------------------------------
+
+    def _init_ray(self, ray: Any) -> None:
+        """Join ``launcher.address``, or start a private single-node cluster kept small (no
+        dashboard, a 256 MB object store: the roles pass no data through it)."""
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                           os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "ASYNCRL_LOG_LEVEL": os.environ.get("ASYNCRL_LOG_LEVEL", "INFO")}
+        for key in ("HF_HUB_OFFLINE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+            if key in os.environ:
+                env[key] = os.environ[key]
+        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True,
+                                  "include_dashboard": False, "configure_logging": False}
+        if self.cfg.launcher.address:
+            kwargs["address"] = self.cfg.launcher.address
+        else:  # logical CPUs: as many as the roles ask for, whatever the machine has
+            kwargs.update(object_store_memory=256 << 20, _node_ip_address="127.0.0.1",
+                          num_cpus=max(os.cpu_count() or 1, math.ceil(self._needed("cpus"))))
+        context = ray.init(**kwargs)
+        logger.info("ray cluster %s: %s", context.address_info.get("address"),
+                    ray.cluster_resources())
+
+    def _needed(self, kind: str) -> float:
+        r, c = self.cfg.resources, self.cfg
+        return (getattr(r.buffer, kind) * (c.buffer.type == "zmq")
+                + getattr(r.learner, kind) * c.learner.nnodes * c.learner.ranks
+                + getattr(r.rollout, kind) * c.rollout.workers)
+
+    def _actor(self, ray: Any, name: str, resources: Any, bundle: Any = None) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options: dict[str, Any] = {"num_cpus": resources.cpus, "num_gpus": resources.gpus,
+                                   "max_concurrency": 2, "name": None}
+        if bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=bundle[0], placement_group_bundle_index=bundle[1])
+        return ray.remote(RoleActor).options(**options).remote(name)
+
+    def _placement_group(self, ray: Any, name: str, count: int, resources: Any,
+                         strategy: str) -> Any:
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([_bundle(resources)] * count, strategy=strategy)
+        self.groups.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RoleFailed(f"{name}: the cluster cannot place {count} x {_bundle(resources)} "
+                             f"within {PLACEMENT_TIMEOUT_S:.0f}s (resources.{name.split('[')[0]}; "
+                             f"the cluster has {_totals(ray.cluster_resources())}, "
+                             f"{_totals(ray.available_resources())} free)") from None
+        return pg
+
+    def _start_buffer(self, ray: Any, resuming: bool) -> str | None:
+        if self.cfg.buffer.type == "redis":
+            from buffers.redis_buffer import reset_run
+
+            if not resuming:
+                reset_run(self.cfg.buffer, self.cfg.run.name)
+            return None
+        actor = self._actor(ray, "buffer", self.cfg.resources.buffer)
+        address = ray.get(actor.bind_buffer.remote(self.cfg))
+        self.buffer = _Placed("buffer", actor, actor.serve_buffer.remote(), None)
+        (self.cfg.run_dir / "buffer.addr").write_text(address)  # for status / monitor / joins
+        logger.info("buffer broker at %s", address)
+        return address
+
+    def _start_learners(self, ray: Any) -> None:
+        world = self.cfg.learner.nnodes * self.cfg.learner.ranks  # Ray places every rank
+        pg = self._placement_group(ray, "learner", world, self.cfg.resources.learner, "PACK")
+        actors = [self._actor(ray, f"learner[{rank}]", self.cfg.resources.learner, (pg, rank))
+                  for rank in range(world)]
+        master_addr = ray.get(actors[0].node_ip.remote())
+        port = self.cfg.learner.master_port or ray.get(actors[0].free_port.remote())
+        self.learners = [_Placed(f"learner[{rank}]", actor, actor.run_learner.remote(
+            self.cfg, rank, world, self.address, master_addr, port), (pg, rank))
+            for rank, actor in enumerate(actors)]
+
+    def _start_rollout(self, ray: Any, index: int, bundle: Any = None,
+                       budget: RestartBudget | None = None) -> _Placed:
+        if bundle is None:
+            bundle = (self._placement_group(ray, f"rollout[{index}]", 1,
+                                            self.cfg.resources.rollout, "STRICT_PACK"), 0)
+        actor = self._actor(ray, f"rollout[{index}]", self.cfg.resources.rollout, bundle)
+        return _Placed(f"rollout[{index}]", actor,
+                       actor.run_rollout.remote(self.cfg, index, self.address), bundle,
+                       budget=budget or RestartBudget(self.policy))
+
+    # --- supervise ------------------------------------------------------------------------------
+
+    def _supervise(self, ray: Any) -> int:
+        from asyncrl.launch import status_client
+
+        client = status_client(self.cfg, self.address)
+        view = make_view(self.cfg.monitor, self.out, self.cfg.run_dir, lines=True)
+        try:
+            while not self.stop.is_set():
+                if self._tend(ray):
+                    return 0
+                try:
+                    view.show(client.status())
+                except TimeoutError as exc:
+                    logger.warning("status: %s", exc)
+                self.stop.wait(self.cfg.launcher.refresh_s)
+            return 130
+        finally:
+            view.close()
+            client.close()
+
+    def _tend(self, ray: Any) -> bool:
+        """Check every role once; True when the learners finished. A failed learner or broker
+        ends the run (RoleFailed); a failed rollout worker is restarted while its budget lasts."""
+        for placed in [*self.learners, *([self.buffer] if self.buffer else [])]:
+            error = _failure(ray, placed.ref)
+            if error is not None:
+                raise RoleFailed(f"{placed.name} failed: {error} [{run_dir_note(self.cfg)}]")
+        if self.buffer is not None and _done(ray, self.buffer.ref):
+            raise RoleFailed("buffer stopped while the run was going on")
+        for i, placed in enumerate(self.rollouts):
+            if placed.restart_at is not None:
+                if time.monotonic() >= placed.restart_at:
+                    self.rollouts[i] = self._start_rollout(ray, i, placed.bundle, placed.budget)
+                continue
+            error = _failure(ray, placed.ref)
+            if error is not None:
+                self._schedule_restart(ray, placed, error)
+        return all(_done(ray, p.ref) for p in self.learners)
+
+    def _schedule_restart(self, ray: Any, placed: _Placed, error: str) -> None:
+        ran = time.monotonic() - placed.started
+        delay = placed.budget.next_delay(ran) if placed.budget is not None else None
+        if delay is None:
+            raise RoleFailed(f"{placed.name} failed again, out of restarts: {error}")
+        logger.warning("%s failed after %.1fs (%s): %s in %.1fs", placed.name, ran, error,
+                       placed.budget.describe(), delay)
+        ray.kill(placed.actor, no_restart=True)
+        placed.restart_at = time.monotonic() + delay
+
+    # --- stop -----------------------------------------------------------------------------------
+
+    def shutdown(self, ray: Any) -> None:
+        """Learners first (they save), then the rollout fleet, then the broker; each is asked
+        to stop, given ``launcher.stop_timeout_s``, then killed."""
+        for fleet in (self.learners, self.rollouts, [self.buffer] if self.buffer else []):
+            live = [p for p in fleet if p.restart_at is None]
+            for placed in live:
+                try:
+                    placed.actor.request_stop.remote()
+                except Exception as exc:  # noqa: BLE001 - a dead actor: nothing to stop
+                    logger.debug("stop %s: %s", placed.name, exc)
+            refs = [p.ref for p in live]
+            if refs:
+                _, pending = ray.wait(refs, num_returns=len(refs),
+                                      timeout=self.cfg.launcher.stop_timeout_s)
+                if pending:
+                    logger.warning("%d %s actors did not stop in time: killing them",
+                                   len(pending), fleet[0].name.split("[")[0])
+            for placed in fleet:
+                ray.kill(placed.actor, no_restart=True)
+        for pg in self.groups:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+        self._print_final()
+
+    def _print_final(self) -> None:
+        from asyncrl.launch import print_final
+
+        print_final(self.cfg, self.out)
+
+
+def _bundle(resources: Any) -> dict[str, float]:
+    bundle = {"CPU": resources.cpus}
+    if resources.gpus:
+        bundle["GPU"] = resources.gpus
+    return bundle
+
+
+def _totals(resources: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
+def _absolute_run_dir(cfg: Config) -> Config:
+    """Actors do not share the driver's working directory: resolve ``run.output_dir`` here."""
+    if cfg.run.output_dir.is_absolute():
+        return cfg
+    resolved = cfg.run.output_dir.resolve()
+    logger.info("run.output_dir %s resolved to %s for the actors", cfg.run.output_dir, resolved)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": resolved})})
+
+
+def _done(ray: Any, ref: Any) -> bool:
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)
+
+
+def _failure(ray: Any, ref: Any) -> str | None:
+    """The error of a finished call in one line, or None (still running or succeeded)."""
+    if not _done(ray, ref):
+        return None
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        return f"actor died: {str(exc).splitlines()[0][:300]}"
+    except Exception as exc:  # noqa: BLE001 - a role's exception, reported in one line
+        cause = getattr(exc, "cause", None) or exc
+        return f"{type(cause).__name__}: {str(cause).splitlines()[-1][:300] if str(cause) else ''}"
+    return None

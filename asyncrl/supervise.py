@@ -1,0 +1,60 @@
+"""Restart policy shared by every launcher: bounded retries with exponential backoff.
+
+Rollout workers may die and rejoin at any time (DESIGN.md, fault model), so a crashed one is
+restarted rather than ending the run; but a worker that crashes on start (a bad model path, an
+engine that cannot load) would otherwise loop forever, so restarts are bounded: after
+``launcher.max_restarts`` consecutive crashes the run stops with the reason. A process that ran
+``launcher.healthy_after_s`` before crashing was healthy: its count starts again.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from asyncrl.config.schema import LauncherConfig
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int
+    backoff_s: float
+    healthy_after_s: float
+
+    @classmethod
+    def from_config(cls, launcher: LauncherConfig) -> RestartPolicy:
+        return cls(launcher.max_restarts, launcher.restart_backoff_s, launcher.healthy_after_s)
+
+
+class RestartBudget:
+    """The crash history of one supervised process (a worker index, the broker)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.restarts = 0  # consecutive: since the last healthy run
+
+    def next_delay(self, ran_s: float) -> float | None:
+        """After a crash of a process that ran ``ran_s``: seconds to wait before restarting
+        it, or None when its restarts are used up."""
+        if ran_s >= self.policy.healthy_after_s:
+            self.restarts = 0
+        if self.restarts >= self.policy.max_restarts:
+            return None
+        delay = self.policy.backoff_s * 2 ** self.restarts
+        self.restarts += 1
+        return delay
+
+    def describe(self) -> str:
+        return f"restart {self.restarts}/{self.policy.max_restarts}"
+
+
+def exit_reason(code: int | None) -> str:
+    """``-9`` → "killed by SIGKILL", ``1`` → "exit code 1" (as subprocess and mp report)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

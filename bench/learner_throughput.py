@@ -1,0 +1,187 @@
+"""Learner throughput: tokens/s of one FSDP2 ``train_step``, packed vs padded micro-batches.
+
+One process, one rank (a world-1 gloo/NCCL group, the trainer the learner runs), a
+random-init Qwen2-shaped model: by default the Qwen2-0.5B shape (hidden 896, 24 layers, 14
+heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings: ~494M parameters); ``--small`` a
+~5M-parameter one for a CPU. Every step trains the same synthetic RL batch: ``--groups``
+groups of ``--group-size`` samples whose lengths spread like RL completions (prompt 16-64
+tokens, completion 8 to ``--max-len`` tokens, uniform), token-level PPO-clip.
+
+Both micro-batch layouts run in the same process on the same batch, interleaved step by step
+(packed, padded, packed, ...) so that both see the same machine load; ``ratio`` = padded
+time / packed time. ``tokens/s`` counts real tokens (prompt + completion) per second of
+``train_step``; padded micro-batches also compute their padding, reported as ``computed``.
+
+MFU (CUDA only): ``6 · N · tokens / time / peak``, N = parameters without the input
+embedding (a lookup, no FLOPs; with tied embeddings the LM head's matmul still counts once),
+attention's ``T²`` term ignored; peak = the device's dense bf16 TFLOP/s (``--peak-tflops``, or
+989 for H100/H200, 312 for A100).
+
+    python bench/learner_throughput.py --small              # CPU
+    python bench/learner_throughput.py --device cuda        # GPU, bf16 (learner.mixed_precision)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.config.schema import LearnerConfig  # noqa: E402
+from asyncrl.wire import TrajectoryGroup  # noqa: E402
+from learners.batching import collate  # noqa: E402
+from learners.dist import free_port, init_learner_group, shutdown_learner_group  # noqa: E402
+from learners.packing import plan_micro_batches  # noqa: E402
+
+logger = logging.getLogger("bench.learner_throughput")
+
+FULL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+            tie_word_embeddings=True)
+SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=1024, vocab_size=8192, tie_word_embeddings=True)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def build_model(shape: dict, max_len: int, path: Path) -> int:
+    """Save a random-init Qwen2 of ``shape`` to ``path``; returns its FLOP-counted params."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=max_len + 64, **shape))
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters()) - (
+        0 if shape["tie_word_embeddings"] else model.model.embed_tokens.weight.numel())
+
+
+def make_batch(groups: int, group_size: int, max_len: int, vocab: int, seed: int = 0):
+    """A collated batch with RL-like length spread (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = int(rng.integers(16, 65))
+        samples = []
+        for _ in range(group_size):
+            gen = int(rng.integers(8, max_len - prompt + 1))
+            samples.append({"tokens": rng.integers(0, vocab, prompt + gen),
+                            "reward": float(rng.random()),
+                            # near a random-init model's own logprobs: no mismatch warnings
+                            "logprobs": np.r_[np.zeros(prompt),
+                                              np.full(gen, -float(np.log(vocab)))],
+                            "loss_mask": np.r_[np.zeros(prompt), np.ones(gen)],
+                            "versions": np.r_[-np.ones(prompt), np.zeros(gen)],
+                            "finish_reason": "stop"})
+        out.append(TrajectoryGroup.from_samples(f"g{g}", f"p{g}", samples))
+    return collate(out, std_norm=True, pad_id=0)
+
+
+def computed_tokens(lengths: list[int], budget: int, packing: bool) -> int:
+    """Tokens the forward actually processes (padding included)."""
+    plan = plan_micro_batches(lengths, budget, packing)
+    if packing:
+        return sum(lengths)
+    return sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)
+
+
+def peak_flops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    shape = SMALL if args.small else FULL
+    device = init_learner_group(0, 1, master_port=free_port(), device=args.device)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            params = build_model(shape, args.max_len, Path(tmp))
+            batch = make_batch(args.groups, args.group_size, args.max_len, shape["vocab_size"])
+            lengths = batch.lengths.tolist()
+            trainers = {}
+            for packing in (True, False):
+                cfg = LearnerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
+                                    packing=packing,
+                                    activation_checkpointing=args.activation_checkpointing)
+                trainers[packing] = Fsdp2Trainer(tmp, cfg, device)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for step in range(args.warmup + args.steps):
+                for packing, trainer in trainers.items():
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    trainer.train_step(batch)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if step >= args.warmup:
+                        times[packing].append(time.perf_counter() - start)
+            peak = peak_flops(args)
+            tokens = sum(lengths)
+            for packing in (True, False):
+                median = statistics.median(times[packing])
+                row = {"layout": "packed" if packing else "padded", "params": params,
+                       "sequences": len(lengths), "tokens": tokens,
+                       "computed_tokens": computed_tokens(lengths, args.micro_batch_tokens,
+                                                          packing),
+                       "micro_batches": len(plan_micro_batches(
+                           lengths, args.micro_batch_tokens, packing)),
+                       "step_s": median, "tokens_per_s": tokens / median,
+                       "ratio": statistics.median(times[False]) / median}
+                if peak is not None:
+                    row["mfu"] = 6 * params * tokens / median / peak
+                rows.append(row)
+    finally:
+        shutdown_learner_group()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="~5M-parameter model for a CPU")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, help="device peak for MFU")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    rows = run(args)
+    print(f"model params (FLOP-counted) {rows[0]['params'] / 1e6:.1f}M, "
+          f"{rows[0]['sequences']} sequences, {rows[0]['tokens']} tokens per step, "
+          f"micro_batch_tokens {args.micro_batch_tokens}")
+    print("| layout | micro-batches | computed tokens | step s | tokens/s | speed-up vs padded "
+          "| MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a (CPU)"
+        print(f"| {r['layout']} | {r['micro_batches']} | {r['computed_tokens']} | "
+              f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | {mfu} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The pipeline at cluster scale, by simulation: async speedup against the pipeline bound.
+
+Each scenario is a real ``asyncrl up`` of configs/sim.toml (64 simulated engines as threads of
+one rollout process, 8 learner-rank processes with ``learner.backend = "sim"``, the ZMQ broker,
+the real gate, learner loop and weight-sync protocol; only model compute is a calibrated wait).
+Modes: synchronous (``max_staleness = 0``: generate the batch, wait for the slowest, train,
+sync) and async with ``max_staleness`` 1, 2, 4, 8. Sweeps the generation:training time ratio
+and the response-length tail.
+
+Calibration, per (ratio, tail): ``T_gen`` = generate calls per step / engines × E[call time]
+(E by Monte-Carlo of the engine's own timing model); ``T_train = T_gen / ratio``;
+``T_sync = sync_frac · T_train``. Bounds per step:
+
+- async: ``max(T_gen, T_train + T_sync)`` (the pipeline bound);
+- sync: ``E[slowest engine's calls of a step] + T_train + T_sync``.
+
+Measured over steps ``warmup..last`` from the learner's metrics: steps/s → samples/s and
+tokens/s, learner idle (waiting for data / wall), engine idle (1 − generating / wall, from
+heartbeats), staleness histogram of consumed groups, drops, gate-closed time per engine.
+
+    python bench/pipeline.py                 # full sweep → bench/results/pipeline.{md,json,png}
+    python bench/pipeline.py --quick         # one ratio, one tail, sync and s=2 (minutes)
+    python bench/pipeline.py --tiny          # CI smoke scale: 8 engines, 2 ranks, few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from asyncrl.config import load_config  # noqa: E402
+from asyncrl.config.schema import SimConfig  # noqa: E402
+from asyncrl.metrics import read_jsonl  # noqa: E402
+from rollouters.engines.sim import sample_lengths, step_end_times  # noqa: E402
+
+logger = logging.getLogger("bench.pipeline")
+
+COLUMNS = ["tail", "ratio", "mode", "samples_per_s", "tokens_per_s", "speedup", "bound_speedup",
+           "pct_of_bound", "learner_idle", "engine_idle", "staleness_hist", "drops",
+           "gate_closed_s_per_engine", "step_s", "bound_step_s"]
+
+
+@dataclass
+class Scale:
+    """The cluster shape and run length of one sweep."""
+
+    workers: int = 64
+    ranks: int = 8
+    groups_per_step: int = 64
+    group_size: int = 8
+    groups_per_batch: int = 1
+    max_new_tokens: int = 512
+    decode_step_s: float = 0.005
+    mean_tokens: float = 64.0
+    sigma: float = 1.0
+    sync_frac: float = 0.02
+    warmup: int = 4
+    steps: int = 20
+
+
+@dataclass
+class Calibration:
+    t_gen: float
+    t_train: float
+    t_sync: float
+    tokens_per_step: float
+    sync_gen: float  # E[slowest engine's generate time in one step] (the sync bound's part)
+
+    @property
+    def async_bound(self) -> float:
+        return max(self.t_gen, self.t_train + self.t_sync)
+
+    @property
+    def sync_bound(self) -> float:
+        return self.sync_gen + self.t_train + self.t_sync
+
+
+@dataclass
+class Row:
+    tail: str
+    ratio: float
+    mode: str
+    samples_per_s: float
+    tokens_per_s: float
+    speedup: float
+    bound_speedup: float
+    pct_of_bound: float
+    learner_idle: float
+    engine_idle: float
+    staleness_hist: list[int] = field(default_factory=list)
+    drops: int = 0
+    gate_closed_s_per_engine: float = 0.0
+    step_s: float = 0.0
+    bound_step_s: float = 0.0
+
+
+def sim_config(scale: Scale, tail: str) -> SimConfig:
+    return SimConfig(decode_step_s=scale.decode_step_s, mean_tokens=scale.mean_tokens,
+                     length="uniform" if tail == "uniform" else "lognormal", sigma=scale.sigma)
+
+
+def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 400,
+              seed: int = 0) -> Calibration:
+    """Expected per-step times of the scenario from the engine's own timing model."""
+    sim = sim_config(scale, tail)
+    rng = np.random.default_rng(seed)
+    batch = scale.groups_per_batch * scale.group_size
+    calls_per_step = scale.groups_per_step / scale.groups_per_batch
+    per_worker = math.ceil(calls_per_step / scale.workers)
+    durations, tokens = [], []
+    for _ in range(samples):
+        lengths = sample_lengths(rng, sim, batch, scale.max_new_tokens)
+        durations.append(step_end_times(sim, lengths)[-1])
+        tokens.append(lengths.sum())
+    durations_arr = np.array(durations)
+    t_gen = calls_per_step / scale.workers * float(durations_arr.mean())
+    # Synchronous: all engines start together; the step waits for the slowest one.
+    slowest = []
+    for _ in range(200):
+        picks = rng.choice(durations_arr, size=(scale.workers, per_worker))
+        slowest.append(picks.sum(axis=1).max())
+    t_train = t_gen / ratio
+    return Calibration(t_gen=t_gen, t_train=t_train, t_sync=scale.sync_frac * t_train,
+                       tokens_per_step=float(np.mean(tokens)) * calls_per_step,
+                       sync_gen=float(np.mean(slowest)))
+
+
+def overrides(scale: Scale, tail: str, cal: Calibration, staleness: int) -> list[str]:
+    sim = sim_config(scale, tail)
+    params, param_bytes = 7e9, 2
+    return [f"rollout.workers={scale.workers}", f"learner.ranks={scale.ranks}",
+            f"learner.groups_per_step={scale.groups_per_step}",
+            f"rollout.group_size={scale.group_size}",
+            f"rollout.groups_per_batch={scale.groups_per_batch}",
+            f"rollout.max_new_tokens={scale.max_new_tokens}",
+            f"learner.total_steps={scale.steps}", f"buffer.max_staleness={staleness}",
+            f"sim.decode_step_s={sim.decode_step_s}", f"sim.length={sim.length}",
+            f"sim.mean_tokens={sim.mean_tokens}", f"sim.sigma={sim.sigma}",
+            f"sim.train_token_s={cal.t_train / cal.tokens_per_step!r}",
+            f"sim.model_params={params}", f"sim.param_bytes={param_bytes}",
+            f"sim.sync_gb_per_s={params * param_bytes / cal.t_sync / 1e9!r}"]
+
+
+def run_scenario(config: Path, out: Path, name: str, sets: list[str], timeout_s: float) -> Path:
+    """One ``asyncrl up``; returns the run directory."""
+    cmd = [sys.executable, "-m", "asyncrl.cli", "up", str(config),
+           "--set", f"run.output_dir={out}", "--set", f"run.name={name}"]
+    for item in sets:
+        cmd += ["--set", item]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               ASYNCRL_LOG_LEVEL=os.environ.get("ASYNCRL_LOG_LEVEL", "WARNING"),
+               PYTHONPATH=str(ROOT))
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{name}.log"
+    with log.open("w") as handle:
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=handle,
+                       stderr=subprocess.STDOUT, timeout=timeout_s)
+    return out / name
+
+
+def measure(run_dir: Path, scale: Scale) -> dict:
+    """Throughput and idle ratios over steps ``warmup..last`` of one run."""
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    window = [r for r in records if r["step"] >= scale.warmup]
+    if len(window) < 2:
+        raise RuntimeError(f"{run_dir}: only {len(window)} steps after warm-up {scale.warmup}")
+    first, last = window[0], window[-1]
+    span = last["time_s"] - first["time_s"]
+    steps = last["step"] - first["step"]
+    body = window[1:]  # the steps that end inside the span
+    samples = steps * scale.groups_per_step * scale.group_size
+    hist = np.sum([r.get("staleness/hist", [0]) for r in body], axis=0)
+    wait = sum(r.get("timing/wait_data", 0.0) for r in body)
+    generate = last.get("rollout/generate_s", 0.0) - first.get("rollout/generate_s", 0.0)
+    gate = last.get("rollout/gate_wait_s", 0.0) - first.get("rollout/gate_wait_s", 0.0)
+    return {"step_s": span / steps, "samples_per_s": samples / span,
+            "tokens_per_s": sum(r["perf/trained_tokens"] for r in body) / span,
+            "learner_idle": wait / span,
+            "engine_idle": max(0.0, 1.0 - generate / (span * scale.workers)),
+            "staleness_hist": [int(c) for c in hist.tolist()],
+            "drops": int(last.get("buffer/dropped_stale", 0)),
+            "gate_closed_s_per_engine": gate / scale.workers}
+
+
+def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
+    rows: list[Row] = []
+    modes = [0] + args.staleness
+    for tail in args.tails:
+        for ratio in args.ratios:
+            cal = calibrate(scale, tail, ratio)
+            logger.info("%s r=%g: T_gen %.3fs T_train %.3fs T_sync %.3fs; bounds: sync %.3fs "
+                        "async %.3fs", tail, ratio, cal.t_gen, cal.t_train, cal.t_sync,
+                        cal.sync_bound, cal.async_bound)
+            sync_rate = None
+            for staleness in modes:
+                name = f"{tail}-r{ratio:g}-s{staleness}"
+                start = time.monotonic()
+                run_dir = run_scenario(args.config, out / "runs", name,
+                                       overrides(scale, tail, cal, staleness) + args.overrides,
+                                       args.timeout)
+                got = measure(run_dir, scale)
+                bound = cal.sync_bound if staleness == 0 else cal.async_bound
+                rate = got["samples_per_s"]
+                sync_rate = rate if staleness == 0 else sync_rate
+                row = Row(tail=tail, ratio=ratio, mode="sync" if staleness == 0 else
+                          f"async s={staleness}",
+                          speedup=rate / sync_rate if sync_rate else float("nan"),
+                          bound_speedup=cal.sync_bound / bound,
+                          pct_of_bound=bound / got["step_s"], bound_step_s=bound, **got)
+                rows.append(row)
+                logger.info("%s: %.1f samples/s, %.0f%% of bound, speedup %.2fx (bound %.2fx), "
+                            "%.0fs", name, rate, 100 * row.pct_of_bound, row.speedup,
+                            row.bound_speedup, time.monotonic() - start)
+    return rows
+
+
+def to_markdown(rows: list[Row]) -> str:
+    head = ("| tail | T_gen:T_train | mode | samples/s | tokens/s | speedup vs sync | bound "
+            "speedup | % of bound | learner idle | engine idle | staleness hist (0..s) | drops "
+            "| gate closed s/engine |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r.tail} | {r.ratio:g} | {r.mode} | {r.samples_per_s:.0f} | "
+            f"{r.tokens_per_s:,.0f} | {r.speedup:.2f}× | {r.bound_speedup:.2f}× | "
+            f"{100 * r.pct_of_bound:.0f} % | {100 * r.learner_idle:.0f} % | "
+            f"{100 * r.engine_idle:.0f} % | {' '.join(map(str, r.staleness_hist))} | {r.drops} | "
+            f"{r.gate_closed_s_per_engine:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, tail in zip(axes, ("uniform", "lognormal")):
+        mine = [r for r in rows if r.tail == tail]
+        if not mine:
+            ax.set_visible(False)
+            continue
+        ratios = sorted({r.ratio for r in mine})
+        for mode in dict.fromkeys(r.mode for r in mine if r.mode != "sync"):
+            got = {r.ratio: r for r in mine if r.mode == mode}
+            ax.plot(ratios, [got[x].speedup if x in got else np.nan for x in ratios], "o-",
+                    label=mode)
+        best = {x: max(r.bound_speedup for r in mine if r.ratio == x and r.mode != "sync")
+                for x in ratios}
+        ax.plot(ratios, [best[x] for x in ratios], "k--", label="bound")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
+        ax.set_title(f"{tail} response lengths")
+        ax.set_xlabel("generation : training time")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup over synchronous")
+    axes[0].legend()
+    fig.suptitle("asyncrl simulated: 64 engines, 8 learner ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "sim.toml")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1, 2, 4])
+    parser.add_argument("--tails", nargs="+", default=["uniform", "lognormal"],
+                        choices=["uniform", "lognormal"])
+    parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=None, help="steps per run")
+    parser.add_argument("--quick", action="store_true", help="ratio 1, lognormal, sync and s=2")
+    parser.add_argument("--tiny", action="store_true", help="8 engines, 2 ranks (CI smoke)")
+    parser.add_argument("--out", type=Path, default=None, help="results directory")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    load_config(args.config)  # fail early on a bad config
+    scale = Scale()
+    if args.quick:
+        args.ratios, args.tails, args.staleness = [1.0], ["lognormal"], [2]
+    if args.tiny:
+        scale = Scale(workers=8, ranks=2, groups_per_step=8, decode_step_s=0.002,
+                      mean_tokens=16, max_new_tokens=128, warmup=2, steps=6)
+    if args.steps:
+        scale.steps = args.steps
+    out = args.out or Path(tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = sweep(args, scale, out)
+    table = to_markdown(rows)
+    (out / "pipeline.md").write_text(table)
+    (out / "pipeline.json").write_text(json.dumps(
+        {"scale": asdict(scale), "rows": [asdict(r) for r in rows]}, indent=1))
+    try:
+        plot(rows, out / "pipeline.png")
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot")
+    print(table)
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,104 @@
+"""Rank 0 splits one global batch across the learner ranks by tokens, and sends each its share.
+
+Why rank 0 and not every rank reading the buffer: advantages are per group and group-level
+aggregation needs whole groups, so the batch must be collated in one place; and ranks that read
+``groups_per_step / W`` groups each get whatever token counts the buffer hands them, so the
+slowest rank (the longest answers) sets the step time. Balancing SEQUENCES (not groups) by
+their tokens evens the ranks' compute; the loss stays exact because every weight that depends on
+other rows (advantages, ``group_tokens``) is computed before the split
+(``learners.batching``, ``learners.losses.aggregation``).
+
+The transfer is plain tensor ``scatter``s (one per field, padded to the largest share), no pickle.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+
+from learners.batching import TrainBatch
+
+
+def partition_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Split item indices into ``parts`` lists of near-equal total length (greedy LPT).
+
+    Longest first, each to the currently lightest part (ties: the lower part index). LPT's
+    largest part is at most 4/3 of the optimum; with many short sequences it is near-perfect.
+    Each part's indices are in ascending order. A part may be EMPTY when there are fewer items
+    than parts (the caller pads it: :meth:`TrainBatch.as_pad`).
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    heap = [(0, p) for p in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, part = heapq.heappop(heap)
+        out[part].append(index)
+        heapq.heappush(heap, (load + int(lengths[index]), part))
+    return [sorted(part) for part in out]
+
+
+def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
+    """``batch`` as ``parts`` token-balanced shares; an empty share is a zero-weight pad."""
+    shares = partition_by_tokens(batch.lengths.tolist(), parts)
+    return [batch.select(rows) if rows else batch.as_pad() for rows in shares]
+
+
+def scatter_batch(batch: TrainBatch | None, rank: int, world: int) -> TrainBatch:
+    """Rank 0 passes the global batch (others ``None``); every rank returns its balanced share.
+
+    COLLECTIVE over the default group. Each field travels as one ``dist.scatter`` of tensors
+    padded to the largest share's shape; a ``[rows, width]`` header per rank says what to keep.
+    """
+    if world == 1:
+        if batch is None:
+            raise ValueError("rank 0 must pass the batch")
+        return batch
+    names = [f.name for f in fields(TrainBatch)]
+    shares = split_batch(batch, world) if rank == 0 else None
+    header = torch.zeros(2, dtype=torch.int64)
+    _scatter(header, [torch.tensor([s.num_samples, s.input_ids.shape[1]]) for s in shares]
+             if shares else None)
+    size = torch.zeros(2, dtype=torch.int64)   # the padded shape every share travels in
+    if shares:
+        size = torch.tensor([max(s.num_samples for s in shares),
+                             max(s.input_ids.shape[1] for s in shares)])
+    dist.broadcast(size, src=0)
+    rows, width = header.tolist()
+    received = {}
+    for name in names:
+        dtype, per_token = _WIRE[name]
+        shape = (int(size[0]), int(size[1])) if per_token else (int(size[0]),)
+        out = torch.zeros(shape, dtype=dtype)
+        _scatter(out, [_padded(getattr(s, name), shape, dtype) for s in shares]
+                 if shares else None)
+        out = out[:rows, :width] if per_token else out[:rows]
+        received[name] = out.bool() if name in _BOOL else out
+    return TrainBatch(**received)
+
+
+# Wire dtype per field (bools travel as uint8) and whether it is per token ([B, T]) or per row.
+_WIRE = {"input_ids": (torch.int64, True), "attention_mask": (torch.int64, True),
+         "targets": (torch.int64, True), "loss_mask": (torch.uint8, True),
+         "behaviour_logprobs": (torch.float32, True), "versions": (torch.int64, True),
+         "advantages": (torch.float32, True), "rewards": (torch.float32, False),
+         "min_versions": (torch.int64, False), "group_index": (torch.int64, False),
+         "group_tokens": (torch.float32, False), "sample_mask": (torch.uint8, False)}
+_BOOL = ("loss_mask", "sample_mask")
+
+
+def _padded(value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=dtype)
+    out[tuple(slice(0, n) for n in value.shape)] = value.to(dtype)
+    return out
+
+
+def _scatter(out: torch.Tensor, inputs: list[torch.Tensor] | None) -> None:
+    dist.scatter(out, scatter_list=inputs, src=0)
+
+
+__all__ = ["partition_by_tokens", "scatter_batch", "split_batch"]

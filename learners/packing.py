@@ -1,0 +1,125 @@
+"""Micro-batches by a token budget, and the packed forward pass.
+
+A rank's share can be larger than one forward should hold (``learner.micro_batch_tokens``), so
+the trainer runs it as micro-batches and accumulates gradients. Two layouts:
+
+- **packed** (``learner.packing = true``): a micro-batch's sequences are concatenated into ONE
+  row with ``position_ids`` restarting at 0 for each sequence and no 2-D attention mask. HF
+  transformers (5.x ``masking_utils.find_packed_sequence_indices``) then builds a block-diagonal
+  causal mask for ``sdpa``/``eager`` and uses varlen kernels for flash-attention, so no token
+  attends across sequences — but only without a KV cache (``use_cache=False``: with one,
+  the detection is skipped and sequences silently attend to each other) (``tests/unit/test_packing.py`` checks the logprobs equal the
+  padded ones). No padding is computed at all.
+- **padded**: rows right-padded to the micro-batch's longest, the budget counting padding.
+
+Either way the logprobs come back in the per-sequence ``[B, T]`` layout of
+:class:`learners.batching.TrainBatch`, so every loss (GSPO's sequence ratio, KL-to-go, GAE) sees
+one sequence per row, whatever the layout of the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from learners.batching import TrainBatch
+from learners.step_metrics import token_entropy
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: int, packing: bool) -> list[list[int]]:
+    """Row indices of each micro-batch; ``budget`` = tokens per forward (0 = one micro-batch).
+
+    Packed: first-fit decreasing into bins of ``budget`` tokens. Padded: rows sorted by length,
+    longest first, added while ``rows × longest <= budget``. A sequence longer than the budget
+    gets a micro-batch of its own (it cannot be split). Every row lands in exactly one
+    micro-batch; indices within one are ascending.
+    """
+    rows = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if budget <= 0 or not rows:
+        return [sorted(rows)] if rows else []
+    bins: list[list[int]] = []
+    if packing:
+        loads: list[int] = []
+        for i in rows:
+            fit = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), None)
+            if fit is None:
+                bins.append([i])
+                loads.append(int(lengths[i]))
+            else:
+                bins[fit].append(i)
+                loads[fit] += int(lengths[i])
+    else:
+        for i in rows:   # longest first: a bin's first row sets its width
+            if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+    return [sorted(b) for b in bins]
+
+
+def micro_batches(batch: TrainBatch, budget: int, packing: bool, count: int | None = None
+                  ) -> list[TrainBatch]:
+    """``batch`` cut by :func:`plan_micro_batches`, then padded with zero-weight micro-batches
+    up to ``count`` (every rank must run the same number of forwards: FSDP's all-gathers)."""
+    plan = plan_micro_batches(batch.lengths.tolist(), budget, packing)
+    out = [batch.select(rows) for rows in plan]
+    if count is not None:
+        out += [batch.as_pad()] * (count - len(out))
+    return out
+
+
+def pack(batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """``(input_ids [1, N], position_ids [1, N], (rows, cols))``: the rows concatenated without
+    padding, positions restarting per sequence, and where each packed token sits in ``[B, T]``."""
+    lengths = batch.lengths
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(int(lengths.sum()), device=lengths.device) - starts[rows]
+    return batch.input_ids[rows, cols].unsqueeze(0), cols.unsqueeze(0), (rows, cols)
+
+
+def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False) -> Tensor:
+    """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (0 on padding when
+    packed), by a packed or a padded forward (see the module docstring)."""
+    return token_logprobs_and_entropy(model, batch, packing, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
+                               entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_logprobs` and, from the same logits, the detached per-token entropy."""
+    if not packing:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       use_cache=False).logits
+        return _chosen_logprobs(logits, batch.targets), _entropy(logits) if entropy else None
+    input_ids, position_ids, (rows, cols) = pack(batch)
+    # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers skips
+    # the packed-sequence detection and every token attends across sequences.
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    chosen = _chosen_logprobs(logits, batch.targets[rows, cols].unsqueeze(0)).squeeze(0)
+    logprobs = _unpack(chosen, batch, rows, cols)
+    return logprobs, _unpack(_entropy(logits)[0], batch, rows, cols) if entropy else None
+
+
+def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:
+    """Packed ``[N]`` values back into the ``[B, T]`` rows (0 on padding); differentiable."""
+    out = torch.zeros(batch.input_ids.shape, dtype=packed.dtype, device=packed.device)
+    return out.index_put((rows, cols), packed)
+
+
+def _chosen_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log_softmax(logits)[target]`` in float32 without keeping a second ``[.., V]`` tensor:
+    ``logit[target] − logsumexp(logits)``."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+@torch.no_grad()
+def _entropy(logits: Tensor) -> Tensor:
+    """``H = −Σ_v p·log p`` per position, float32, no gradient."""
+    return token_entropy(torch.log_softmax(logits.float(), dim=-1))
+
+
+__all__ = ["micro_batches", "pack", "plan_micro_batches", "token_logprobs",
+           "token_logprobs_and_entropy"]

@@ -1,0 +1,68 @@
+"""A training step's global metrics under verl's names (see ``asyncrl.metrics`` for the list).
+
+Every rank holds only its shard of the batch, so every figure is reduced across ranks: sums
+(then divided: token means over the GLOBAL trained tokens, sample means over the global
+samples) in one all-reduce, extremes in one MAX all-reduce. COLLECTIVE; the result is identical
+on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from learners.batching import TrainBatch
+
+# Objective / trainer stats that are means over trained tokens, and their reported names.
+TOKEN_MEANS = {"clip_frac": "actor/clipfrac", "is_capped_frac": "actor/is_capped_frac",
+               "kl_ref": "actor/kl_loss", "ratio_mean": "actor/ppo_ratio_mean",
+               "entropy": "actor/entropy", "advantage_mean": "critic/advantages/mean"}
+
+
+def step_metrics(loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor],
+                 batch: TrainBatch) -> dict[str, float]:
+    """``actor/loss``, token means, ``critic/score|rewards/mean``, ``response_length/*``,
+    ``critic/advantages/max|min`` and ``perf/trained_tokens`` of the global batch."""
+    tokens = stats["tokens"]
+    zero = torch.zeros((), device=tokens.device)
+    present = [k for k in TOKEN_MEANS if k in stats]
+    real = batch.sample_mask   # zero-weight pad rows are no samples
+    lengths = batch.loss_mask[real].sum(-1).float()
+    sums = torch.stack([loss_sum.float(), tokens, *(stats[k] * tokens for k in present),
+                        batch.rewards[real].sum().float(), stats.get("kl_penalty_sum", zero),
+                        lengths.sum(), torch.tensor(float(lengths.numel()), device=tokens.device)])
+    inf = torch.tensor(float("inf"), device=tokens.device)
+    extremes = torch.stack([stats.get("advantage_max", -inf), -stats.get("advantage_min", inf),
+                            lengths.max() if lengths.numel() else -inf,
+                            -lengths.min() if lengths.numel() else -inf])
+    dist.all_reduce(sums)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    values, (adv_max, neg_adv_min, len_max, neg_len_min) = sums.tolist(), extremes.tolist()
+    total_tokens, samples = max(values[1], 1.0), max(values[-1], 1.0)
+    score = values[-4] / samples
+    metrics = {"actor/loss": values[0] / max(float(global_units), 1.0),
+               "perf/trained_tokens": values[1],
+               **{TOKEN_MEANS[k]: values[2 + i] / total_tokens for i, k in enumerate(present)},
+               "critic/score/mean": score,
+               "critic/rewards/mean": score - values[-3] / samples,
+               "critic/advantages/max": _finite(adv_max),
+               "critic/advantages/min": _finite(-neg_adv_min),
+               "response_length/mean": values[-2] / samples,
+               "response_length/max": _finite(len_max),
+               "response_length/min": _finite(-neg_len_min)}
+    return metrics
+
+
+def _finite(value: float) -> float:
+    """An extreme over nothing (±inf) reads as 0: no trained token, nothing to report."""
+    return value if abs(value) != float("inf") else 0.0
+
+
+@torch.no_grad()
+def token_entropy(logprobs: Tensor) -> Tensor:
+    """``H[b, t] = −Σ_v p·log p`` from full ``[B, T, V]`` log-probabilities (float32)."""
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
+__all__ = ["TOKEN_MEANS", "step_metrics", "token_entropy"]

@@ -1,0 +1,42 @@
+"""One JSON-over-HTTP call with a timeout, for the engines that talk to a server (vLLM's
+OpenAI server, SGLang). Standard library only, so the HTTP engines add no dependency.
+
+Every failure becomes one of the caller's two exception types, so each engine keeps errors
+that name it: ``error`` for an HTTP error status or an unreachable server, ``timeout`` when no
+answer came within ``timeout_s`` (a timeout is what the weight sync's eviction acts on, so it
+must stay distinguishable from a refusal).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+MAX_DETAIL = 500  # characters of an error body kept in the message
+
+
+def request_json(method: str, url: str, path: str, body: dict[str, Any] | None,
+                 timeout_s: float, error: type[Exception],
+                 timeout: type[Exception]) -> Any:
+    """``method`` ``url + path`` with ``body`` as JSON; the decoded answer (None if empty)."""
+    where = f"{method} {url}{path}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:MAX_DETAIL]
+        raise error(f"{where}: HTTP {exc.code}: {detail}") from exc
+    except TimeoutError as exc:
+        raise timeout(f"{where}: no answer within {timeout_s:.1f}s") from exc
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise timeout(f"{where}: no answer within {timeout_s:.1f}s") from exc
+        raise error(f"{where}: unreachable: {exc.reason}") from exc
+    except OSError as exc:  # a connection reset mid-answer
+        raise error(f"{where}: {exc}") from exc
+    return json.loads(raw) if raw.strip() else None

@@ -1,0 +1,17 @@
+"""One dataset row as workflows, environments and reward functions see it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A prompt to run an episode on. ``fields`` is the raw row (anything the dataset holds:
+    tests for code, an environment's seed...); ``answer`` is the field the config names."""
+
+    sample_id: str
+    prompt: str
+    answer: Any = None
+    fields: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,365 @@
+"""A stand-in for an SGLang server, because SGLang cannot be installed on these CPU machines
+(it pins a CUDA torch build; see ``notes/vllm-cpu.md``). It is NOT SGLang: it is a protocol
+fixture that behaves as SGLang 0.5.x does at its HTTP and process-group boundaries.
+
+* Every request body is validated against the documented SGLang request schemas
+  (``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` and its sampling params,
+  ``InitWeightsUpdateGroupReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
+  ``UpdateWeightsFromDistributedReqInput``, ``PauseGenerationReqInput``,
+  ``ContinueGenerationReqInput``, ``UpdateWeightVersionReqInput``): required fields, field
+  types, and no unknown fields; a violation is answered with HTTP 400. Answers have the
+  documented response shapes, and every call is recorded.
+* ``/init_weights_update_group`` joins the learner's group the way SGLang's
+  ``init_custom_process_group`` does: torch's ``tcp://`` rendezvous at
+  ``master_address:master_port`` as rank ``rank_offset`` (tp_rank 0), ``PrefixStore(group_name)``,
+  then torch's own ``_new_process_group_helper`` (which adds its ``group_name/`` and device
+  prefixes) and the ``pg_group_ranks`` registration. So our learner's side of the group is
+  tested against torch's real key layout, not against a copy of our own.
+* ``/update_weights_from_distributed`` with ``load_format = "flattened_bucket"`` receives ONE
+  ``uint8`` ``torch.distributed.broadcast`` from rank 0, splits it back to back into the named
+  tensors (``FlattenedTensorBucket``) and loads them; without it, one broadcast per tensor.
+* ``/generate`` with ``input_ids`` serves a real tiny torch model (``--model-path``) through
+  :class:`TorchEngine`, returning ``output_ids`` and ``meta_info.output_token_logprobs`` as
+  ``[logprob, token_id, null]`` triples; without a model (unit tests) it answers scripted
+  tokens. ``/pause_generation`` holds new generation until ``/continue_generation``.
+
+Run it as ``python -m tests.engines.sglang_fixture`` with ``sglang.launch_server``'s flags (the
+subset :func:`rollouters.engines.sglang_engine.server_args` passes; anything else is refused),
+or in-process through :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+INT, STR, BOOL, NUM = (int,), (str,), (bool,), (int, float)
+OPT_STR = (str, type(None))
+GROUP_TIMEOUT_S = 60.0
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# path → (required fields, optional fields); a type tuple, or a callable check
+SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "/generate": ({}, {
+        "input_ids": lambda v: isinstance(v, list) and all(
+            isinstance(row, list) and row and all(type(t) is int for t in row) for row in v),
+        "sampling_params": dict, "return_logprob": BOOL, "rid": STR, "stream": BOOL,
+        "return_text_in_logprobs": BOOL, "logprob_start_len": INT, "top_logprobs_num": INT}),
+    "/init_weights_update_group": (
+        {"master_address": STR, "master_port": INT, "rank_offset": INT, "world_size": INT},
+        {"group_name": STR, "backend": STR}),
+    "/destroy_weights_update_group": ({}, {"group_name": STR}),
+    "/update_weights_from_distributed": (
+        {"names": _str_list, "dtypes": _str_list,
+         "shapes": lambda v: isinstance(v, list) and all(
+             isinstance(s, list) and all(type(d) is int for d in s) for s in v)},
+        {"group_name": STR, "flush_cache": BOOL, "abort_all_requests": BOOL,
+         "weight_version": OPT_STR, "load_format": OPT_STR, "torch_empty_cache": BOOL}),
+    "/pause_generation": ({}, {"mode": lambda v: v in ("abort", "retract", "in_place")}),
+    "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
+    "/update_weight_version": ({"new_version": STR}, {"abort_all_requests": BOOL}),
+}
+SAMPLING = {"temperature": NUM, "max_new_tokens": INT, "n": INT, "top_p": NUM, "top_k": INT,
+            "stop_token_ids": list, "ignore_eos": BOOL}
+GET_PATHS = ("/health", "/health_generate")
+
+
+def _check(fields: dict[str, Any], spec: Any, name: str) -> str | None:
+    value = fields[name]
+    if callable(spec) and not isinstance(spec, (tuple, type)):
+        return None if spec(value) else f"bad value for {name}: {value!r}"
+    types = spec if isinstance(spec, tuple) else (spec,)
+    if isinstance(value, bool) and bool not in types:
+        return f"{name} must be {types}, got bool"
+    return None if isinstance(value, types) else f"{name} must be {types}, got {value!r}"
+
+
+def validate(path: str, body: Any) -> str | None:
+    """The first schema violation in ``body`` for ``path``, or None."""
+    if path not in SCHEMAS:
+        return f"unknown path {path}"
+    if not isinstance(body, dict):
+        return "body must be a JSON object"
+    required, optional = SCHEMAS[path]
+    for name in required:
+        if name not in body:
+            return f"missing required field {name}"
+    for name in body:
+        spec = required.get(name, optional.get(name))
+        if spec is None:
+            return f"unknown field {name}"
+        error = _check(body, spec, name)
+        if error:
+            return error
+    for name in body.get("sampling_params", {}) if path == "/generate" else ():
+        if name not in SAMPLING:
+            return f"unknown sampling param {name}"
+        error = _check(body["sampling_params"], SAMPLING[name], name)
+        if error:
+            return error
+    return None
+
+
+def join_like_sglang(master_address: str, master_port: int, rank: int, world_size: int,
+                     group_name: str, backend: str) -> dist.ProcessGroup:
+    """What SGLang's ``init_weights_update_group`` → ``init_custom_process_group`` does for
+    tp_rank 0, written from its documented behaviour: rendezvous through torch, a
+    ``PrefixStore(group_name)``, torch's ``_new_process_group_helper``, and the rank map
+    ``torch.distributed.broadcast(group=...)`` needs."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                              world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
+                                      PrefixStore(group_name, store), group_name=group_name,
+                                      timeout=timeout, group_desc=group_name)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class FakeSglang:
+    """State and answers of the fixture server. ``model_dir`` None: scripted generation;
+    ``join_groups`` False: weight calls are validated and recorded but join nothing (unit
+    tests of the client alone). ``hold`` makes ``/generate`` wait for ``release`` (and sets
+    ``arrived``), so tests can interleave calls deterministically."""
+
+    def __init__(self, model_dir: str | None = None, join_groups: bool = False,
+                 dtype: str = "float32", seed: int = 0) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.weight_version = "default"
+        self.hold = False
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+        self.join_groups = join_groups
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.received: dict[str, torch.Tensor] = {}
+        self._running = threading.Condition()  # guards _paused
+        self._paused = False
+        self.engine = None
+        if model_dir is not None:
+            from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
+            from rollouters.engines.torch_engine import TorchEngine
+
+            self.eos_id = EOS_ID
+            self.engine = TorchEngine(load_causal_lm(model_dir, dtype, "cpu"), eos_id=EOS_ID,
+                                      pad_id=PAD_ID, seed=seed)
+
+    def answer(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        self.calls.append((path, body))
+        if path == "/generate":
+            return 200, self._generate(body)
+        if path == "/pause_generation":
+            with self._running:
+                self._paused = True
+            return 200, {"message": "Generation paused successfully."}
+        if path == "/continue_generation":
+            with self._running:
+                self._paused = False
+                self._running.notify_all()
+            return 200, {"message": "Generation continued successfully."}
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            return 200, {"success": True, "message": "ok", "new_version": self.weight_version}
+        if path == "/init_weights_update_group" and self.join_groups:
+            return self._join(body)
+        if path == "/destroy_weights_update_group" and self.join_groups:
+            return self._destroy(body.get("group_name", "weight_update_group"))
+        if path == "/update_weights_from_distributed" and self.join_groups:
+            return self._receive(body)
+        if path == "/update_weights_from_distributed" and body.get("weight_version"):
+            self.weight_version = body["weight_version"]
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _join(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            return 400, {"success": False, "message": f"group {name!r} already exists"}
+        try:
+            self.groups[name] = join_like_sglang(
+                body["master_address"], body["master_port"], body["rank_offset"],
+                body["world_size"], name, body.get("backend", "nccl"))
+        except Exception as exc:  # noqa: BLE001 - SGLang answers a failed join, never dies
+            return 400, {"success": False,
+                         "message": f"Failed to initialize custom process group: {exc}."}
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def _destroy(self, name: str) -> tuple[int, Any]:
+        group = self.groups.pop(name, None)
+        if group is None:
+            return 400, {"success": False,
+                         "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(group)
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def _receive(self, body: dict[str, Any]) -> tuple[int, Any]:
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return 400, {"success": False, "message": f"Group {name} not in {list(self.groups)}"}
+        dtypes = [getattr(torch, d) for d in body["dtypes"]]
+        sizes = [math.prod(s) * torch.empty(0, dtype=d).element_size()
+                 for s, d in zip(body["shapes"], dtypes)]
+        try:
+            if body.get("load_format") == "flattened_bucket":
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.broadcast(flat, src=0, group=self.groups[name])
+                parts = [part.view(d).view(s)
+                         for part, d, s in zip(flat.split(sizes), dtypes, body["shapes"])]
+            else:
+                parts = [torch.empty(s, dtype=d) for s, d in zip(body["shapes"], dtypes)]
+                for part in parts:
+                    dist.broadcast(part, src=0, group=self.groups[name])
+        except RuntimeError as exc:
+            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}"}
+        named = dict(zip(body["names"], parts))
+        self.received.update(named)
+        if body.get("weight_version"):
+            self.weight_version = body["weight_version"]
+        if self.engine is not None:
+            version = int(self.weight_version) if self.weight_version.isdigit() else 0
+            self.engine.load_weights(named.items(), version)
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _generate(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.hold:
+            self.arrived.set()
+            self.release.wait(timeout=30)
+        with self._running:
+            self._running.wait_for(lambda: not self._paused, timeout=GROUP_TIMEOUT_S)
+        params = body.get("sampling_params", {})
+        rows = body["input_ids"]
+        if self.engine is None:
+            return self._scripted(rows, params["max_new_tokens"])
+        temperature = float(params.get("temperature", 1.0))
+        outs = self.engine.generate(rows, 1, temperature or 1.0, params["max_new_tokens"],
+                                    greedy=temperature == 0.0)
+        answers = []
+        for i, (row, (completion,)) in enumerate(zip(rows, outs)):
+            stop = completion.finish_reason == "stop"
+            reason = ({"type": "stop", "matched": self.eos_id} if stop
+                      else {"type": "length", "length": len(completion.tokens)})
+            answers.append(self._item(i, row, completion.tokens, completion.logprobs, reason))
+        return answers
+
+    def _scripted(self, rows: list[list[int]], n_new: int) -> list[dict[str, Any]]:
+        out = []
+        for i, row in enumerate(rows):
+            tokens = [(sum(row) + i + k) % 50 for k in range(n_new)]
+            out.append(self._item(i, row, tokens, [-0.1 * (k + 1) for k in range(n_new)],
+                                  {"type": "length", "length": n_new}))
+        return out
+
+    def _item(self, i: int, row: list[int], tokens: list[int], logprobs: list[float],
+              reason: dict[str, Any]) -> dict[str, Any]:
+        return {"output_ids": tokens, "meta_info": {
+            "id": f"req-{i}", "finish_reason": reason, "prompt_tokens": len(row),
+            "completion_tokens": len(tokens), "weight_version": self.weight_version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)]}}
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self._destroy(name)
+
+
+def _handler(fake: FakeSglang) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path in GET_PATHS:
+                return self._send(200, None)
+            self._send(404, {"error": f"unknown path {self.path}"})
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError:
+                return self._send(400, {"error": "invalid JSON"})
+            error = validate(self.path, body)
+            if error:
+                return self._send(400, {"error": error})
+            self._send(*fake.answer(self.path, body))
+
+        def _send(self, status: int, payload: Any) -> None:
+            data = b"" if payload is None else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:  # keep test output clean
+            return None
+
+    return Handler
+
+
+@contextmanager
+def serve(fake: FakeSglang, host: str = "127.0.0.1",
+          port: int = 0) -> Iterator[tuple[str, ThreadingHTTPServer]]:
+    """Serve ``fake`` on a thread; yields its base URL and the server."""
+    httpd = ThreadingHTTPServer((host, port), _handler(fake))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{httpd.server_address[1]}", httpd
+    finally:
+        fake.release.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+        fake.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``sglang.launch_server``'s flags, the subset our launcher passes; unknown ones fail."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=1)
+    args = parser.parse_args(argv)
+    if not args.skip_tokenizer_init:
+        parser.error("this fixture serves token ids only: pass --skip-tokenizer-init")
+    if args.tp_size != 1:
+        parser.error("this fixture has one tensor-parallel rank")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    fake = FakeSglang(args.model_path, join_groups=True, dtype=dtype, seed=args.random_seed)
+    with serve(fake, args.host, args.port) as (url, httpd):
+        logger.info("SGLang protocol fixture serving %s at %s", args.model_path, url)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""`asyncrl up` keeps a run alive through faults: a SIGKILLed rollout worker is restarted, a
+SIGKILLed ZMQ broker is restarted at the same address and replays its spill file, the clients
+ride out the restart, and the run keeps learning. A learner crash stops the run with the cause
+in one line and leaves it resumable."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.launch import is_resuming
+from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+
+def _started_pid(up_log: str, role: str) -> int:
+    return int(re.findall(rf"started {role} \(pid (\d+)\)", up_log)[-1])
+
+
+def _workers(rollout_pid: int) -> list[int]:
+    """The rollout role's spawned worker processes (not multiprocessing's helpers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == rollout_pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _mean_reward(records: list[dict]) -> float:
+    return sum(r["critic/score/mean"] for r in records) / len(records)
+
+
+def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Processes) -> None:
+    run_dir = tmp_path / "faults"
+    up = processes.start(
+        "up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
+        "--set", "run.name=faults", "--set", "learner.total_steps=100000",
+        "--set", "eval.every_steps=0", "--set", f"buffer.spill_path={tmp_path / 'spill'}",
+        "--set", "buffer.request_timeout_s=4", "--set", "buffer.heartbeat_timeout_s=3",
+        "--set", "weights.timeout_s=5", "--set", "launcher.restart_backoff_s=0.5")
+    metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
+    wait_for(lambda: len(step_records(metrics)) >= 5, 240, "five steps")
+
+    rollout_pid = _started_pid(processes.log("up"), "rollout")
+    victim = _workers(rollout_pid)[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: "rollout[0] killed by SIGKILL" in (logs / "rollout.log").read_text()
+             or "rollout[1] killed by SIGKILL" in (logs / "rollout.log").read_text(), 30,
+             "the rollout role to see its worker die")
+    wait_for(lambda: len(set(_workers(rollout_pid)) - {victim}) == 2, 60,
+             "the worker to be restarted")
+    at_kill = len(step_records(metrics))
+    wait_for(lambda: len(step_records(metrics)) >= at_kill + 5, 180, "five steps after the restart")
+
+    buffer_pid = _started_pid(processes.log("up"), "buffer")
+    version_before = step_records(metrics)[-1]["step"]
+    os.killpg(buffer_pid, signal.SIGKILL)
+    wait_for(lambda: "buffer killed by SIGKILL" in processes.log("up"), 30,
+             "the launcher to see the broker die")
+    wait_for(lambda: _started_pid(processes.log("up"), "buffer") != buffer_pid, 30,
+             "the broker to be restarted")
+    wait_for(lambda: "restored" in (logs / "buffer.log").read_text(), 30, "the spill replay")
+    at_broker_kill = len(step_records(metrics))
+    wait_for(lambda: len(step_records(metrics)) >= max(at_broker_kill + 15, 60), 400,
+             "fifteen more steps after the broker restart")
+    assert up.poll() is None, processes.log("up")
+
+    os.kill(up.pid, signal.SIGINT)
+    assert up.wait(timeout=60) == 130, processes.log("up")  # interrupted, as asked
+    records = step_records(metrics)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps) and steps[-1] > version_before  # versions never went back
+    assert max(r["staleness/max"] for r in records) <= 2
+    assert _mean_reward(records[-5:]) > _mean_reward(records[:5]) + 0.05, records
+    assert "run stopped" not in processes.log("up")
+
+
+def test_learner_crash_stops_the_run_with_its_cause(tmp_path: Path,
+                                                   processes: Processes) -> None:
+    sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=crash",
+            "--set", "learner.total_steps=100000", "--set", "eval.every_steps=0",
+            "--set", "checkpoint.every_steps=3"]
+    up = processes.start("up", "up", str(QUICKSTART), *sets)
+    metrics = tmp_path / "crash" / "metrics.jsonl"
+    wait_for(lambda: len(step_records(metrics)) >= 4, 240, "a checkpoint")
+    os.killpg(_started_pid(processes.log("up"), "learner"), signal.SIGKILL)
+    assert up.wait(timeout=60) == 1, processes.log("up")
+    stopped = [ln for ln in processes.log("up").splitlines() if ln.startswith("run stopped:")]
+    assert len(stopped) == 1 and "learner killed by SIGKILL" in stopped[0], stopped
+    assert "resumable" in stopped[0]
+    cfg = load_config(QUICKSTART, [s for s in sets if s != "--set"])
+    assert is_resuming(cfg)

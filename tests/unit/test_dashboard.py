@@ -1,0 +1,173 @@
+"""The monitor as a user sees it: the dashboard rendered to text from a real run's status.
+
+``data/monitor_status.json`` is ``asyncrl status runs/quickstart/config.toml --json`` taken
+from a real ``asyncrl up configs/quickstart.toml`` run at step 43, and
+``data/monitor_metrics.jsonl`` that run's ``metrics.jsonl`` up to the same step. Record both
+again the same way when metric names change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from rich.console import Console
+
+from asyncrl.dashboard import SPARK_CHARS, dashboard, sparkline
+from asyncrl.snapshot import (REWARD, History, engine_idle, fleet_idle, learner_idle,
+                              learner_info)
+from asyncrl.metrics import read_jsonl
+
+DATA = Path(__file__).parent / "data"
+WIDTH = 120
+
+
+def snapshot() -> tuple[dict, History]:
+    status = json.loads((DATA / "monitor_status.json").read_text())
+    history = History(size=120)
+    history.extend(read_jsonl(DATA / "monitor_metrics.jsonl"))
+    history.observe(status)
+    return status, history
+
+
+def screen(status: dict, history: History | None = None, width: int = WIDTH) -> str:
+    console = Console(record=True, width=width, file=open("/dev/null", "w"))
+    console.print(dashboard(status, history))
+    return console.export_text()
+
+
+def row(text: str, start: str) -> str:
+    """The screen line holding a panel row that starts with ``start`` (left or right panel)."""
+    return next(line for line in text.splitlines() if f"│ {start}" in line
+                or line.strip("│ ").startswith(start))
+
+
+def test_header_and_engine_table() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    version = status["version"]
+    assert f"learner v{version}" in text.splitlines()[0]
+    assert f"run {status['run_id']} · running" in text
+    engines = {n: m for n, m in status["members"].items() if m["role"] == "rollout"}
+    assert len(engines) == 2
+    for name, member in engines.items():
+        cells = row(text, name).strip("│ ").split()
+        ev = member["info"]["engine_version"]
+        assert cells[1:4] == ["yes", str(ev), str(version - ev)]  # alive, version, lag
+        assert cells[4] == f"{member['info']['tokens_per_s']:,.0f}"
+        assert cells[-3:-1] == [f"{member['last_seen_s_ago']:.1f}s", "ago"]
+        assert cells[-1] == f"{engine_idle(member['info']):.0%}"
+
+
+def test_staleness_histogram_bars_scale_with_counts() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    hist = {int(k): v for k, v in status["staleness_hist"].items()}
+    assert len(hist) >= 2, hist  # a real async run trains on data of several ages
+    peak = max(hist.values())
+    for staleness, count in hist.items():
+        drawn = re.search(rf"^│ {staleness} (█*) +([\d,]+) ", text, re.M)
+        assert drawn is not None, text
+        assert len(drawn.group(1)) == round(count / peak * 24) and drawn.group(2) == f"{count:,}"
+    assert re.search(rf"^│ \d █{{24}} ", text, re.M)  # the tallest bar is full width
+
+
+def test_idle_ratios_and_time_split() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    info = learner_info(status)
+    expected = f"idle: learner {learner_idle(info):.0%} · engines {fleet_idle(status):.0%}"
+    assert expected in text
+    wait = row(text, "waiting for data")
+    assert f"{info['timing/wait_data']:.3f}s" in wait
+    assert f"{info['timing/compute']:.3f}s" in row(text, "compute")
+    assert f"{info['timing/weight_sync']:.3f}s" in row(text, "weight sync")
+
+
+def test_sparklines_draw_the_history() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    rewards = history.get("reward")
+    assert len(rewards) == learner_info(status)["step"]  # every step from 1, none twice
+    line = sparkline(rewards, 32)
+    assert len(line) == 32 and set(line) <= set(SPARK_CHARS) and len(set(line)) >= 3
+    assert line in row(text, "reward")
+    assert f"{learner_info(status)[REWARD]:.3f}" in row(text, "reward")
+    mismatch = row(text, "|Δlogp|")
+    assert re.search(f"[{SPARK_CHARS}]{{10,}}", mismatch), mismatch
+    assert f"steps {history.steps[0]}–{history.steps[-1]}" in text
+
+
+def test_buffer_panel_and_drops() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    assert f"{status['depth']}/{status['max_groups']}" in text
+    assert f"accepted {status['accepted']:,}  consumed {status['consumed']:,}" in text
+    assert f"drops    stale {status['dropped_stale']:,}" in text
+    assert f"closed {status['gate_closed_s']:.1f}s" in text
+
+
+def test_before_the_first_step_nothing_is_made_up() -> None:
+    text = screen({"version": 0, "run_status": "running", "members": {}})
+    assert "learner v0" in text and "nothing consumed yet" in text and "no steps yet" in text
+    assert "idle: learner - · engines -" in text
+
+
+def test_history_keeps_each_step_once_and_at_most_size() -> None:
+    history = History(size=3)
+    for step in (1, 2, 2, 3, 4):
+        history.add({"step": step, REWARD: step / 10})
+    history.add({"step": "final"})
+    assert list(history.steps) == [2, 3, 4] and history.get("reward") == [0.2, 0.3, 0.4]
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█" and sparkline([2.0, 2.0]) == "▁▁"
+
+
+def test_history_follows_the_metrics_file_between_refreshes(tmp_path: Path) -> None:
+    """Steps faster than the refresh: a heartbeat holds only the last one, so the steps in
+    between come from metrics.jsonl; a torn last line is read once it is complete."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "critic/score/mean": 0.1}\n')
+    history = History.from_metrics(path)
+    with path.open("a") as f:
+        f.write('{"step": 2, "critic/score/mean": 0.2}\n{"step": 3, "critic/sc')
+    history.observe({"members": {"learner-0": {"role": "learner", "info": {
+        "step": 4, REWARD: 0.4}}}})
+    assert list(history.steps) == [1, 2, 4]  # 3 was torn when read, 4 came by heartbeat
+    with path.open("a") as f:
+        f.write('ore/mean": 0.3}\n{"step": 4, "critic/score/mean": 0.4}\n'
+                '{"step": 5, "critic/score/mean": 0.5}\n')
+    history.observe({"members": {}})
+    assert list(history.steps) == [1, 2, 4, 5] and history.get("reward") == [0.1, 0.2, 0.4, 0.5]
+
+
+def test_engine_idle_is_recent_once_two_heartbeats_were_seen() -> None:
+    """Over its life an engine was held 20 s of 100; since the last refresh, 9 s of 10."""
+    status, _ = snapshot()
+    history = History()
+    history.observe(status)
+    name, member = next((n, m) for n, m in status["members"].items() if m["role"] == "rollout")
+    member["info"].update(gate_wait_s=20.0, generate_s=80.0)
+    assert engine_idle(member["info"]) == 0.2
+    history.observe(status)
+    member["info"].update(gate_wait_s=29.0, generate_s=81.0)
+    history.observe(status)
+    history.observe(status)  # an unchanged heartbeat keeps the last window
+    assert history.engine_window[name] == (9.0, 1.0)
+    cells = row(screen(status, history), name).strip("│ ").split()
+    assert cells[-1] == "90%"
+
+
+def test_status_prints_the_dashboard_with_curves_from_the_run_dir(tmp_path: Path) -> None:
+    import io
+    import shutil
+
+    from asyncrl.config.schema import MonitorConfig
+    from asyncrl.monitor import print_status
+
+    status, _ = snapshot()
+    shutil.copy(DATA / "monitor_metrics.jsonl", tmp_path / "metrics.jsonl")
+    out = io.StringIO()
+    print_status(status, MonitorConfig(), tmp_path, out)
+    assert "curves · steps 1–43" in out.getvalue()
+    assert max(len(line) for line in out.getvalue().splitlines()) <= 120  # not a terminal

@@ -1,0 +1,92 @@
+"""Restart policy arithmetic, and a real spawned child that crashes being restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.roles import _run_children
+from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """_run_children installs SIGINT/SIGTERM handlers (it is a role's main loop): undo them."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_backoff_doubles_and_restarts_are_bounded():
+    budget = RestartBudget(RestartPolicy(max_restarts=3, backoff_s=0.5, healthy_after_s=60))
+    assert [budget.next_delay(1.0) for _ in range(4)] == [0.5, 1.0, 2.0, None]
+    assert budget.describe() == "restart 3/3"
+
+
+def test_a_healthy_run_forgives_earlier_crashes():
+    budget = RestartBudget(RestartPolicy(max_restarts=2, backoff_s=1.0, healthy_after_s=10))
+    assert budget.next_delay(1.0) == 1.0 and budget.next_delay(1.0) == 2.0
+    assert budget.next_delay(30.0) == 1.0  # ran 30 s: a fresh count
+
+
+def test_no_restarts_at_all():
+    assert RestartBudget(RestartPolicy(0, 1.0, 60)).next_delay(100.0) is None
+
+
+def test_exit_reasons_name_the_signal():
+    assert exit_reason(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_reason(3) == "exit code 3"
+
+
+def crash_until_third_start(marker: str, stop: threading.Event) -> None:
+    """Child target: the first two starts crash, the third runs until the marker says stop."""
+    starts = Path(marker)
+    n = len(starts.read_text()) if starts.exists() else 0
+    starts.write_text("x" * (n + 1))
+    if n < 2:
+        os._exit(7)
+    while not stop.is_set() and not Path(marker + ".done").exists():
+        time.sleep(0.05)
+
+
+def test_run_children_restarts_a_crashed_child_with_backoff(tmp_path, caplog):
+    marker = str(tmp_path / "starts")
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.1, healthy_after_s=60)
+    caplog.set_level("WARNING")
+    # _run_children installs signal handlers, which only the main thread may: a helper thread
+    # ends the child once it has been started three times.
+    watcher = threading.Thread(target=_finish_when_started, args=(marker, 3))
+    watcher.start()
+    code = _run_children(crash_until_third_start, [(marker,)], "worker", 5.0, policy)
+    watcher.join()
+    assert code == 0
+    assert Path(marker).read_text() == "xxx"
+    warnings = [r.getMessage() for r in caplog.records if "exit code 7" in r.getMessage()]
+    assert len(warnings) == 2 and "restart 1/2 in 0.1s" in warnings[0], warnings
+    assert "restart 2/2 in 0.2s" in warnings[1]
+
+
+def test_run_children_gives_up_after_max_restarts(tmp_path, caplog):
+    marker = str(tmp_path / "starts")
+    policy = RestartPolicy(max_restarts=1, backoff_s=0.05, healthy_after_s=60)
+    caplog.set_level("WARNING")
+    assert _run_children(crash_until_third_start, [(marker,)], "worker", 5.0, policy) == 1
+    assert Path(marker).read_text() == "xx"
+    assert any("exit code 7" in r.getMessage() and "stopping the others" in r.getMessage()
+               for r in caplog.records)
+
+
+def _finish_when_started(marker: str, starts: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        path = Path(marker)
+        if path.exists() and len(path.read_text()) >= starts:
+            break
+        time.sleep(0.05)
+    Path(marker + ".done").write_text("")
