@@ -1,17 +1,36 @@
-"""Learner checkpoints: sharded DCP of model + optimizer, and a small ``meta.json`` beside it.
+"""Learner checkpoints: model + optimizer state, and a small ``meta.json`` beside it.
 
 Layout under the checkpoint directory (``<run dir>/<checkpoint.dir>``)::
 
     step_<V>/            one complete checkpoint of version V
-        *.distcp         the DCP shards (every rank writes its own)
-        .metadata        DCP's index
-        meta.json        version, time, config hash, per-rank RNG states, data counters
+        *.distcp         FSDP2: the DCP shards (every rank writes its own)
+        .metadata        FSDP2: DCP's index
+        deepspeed/       DeepSpeed: ``engine.save_checkpoint`` (model states, and one
+                         ZeRO-partitioned optimizer file per rank)
+        meta.json        version, time, config hash, format, per-rank RNG states, counters
     step_<V>.tmp/        a checkpoint being written: never read, removed by the next save
 
 A checkpoint is written to ``step_<V>.tmp`` and renamed to ``step_<V>`` only once complete, so
-a learner killed mid-save leaves the previous checkpoint as the latest. The version, the buffer's
-gate counters and unacked groups live in the buffer itself (``buffers.protocol``); the data
-position of a FIFO buffer is the version, so ``meta.json`` only records what the learner owns.
+a learner killed mid-save leaves the previous checkpoint as the latest. The model/optimizer part
+is DCP (resharding: any world size may load it) unless the backend saves its own
+(:class:`~learners.backends.base.NativeCheckpoint`: DeepSpeed, whose partitioned optimizer state
+only it can write; it loads at the same world size). ``meta.json`` records which (``format``).
+
+Where each part of the async state lives (issue 5, item 5):
+
+- model, optimizer: here. RNG (torch, CUDA, ``random``; per rank): here.
+- learner version V: here (``meta.json``), and published in the buffer.
+- data position: ``counters.groups_consumed`` (= V × groups_per_step) here; the buffer is FIFO,
+  so where to read next is simply its head. Groups consumed by steps after V (lost with the
+  learner) were acked and are not trained again.
+- gate counters (``accepted``, ``consumed``, ``in_flight``) and unacked groups: durable in the
+  buffer (Redis; the ZMQ broker with ``buffer.spill_path``), which outlives the learner;
+  unacked groups are redelivered after ``buffer.reclaim_idle_s``. A buffer that did NOT
+  outlive it (a broker without spill restarted, a Redis namespace reset) is seeded from here at
+  resume (``ControlPlane.restore_progress(V, groups_consumed)``, ``learners.loop._resume``):
+  its version becomes V and ``accepted``/``consumed`` count the V steps' groups, so versions
+  keep increasing from V and the gate admits exactly what it would have. Unacked groups of a
+  buffer that lost its state are gone with it (never in a checkpoint: they are rollout output).
 
 :func:`save` and :func:`load` are COLLECTIVE: every learner rank calls them, in the same order.
 The directory must be visible to every rank (one node, or a shared filesystem).
@@ -36,9 +55,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from learners.backends.base import NativeCheckpoint
+
 logger = logging.getLogger(__name__)
 
 META = "meta.json"
+DCP = "dcp"
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -52,6 +74,7 @@ class CheckpointMeta:
     world: int
     rng: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
+    format: str = DCP  # how model and optimizer are stored: DCP, or the backend's own
 
 
 def config_hash(*sections: Any) -> str:
@@ -99,6 +122,38 @@ def _sharded_state(trainer: Any) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(module, optimizer)
         state[f"{name}_model"], state[f"{name}_optim"] = model_sd, optim_sd
     return state
+
+
+def state_format(trainer: Any) -> str:
+    """How ``trainer``'s model and optimizer are stored: its own format, or DCP."""
+    return trainer.checkpoint_format if isinstance(trainer, NativeCheckpoint) else DCP
+
+
+def _write_state(trainer: Any, path: Path) -> None:
+    if isinstance(trainer, NativeCheckpoint):
+        trainer.save_training_state(path)
+    else:
+        dcp.save(_sharded_state(trainer), checkpoint_id=str(path))
+
+
+def _read_state(trainer: Any, path: Path, meta: CheckpointMeta) -> None:
+    fmt = state_format(trainer)
+    if meta.format != fmt:
+        raise ValueError(f"checkpoint {path} holds {meta.format!r} state; this learner backend "
+                         f"reads {fmt!r} (resume with the learner.backend that wrote it)")
+    if isinstance(trainer, NativeCheckpoint):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if meta.world != world:
+            raise ValueError(f"checkpoint {path} was written by {meta.world} ranks; a "
+                             f"{fmt!r} checkpoint resumes with as many (this learner has "
+                             f"{world})")
+        trainer.load_training_state(path)
+        return
+    state = _sharded_state(trainer)
+    dcp.load(state, checkpoint_id=str(path))
+    for name, (module, optimizer) in _stateful(trainer).items():
+        set_state_dict(module, optimizer, model_state_dict=state[f"{name}_model"],
+                       optim_state_dict=state[f"{name}_optim"])
 
 
 def rng_state() -> dict[str, Any]:
@@ -157,11 +212,11 @@ def save(trainer: Any, directory: Path, *, keep: int, cfg_hash: str = "",
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save of a killed learner
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_sharded_state(trainer), checkpoint_id=str(tmp))
-    rng = _gather_rng()  # after dcp.save, so that all ranks have written their shards
+    _write_state(trainer, tmp)
+    rng = _gather_rng()  # after the state, so that all ranks have written their shards
     if _rank() == 0:
         meta = CheckpointMeta(trainer.version, time.time(), cfg_hash, len(rng), rng,
-                              counters or {})
+                              counters or {}, state_format(trainer))
         (tmp / META).write_text(json.dumps(asdict(meta)))
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same version
         tmp.rename(final)
@@ -180,15 +235,12 @@ def _prune(directory: Path, keep: int) -> None:
 def load(trainer: Any, path: Path) -> CheckpointMeta:
     """Restore model, optimizer, version and this rank's RNG from ``path``. COLLECTIVE.
 
-    A checkpoint written by a different number of ranks loads too (DCP reshards); each rank
-    then takes the RNG state of rank ``rank mod saved world``."""
+    A DCP checkpoint written by a different number of ranks loads too (DCP reshards); each rank
+    then takes the RNG state of rank ``rank mod saved world``. A checkpoint of another format
+    than the trainer's (e.g. DeepSpeed's, into FSDP2) is refused before any collective."""
     path = Path(path)
     meta = read_meta(path)
-    state = _sharded_state(trainer)
-    dcp.load(state, checkpoint_id=str(path))
-    for name, (module, optimizer) in _stateful(trainer).items():
-        set_state_dict(module, optimizer, model_state_dict=state[f"{name}_model"],
-                       optim_state_dict=state[f"{name}_optim"])
+    _read_state(trainer, path, meta)
     trainer.version = meta.version
     set_rng_state(meta.rng[_rank() % len(meta.rng)])
     logger.info("rank %d: loaded checkpoint %s (version %d)", _rank(), path, meta.version)

@@ -105,7 +105,8 @@ def make_evaluator(cfg: Config, model_dir: str | Path) -> Callable[[Engine], dic
 
 def load_policy(cfg: Config, checkpoint: str | Path):
     """``(model, version, model_dir)`` from an HF model directory (``final/``, ``hf/step_V``) or
-    a learner checkpoint (``checkpoints/step_V``, sharded DCP: loaded into the initial model)."""
+    a learner checkpoint (``checkpoints/step_V``, sharded DCP or DeepSpeed's: loaded into the
+    initial model)."""
     import json
 
     from asyncrl.models import load_causal_lm, prepare_model_dir
@@ -114,21 +115,27 @@ def load_policy(cfg: Config, checkpoint: str | Path):
     if (path / "config.json").is_file():
         version = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
         return load_causal_lm(path, cfg.model.dtype), version, path
-    if not (path / ".metadata").is_file():
+    meta_path = path / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    deepspeed = meta.get("format") == "deepspeed"
+    if not deepspeed and not (path / ".metadata").is_file():
         from asyncrl.config import ConfigError
 
         raise ConfigError(f"--checkpoint {path}: neither an HF model directory "
                           "(config.json) nor a learner checkpoint (.metadata)")
-    import torch.distributed.checkpoint as dcp
-
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     model = load_causal_lm(model_dir, cfg.model.dtype)
-    state = {"actor_model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state["actor_model"])
-    meta = path / "meta.json"
-    version = json.loads(meta.read_text())["version"] if meta.is_file() else -1
-    return model, version, model_dir
+    if deepspeed:   # the optional dependency is needed only for such a checkpoint
+        from learners.backends.deepspeed import checkpoint_weights
+
+        model.load_state_dict(checkpoint_weights(path))
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"actor_model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(path))
+        model.load_state_dict(state["actor_model"])
+    return model, meta.get("version", -1), model_dir
 
 
 def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:

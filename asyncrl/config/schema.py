@@ -464,7 +464,8 @@ class MonitorConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Learner checkpoints (sharded DCP: model, optimizer, version, RNG) and HF exports."""
+    """Learner checkpoints (sharded model and optimizer: torch DCP for FSDP2, DeepSpeed's own for
+    DeepSpeed; version, RNG, counters) and HF exports."""
 
     every_steps: int = Field(50, ge=0, description="Checkpoint period in optimizer steps; 0 = "
                                                    "only at the end or on stop.")
@@ -501,12 +502,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        if self.learner.backend == "deepspeed" and (self.checkpoint.every_steps
-                                                    or self.checkpoint.resume):
-            raise ValueError(
-                "learner.backend = 'deepspeed' has no training checkpoints yet (they are "
-                "sharded DCP of FSDP2 modules): set checkpoint.every_steps = 0 and "
-                "checkpoint.resume = false, or use learner.backend = 'fsdp2'")
         if self.learner.node_rank >= self.learner.nnodes:
             raise ValueError(f"learner.node_rank ({self.learner.node_rank}) must be below "
                              f"learner.nnodes ({self.learner.nnodes})")

@@ -36,4 +36,23 @@ class Trainer(Protocol):
         ...
 
 
-__all__ = ["Trainer"]
+@runtime_checkable
+class NativeCheckpoint(Protocol):
+    """A backend that saves its model and optimizer state in its own format, because only it
+    can (DeepSpeed: ZeRO-partitioned optimizer state). ``learners.checkpoint`` keeps its layout
+    around it (``step_<V>.tmp`` → ``step_<V>``, ``meta.json``, pruning); backends without these
+    methods are saved as torch DCP. Both methods are COLLECTIVE."""
+
+    checkpoint_format: str
+    """Recorded in ``meta.json``: a checkpoint is only read by a backend of the same format."""
+
+    def save_training_state(self, path: Path) -> None:
+        """Write model + optimizer state under the existing directory ``path``."""
+        ...
+
+    def load_training_state(self, path: Path) -> None:
+        """Restore what :meth:`save_training_state` wrote into this (freshly built) trainer."""
+        ...
+
+
+__all__ = ["NativeCheckpoint", "Trainer"]

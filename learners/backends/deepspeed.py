@@ -15,10 +15,14 @@ The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU
 
 One forward per step: ``learner.micro_batch_tokens`` and ``learner.packing`` are FSDP2-only for
 now (DeepSpeed's own gradient accumulation rescales the loss per micro-batch; wiring our global
-normalisation through it is left to do). Not supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
-unsharded replica on every rank (no optimizer state; under ZeRO-3 this costs one model copy per
-rank). Sharded training checkpoints (``learners.checkpoint``) use torch DCP on FSDP2 modules and do
-not cover this backend; ``save_pretrained`` (the HF export) does.
+normalisation through it is left to do). Not supported yet (raises): the GAE critic (it is
+built on FSDP2). The frozen KL reference is an unsharded replica on every rank (no optimizer
+state; under ZeRO-3 this costs one model copy per rank).
+
+Training checkpoints (``learners.checkpoint``, same layout and ``meta.json`` as FSDP2's) hold
+DeepSpeed's own ``engine.save_checkpoint`` under ``step_<V>/deepspeed``: it is what can write
+and read the ZeRO-partitioned optimizer state. They resume at the same number of ranks (no
+resharding, unlike DCP); ``save_pretrained`` (the HF export) works at any time.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from learners.losses.policy import masked_mean
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
+
+DS_TAG = "deepspeed"  # the sub-directory of step_<V> that holds DeepSpeed's checkpoint
 
 
 def ds_config(cfg: LearnerConfig, zero_overrides: dict[str, Any] | None = None
@@ -101,6 +107,23 @@ class DeepSpeedTrainer(Fsdp2Trainer):
                     self.rank, self.world, type(self.model).__name__, cfg.zero_stage, version,
                     cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
                     "replicated" if self.reference is not None else "no")
+
+    checkpoint_format = "deepspeed"
+
+    def save_training_state(self, path: Path) -> None:
+        """Model and ZeRO optimizer partitions under ``path/deepspeed`` (DeepSpeed's own
+        checkpoint; every rank writes its partition). COLLECTIVE. ``learners.checkpoint`` owns
+        the directory, ``meta.json`` and the version, so no ``latest`` file is written."""
+        self.engine.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
+
+    def load_training_state(self, path: Path) -> None:
+        """Restore :meth:`save_training_state`'s weights and optimizer into this fresh trainer
+        (ZeRO-3 can only load into an engine that has not trained yet). COLLECTIVE."""
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=DS_TAG,
+                                                load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {Path(path) / DS_TAG}")
 
     def _load(self, path: str | Path, dtype: torch.dtype) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
@@ -160,4 +183,13 @@ class DeepSpeedTrainer(Fsdp2Trainer):
         return state
 
 
-__all__ = ["DeepSpeedTrainer", "ds_config"]
+def checkpoint_weights(path: str | Path) -> dict[str, Tensor]:
+    """The full fp32 weights (HF names, CPU) of a ``step_<V>`` written by this backend, read
+    without a process group (ZeRO-2 or 3: DeepSpeed merges the ranks' partitions), e.g. for
+    ``asyncrl eval --checkpoint``."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
+
+
+__all__ = ["DS_TAG", "DeepSpeedTrainer", "checkpoint_weights", "ds_config"]

@@ -42,7 +42,6 @@ def test_override_wins_over_file(tmp_path: Path) -> None:
     ("rollout.workers=many", "rollout.workers: Input should be a valid integer"),
     ("learner.node_rank=1", "learner.node_rank (1) must be below learner.nnodes (1)"),
     ("learner.nnodes=2", "learner.nnodes > 1 needs a fixed learner.master_port"),
-    ("learner.backend=deepspeed", "set checkpoint.every_steps = 0 and checkpoint.resume = false"),
     ("launcher.type=k8s", "launcher.type: Input should be 'local' or 'ray' (got 'k8s')"),
     ("launcher.max_restarts=-1", "launcher.max_restarts: Input should be greater than or equal"),
     ("resources.rollout.gpus=-1", "resources.rollout.gpus: Input should be greater than or equal"),
@@ -51,6 +50,14 @@ def test_errors_name_the_key(override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert expected in str(info.value)
+
+
+def test_deepspeed_takes_the_checkpoint_settings() -> None:
+    """DeepSpeed writes training checkpoints too (``learners.checkpoint``, its own format)."""
+    cfg = load_config(None, ["learner.backend=deepspeed", "checkpoint.every_steps=5",
+                             "checkpoint.resume=true"])
+    assert (cfg.learner.backend, cfg.checkpoint.every_steps, cfg.checkpoint.resume) == \
+        ("deepspeed", 5, True)
 
 
 def test_unknown_key_lists_allowed_keys() -> None:

@@ -12,7 +12,6 @@ Cost: the first DeepSpeed use compiles a shared-memory comm op with g++ (~20 s, 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,8 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is optional: DS_BUILD_OPS=0 p
 
 from asyncrl.config.schema import LearnerConfig, LossConfig
 from learners.batching import collate
-from learners.dist import free_port
 from tests.unit import test_fsdp2
-from tests.unit.test_fsdp2 import STEPS, join_all, rank_groups
+from tests.unit.test_fsdp2 import STEPS, rank_groups, spawn_runs
 
 # The same tiny Qwen2 (a module-scoped fixture), registered here under the same name.
 tiny_model_dir = test_fsdp2.tiny_model_dir
@@ -74,19 +72,9 @@ RUNS = {"fsdp2_w1": ("fsdp2", 2, 1), "zero2_w2": ("deepspeed", 2, 2),
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """All three runs at once (5 processes): the FSDP2 baseline, ZeRO-2 and ZeRO-3."""
-    ctx = mp.get_context("spawn")
-    root = tmp_path_factory.mktemp("ds")
-    procs = []
-    for name, (backend, stage, world) in RUNS.items():
-        (root / name).mkdir()
-        port = free_port()
-        procs += [ctx.Process(target=run_rank, args=(r, world, port, str(tiny_model_dir),
-                                                     str(root / name), backend, stage))
-                  for r in range(world)]
-    for proc in procs:
-        proc.start()
-    join_all(procs)
-    return {name: root / name for name in RUNS}
+    return spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("ds"),
+                      {name: (world, (backend, stage))
+                       for name, (backend, stage, world) in RUNS.items()})
 
 
 def _load(path: Path) -> dict:

@@ -8,6 +8,7 @@ before clipping), so both are compared.
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,25 @@ def join_all(procs: list[mp.process.BaseProcess]) -> None:
         proc.join()
     assert not hung, f"{len(hung)} learner processes hung"
     assert [p.exitcode for p in procs] == [0] * len(procs)
+
+
+def spawn_runs(target: Callable[..., None], model_dir: Path, root: Path,
+               runs: dict[str, tuple[int, tuple]]) -> dict[str, Path]:
+    """Run every ``name → (world, extra)`` at once, each rank a spawned process calling
+    ``target(rank, world, port, model_dir, root/name, *extra)``; wait for all of them and
+    return each run's directory."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for name, (world, extra) in runs.items():
+        (root / name).mkdir()
+        port = free_port()
+        procs += [ctx.Process(target=target, args=(r, world, port, str(model_dir),
+                                                   str(root / name), *extra))
+                  for r in range(world)]
+    for proc in procs:
+        proc.start()
+    join_all(procs)
+    return {name: root / name for name in runs}
 
 
 @pytest.fixture(scope="module")
