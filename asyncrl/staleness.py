@@ -12,6 +12,12 @@ so ``V_c ≤ V_s + s``: its staleness ``V_c − V_s`` is at most s. Drops theref
 order is broken (several producers finishing out of order, a worker with old weights), and they
 are counted, never silent. ``s = 0`` admits exactly one step's worth of groups per version:
 on-policy.
+
+``accepted`` is the groups that entered the buffer minus those it dropped as stale: a dropped
+group gives its slot back. It must, or the learner could starve: drops never consumed by a step
+would keep ``(V + s + 1) × gps`` full while fewer than ``gps`` groups are left to train on, and
+V only grows when the learner trains (``tests/buffers/test_contract.py``). Giving it back keeps
+the bound: the later groups only move to earlier slots, which makes them fresher.
 """
 
 from __future__ import annotations

@@ -95,6 +95,15 @@ class ControlPlane(Protocol):
     def publish_version(self, version: int) -> None:
         """Publish the learner version (after its weights reached the engines)."""
 
+    def restore_progress(self, version: int, consumed: int) -> int:
+        """A learner resumed from a checkpoint of ``version``, taken after ``consumed`` groups
+        were consumed. A buffer that has consumed fewer did not live through those steps (a
+        broker restarted without spill, a reset Redis namespace): it takes them over, so its
+        version becomes at least ``version`` and ``accepted`` and ``consumed`` grow by the
+        difference; the gate then admits what it would have had it lived through them (no
+        flood of ``version × groups_per_step`` groups, no version going back). A buffer that
+        did is unchanged. Idempotent. Returns the buffer's version."""
+
     def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
         """Say ``member`` is alive; ``info`` carries its metrics. Returns the run state
         (``version``, ``run_status``)."""

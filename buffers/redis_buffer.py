@@ -254,6 +254,9 @@ class RedisBufferClient:
                 raise BufferRefused(f"redis buffer {self.keys.namespace}: {exc}") from None
             raise
 
+    def restore_progress(self, version: int, consumed: int) -> int:
+        return int(self._run("restore_progress", version, consumed))
+
     def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
         version, status = self._run("heartbeat", member, role, _dumps(info))
         return {"version": int(version), "run_status": status.decode()}

@@ -100,9 +100,10 @@ local function reap(now)  -- silent producers' in-flight groups go back to the g
     end
   end
 end
-local function allowance()
+local function allowance()  -- a group dropped as stale gives its slot back
   local cap = (num(K_STATE, 'version') + S + 1) * GPS
-  return math.max(0, cap - num(K_STATE, 'accepted') - in_flight_total())
+  local live = num(K_STATE, 'accepted') - num(K_STATE, 'dropped_stale')
+  return math.max(0, cap - live - in_flight_total())
 end
 local function gate_update(now)  -- closed time accrues between the calls that see it closed
   local closed = run_status() == 'running' and allowance() == 0
@@ -153,6 +154,21 @@ gate_update(now_ms())
 return version
 """
 
+RESTORE_PROGRESS = """
+-- ARGV: version, consumed. A namespace that consumed fewer groups than the resumed learner
+-- did (it was reset, or Redis lost it) takes those steps over; otherwise nothing changes.
+local deficit = tonumber(ARGV[6]) - num(K_STATE, 'consumed')
+if deficit > 0 then
+  redis.call('HINCRBY', K_STATE, 'accepted', fmt(deficit))
+  redis.call('HINCRBY', K_STATE, 'consumed', fmt(deficit))
+  if tonumber(ARGV[5]) > num(K_STATE, 'version') then
+    redis.call('HSET', K_STATE, 'version', ARGV[5])
+  end
+  gate_update(now_ms())
+end
+return num(K_STATE, 'version')
+"""
+
 HEARTBEAT = """
 -- ARGV: member, role ('' keeps the known one), orjson info.
 local now = now_ms()
@@ -186,6 +202,6 @@ return 1
 
 SCRIPTS = {"init": INIT, "acquire": ACQUIRE, "release": RELEASE, "put_many": PUT_MANY,
            "take": TAKE, "discard": DISCARD, "ack": ACK, "renew": RENEW,
-           "publish_version": PUBLISH_VERSION,
+           "publish_version": PUBLISH_VERSION, "restore_progress": RESTORE_PROGRESS,
            "heartbeat": HEARTBEAT, "set_key": SET_KEY, "reap": REAP}
 """Script name → body; each runs as ``PRELUDE + body``."""

@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # upper bound on how late a stop event or a deadline is noticed
 COMMANDS = ("acquire", "put", "release", "get_batch", "ack", "renew", "publish_version",
-            "heartbeat", "set_key", "get_key", "get_keys", "status", "shutdown")
+            "restore_progress", "heartbeat", "set_key", "get_key", "get_keys", "status",
+            "shutdown")
 TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
 DRAIN_MAX = 64  # requests handled per wake-up before the housekeeping runs again
 CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) leave the socket
@@ -248,6 +249,11 @@ class ZmqBroker:
     def _publish_version(self, request: Request) -> Reply:
         self.state.publish_version(arg_int(request.args, "version", minimum=0))
         return Reply(True, {"version": self.state.version})
+
+    def _restore_progress(self, request: Request) -> Reply:
+        version = self.state.restore_progress(arg_int(request.args, "version", minimum=0),
+                                              arg_int(request.args, "consumed", minimum=0))
+        return Reply(True, {"version": version})
 
     def _heartbeat(self, request: Request) -> Reply:
         args = request.args

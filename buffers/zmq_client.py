@@ -15,8 +15,8 @@ after a TimeoutError its groups are in doubt, see :class:`~buffers.protocol.Buff
 A broker that restarts (the launcher restarts a dead one at the same address, and it replays
 its spill file) loses the requests it had not answered. With ``reconnect_s`` the client
 re-sends a request that got no reply for up to that long, but only requests that are safe to
-repeat: reads, heartbeats, acks and lease renewals (idempotent), versions and keys (last write
-wins), ``acquire``
+repeat: reads, heartbeats, acks, lease renewals and progress restores (idempotent), versions
+and keys (last write wins), ``acquire``
 (a restarted broker starts with no grants in flight) and ``get_batch`` (a batch whose reply was
 lost is redelivered after ``reclaim_idle_s``). Puts are never re-sent: a lost put is in doubt
 and the producer's to handle (a rollout worker exits and its supervisor restarts it). A group
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 PUT_WINDOW = 8  # put_many: requests in flight (a bound on what waits in socket buffers)
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
-RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version", "heartbeat",
+RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version",
+                       "restore_progress", "heartbeat",
                        "set_key", "get_key", "get_keys", "status"})
 
 
@@ -237,6 +238,10 @@ class ZmqBufferClient:
 
     def publish_version(self, version: int) -> None:
         self._call("publish_version", {"version": version})
+
+    def restore_progress(self, version: int, consumed: int) -> int:
+        return int(self._call("restore_progress", {"version": version,
+                                                   "consumed": consumed}).body["version"])
 
     def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
         return self._call("heartbeat", {"member": member, "role": role, "info": info}).body

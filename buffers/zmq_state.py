@@ -109,7 +109,9 @@ class BrokerState:
         return self.held < self.config.max_groups
 
     def allowance(self) -> int:
-        return self.gate.allowance(self.version, self.accepted, self.in_flight_total)
+        """A group dropped as stale gives its slot back (``asyncrl.staleness``)."""
+        return self.gate.allowance(self.version, self.accepted - self.dropped_stale,
+                                   self.in_flight_total)
 
     def update_gate_clock(self) -> None:
         """Call after changes: the gate is 'closed' while running with allowance 0."""
@@ -275,6 +277,20 @@ class BrokerState:
         if version != self.version:
             self.version = version
             self._journal_state()
+
+    def restore_progress(self, version: int, consumed: int) -> int:
+        """A learner resumed at ``version`` after ``consumed`` groups (see the protocol): a
+        broker that has consumed fewer (it did not live through those steps) takes them over.
+        Idempotent; returns the version."""
+        deficit = consumed - self.consumed
+        if deficit > 0:
+            self.accepted += deficit
+            self.consumed += deficit
+            self.version = max(self.version, version)
+            logger.info("seeded from a learner checkpoint: version %d, %d groups consumed",
+                        self.version, self.consumed)
+            self._journal_state()
+        return self.version
 
     def set_key(self, key: str, value: dict[str, Any]) -> int:
         if key == RUN_STATUS_KEY:

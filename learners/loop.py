@@ -92,12 +92,19 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     steps V+1..B were lost with the learner, but versions were published and the buffer's gate
     let groups in for them. Going on from V would reuse version numbers for other weights and,
     since the buffer refuses going backwards, keep the gate closed while V+1..B are redone
-    (a deadlock once B − V > max_staleness). So the restored weights continue as version B."""
-    if checkpointer.resume(trainer) is None:
+    (a deadlock once B − V > max_staleness). So the restored weights continue as version B.
+
+    A buffer that did NOT outlive the learner (a broker restarted without spill, a reset Redis
+    namespace) knows nothing of the V steps: it is seeded from the checkpoint
+    (``restore_progress``), or its gate would let ``V × groups_per_step`` extra groups in."""
+    meta = checkpointer.resume(trainer)
+    if meta is None:
         return
-    reply = ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming",
-                                                         "version": trainer.version})
-    buffer_version = int(reply["version"])  # the same on every rank: no one publishes now
+    consumed = int(meta.counters.get("groups_consumed",
+                                     meta.version * ctx.cfg.learner.groups_per_step))
+    # Every rank asks (it is idempotent) and gets the same answer: no one publishes now.
+    buffer_version = ctx.client.restore_progress(trainer.version, consumed)
+    ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming", "version": trainer.version})
     if buffer_version > trainer.version:
         logger.warning("checkpoint version %d is behind the buffer's %d (steps %d..%d were lost "
                        "with the learner): continuing as version %d", trainer.version,

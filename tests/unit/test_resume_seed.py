@@ -1,0 +1,42 @@
+"""A learner that resumes from a checkpoint against a buffer that did not outlive it (both
+backends, real servers): the loop seeds the buffer from ``meta.json``, so the version continues
+from the checkpoint's and the gate admits one fresh start's worth of groups, not a flood."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
+from learners import loop
+from learners.checkpoint import Checkpointer
+from tests.buffers.conftest import backend  # noqa: F401 (fixture: real broker / redis-server)
+from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
+from tests.unit.test_fsdp2 import tiny_model_dir  # noqa: F401 (fixture)
+
+GPS, STALENESS, VERSION = 2, 1, 3
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_resume_seeds_a_fresh_buffer(backend, tiny_model_dir: Path,  # noqa: F811
+                                     tmp_path: Path) -> None:
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    cfg = Config(run=RunConfig(name="seed", output_dir=tmp_path),
+                 learner=LearnerConfig(groups_per_step=GPS),
+                 buffer=BufferConfig(max_staleness=STALENESS))
+    before = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
+    before.version = VERSION
+    Checkpointer(cfg).save(before, loop._counters(cfg, VERSION, {}))
+
+    client = backend.start(groups_per_step=GPS, max_staleness=STALENESS).client()
+    trainer = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
+    ctx = loop.RankContext(cfg, 0, 1, client, "learner-0")
+    loop._resume(ctx, Checkpointer(cfg), trainer, None)   # driver None: no engines to sync
+
+    status = client.status()
+    assert trainer.version == status["version"] == VERSION
+    assert (status["accepted"], status["consumed"]) == (VERSION * GPS, VERSION * GPS)
+    assert client.acquire("w", 100, VERSION).granted == (STALENESS + 1) * GPS
+    assert status["members"]["learner-0"]["info"]["state"] == "resuming"
