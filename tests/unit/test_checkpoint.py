@@ -105,15 +105,61 @@ def test_rng_state_json_round_trip() -> None:
     assert random.random() == expected[1]
 
 
-def _fake_checkpoint(directory: Path, version: int, **counters) -> Path:
+def _meta_only(directory: Path, meta: checkpoint.CheckpointMeta) -> Path:
+    """A ``step_<V>`` holding only ``meta.json`` (what resume_point and the checks read)."""
     import json
     from dataclasses import asdict
 
-    path = directory / f"step_{version}"
+    path = directory / f"step_{meta.version}"
     path.mkdir(parents=True)
-    meta = checkpoint.CheckpointMeta(version, 0.0, "", 1, [], counters)
     (path / checkpoint.META).write_text(json.dumps(asdict(meta)))
     return path
+
+
+class _DcpTrainer:
+    """What FSDP2 looks like to the checkpoint module: no format of its own (DCP)."""
+
+    version = 0
+
+
+class _NativeTrainer(_DcpTrainer):
+    """A backend with its own format (DeepSpeed's shape); loading must never reach it here."""
+
+    checkpoint_format = "deepspeed"
+
+    def save_training_state(self, path: Path) -> None:
+        raise AssertionError("not expected")
+
+    def load_training_state(self, path: Path) -> None:
+        raise AssertionError("not expected")
+
+
+def test_a_checkpoint_of_another_format_is_refused_before_any_collective(tmp_path: Path):
+    meta = checkpoint.CheckpointMeta(3, 0.0, "", 2, [], {}, "deepspeed")
+    step = _meta_only(tmp_path / "a", meta)
+    with pytest.raises(ValueError, match="'deepspeed' state; this learner backend reads 'dcp'"):
+        checkpoint.load(_DcpTrainer(), step)
+    step = _meta_only(tmp_path / "b", checkpoint.CheckpointMeta(3, 0.0, "", 1))
+    with pytest.raises(ValueError, match="'dcp' state; this learner backend reads 'deepspeed'"):
+        checkpoint.load(_NativeTrainer(), step)
+
+
+def test_a_native_checkpoint_resumes_only_at_its_world_size(tmp_path: Path) -> None:
+    step = _meta_only(tmp_path, checkpoint.CheckpointMeta(3, 0.0, "", 2, [], {}, "deepspeed"))
+    with pytest.raises(ValueError, match="written by 2 ranks"):
+        checkpoint.load(_NativeTrainer(), step)   # no process group: a world of 1
+
+
+def test_an_old_meta_without_format_reads_as_dcp(tmp_path: Path) -> None:
+    step = tmp_path / "step_1"
+    step.mkdir()
+    (step / checkpoint.META).write_text('{"version": 1, "time": 0.0, "config_hash": "", '
+                                        '"world": 1, "rng": [], "counters": {}}')
+    assert checkpoint.read_meta(step).format == checkpoint.DCP
+
+
+def _fake_checkpoint(directory: Path, version: int, **counters) -> Path:
+    return _meta_only(directory, checkpoint.CheckpointMeta(version, 0.0, "", 1, [], counters))
 
 
 def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path) -> None:

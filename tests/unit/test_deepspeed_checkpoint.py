@@ -10,7 +10,6 @@ Cost: ~15 s per stage after DeepSpeed's first-use comm op build (~20 s, cached i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -138,25 +137,3 @@ def test_weights_read_without_a_process_group_for_eval(runs: dict[int, Path],
     model.load_state_dict(checkpoint_weights(runs[stage] / "checkpoints" / f"step_{SAVE_AT}"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, saved[name]), name
-
-
-def test_a_checkpoint_of_another_format_is_refused_before_any_collective(tmp_path: Path) -> None:
-    step = tmp_path / "step_3"
-    step.mkdir()
-    meta = checkpoint.CheckpointMeta(3, 0.0, "", 2, [], {}, "deepspeed")
-    (step / checkpoint.META).write_text(json.dumps(meta.__dict__))
-
-    class DcpTrainer:   # no save/load_training_state: an FSDP2-like trainer reads DCP
-        version = 0
-
-    with pytest.raises(ValueError, match="'deepspeed' state"):
-        checkpoint.load(DcpTrainer(), step)
-    assert checkpoint.read_meta(step).format == "deepspeed"
-
-
-def test_old_meta_without_format_reads_as_dcp(tmp_path: Path) -> None:
-    step = tmp_path / "step_1"
-    step.mkdir()
-    (step / checkpoint.META).write_text(json.dumps(
-        {"version": 1, "time": 0.0, "config_hash": "", "world": 1, "rng": [], "counters": {}}))
-    assert checkpoint.read_meta(step).format == checkpoint.DCP
