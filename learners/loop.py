@@ -30,6 +30,7 @@ from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer
 from buffers.lease import keep_leased
+from learners.lora import engine_state
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     driver = None
     try:
         model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-        trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim)
+        trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
         _resume(ctx, checkpointer, trainer, driver)
@@ -74,7 +75,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         # A stop (signal) leaves the run resumable; the end of training marks it finished.
         checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}),
                                     "finished": not stop.is_set()})
-        state = trainer.full_state_dict()  # collective, like save_pretrained
+        state = engine_state(trainer, cfg)  # collective, like save_pretrained
         trainer.save_pretrained(cfg.run_dir / "final")
         if driver is not None:
             driver.finish(state, trainer.version)
@@ -110,7 +111,7 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
                        "with the learner): continuing as version %d", trainer.version,
                        buffer_version, trainer.version + 1, buffer_version, buffer_version)
         trainer.version = buffer_version
-    state = trainer.full_state_dict()  # collective
+    state = engine_state(trainer, ctx.cfg)  # collective
     if driver is not None:
         driver.resumed(state, trainer.version)
 
@@ -140,7 +141,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
                                               cfg.buffer.max_staleness))
             stats = batch.stats
         with timers("gather"):
-            state = trainer.full_state_dict()
+            state = engine_state(trainer, cfg)  # full weights, or LoRA adapters alone
         should_stop = False
         if driver is not None:
             should_stop = driver.after_step(trainer.version, state, metrics, stats, timers.pop())

@@ -40,10 +40,49 @@ class TinyModelConfig(Section):
                                                 "lookup agent env).")
 
 
+LORA_ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (peft), trained instead of the full weights; rank 0 = off.
+
+    Only the adapters are trainable (and in the optimizer); the base weights, embeddings and
+    head stay frozen. The torch engine receives the adapters alone and merges them into its own
+    base copy; other engines, evaluation and HF exports get merged weights (``learners.lora``).
+    No dropout: the learner runs in eval mode so that, on-policy, its logprobs equal the
+    engine's (an importance ratio of exactly 1), and LoRA dropout would break that."""
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 turns LoRA off (full training).")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is "
+                                                 "(alpha / rank) · B·A.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_ALL_LINEAR),
+        description="Names (last path component) of the linear modules that get adapters; "
+                    "the default is every linear layer of a Qwen2/Llama decoder.")
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraConfig:
+        if self.rank and not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: name the linear modules "
+                             "that get adapters (e.g. [\"q_proj\", \"v_proj\"])")
+        bad = [m for m in self.target_modules if not m or "." in m]
+        if bad or len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules must be distinct module names "
+                             f"without dots, got {self.target_modules}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: the factor of B·A in the merged weight."""
+        return self.alpha / self.rank if self.rank else 0.0
+
+
 class ModelConfig(Section):
     path: str = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    lora: LoraConfig = Field(default_factory=LoraConfig,
+                             description="LoRA adapters (rank 0 = off: full training).")
 
 
 class TaskConfig(Section):
@@ -514,7 +553,14 @@ class Config(Section):
             raise ValueError(
                 "model.tiny.max_position_embeddings is shorter than prompt + "
                 "rollout.max_new_tokens")
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        """LoRA is built for the FSDP2 learner only (peft before ``fully_shard``)."""
+        if self.model.lora.rank and self.learner.backend != "fsdp2":
+            raise ValueError(f"model.lora.rank > 0 needs learner.backend = 'fsdp2' (got "
+                             f"{self.learner.backend!r}): LoRA is not built for that backend")
 
     @property
     def run_dir(self) -> Path:

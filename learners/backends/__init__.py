@@ -12,17 +12,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from asyncrl.config.schema import LearnerConfig, SimConfig
+    from asyncrl.config.schema import LearnerConfig, LoraConfig, SimConfig
     from learners.backends.base import Trainer
 
 
 def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
-                 version: int = 0, sim: SimConfig | None = None) -> Trainer:
+                 version: int = 0, sim: SimConfig | None = None,
+                 lora: LoraConfig | None = None) -> Trainer:
     """Build the backend named by ``cfg.backend`` (needs the learner process group first);
-    ``sim`` is the root config's ``[sim]`` section, used by the ``sim`` backend only."""
+    ``sim`` is the root config's ``[sim]`` section, used by the ``sim`` backend only; ``lora``
+    is ``model.lora``, which only FSDP2 supports (the config refuses it with other backends)."""
     if cfg.backend == "fsdp2":
         from learners.backends.fsdp2 import Fsdp2Trainer
-        return Fsdp2Trainer(model_path, cfg, device, version=version)
+        return Fsdp2Trainer(model_path, cfg, device, version=version, lora=lora)
+    if lora is not None and lora.rank:
+        raise ValueError(f"model.lora needs learner.backend = 'fsdp2', not {cfg.backend!r}")
     if cfg.backend == "deepspeed":
         # Optional dependency: importing this module fails with a hint when it is missing.
         from learners.backends.deepspeed import DeepSpeedTrainer

@@ -32,10 +32,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
-from asyncrl.config.schema import LearnerConfig
+from asyncrl.config.schema import LearnerConfig, LoraConfig
 from learners.batching import TrainBatch
 from learners.critic import Critic, ValueModel
 from learners.dist import resolve_device
+from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.losses.aggregation import aggregation_weights
 from learners.losses.objective import objective
 from learners.losses.policy import masked_mean
@@ -98,17 +99,20 @@ class Fsdp2Trainer:
 
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
-                 reference_path: str | Path | None = None) -> None:
+                 reference_path: str | Path | None = None,
+                 lora: LoraConfig | None = None) -> None:
         self.cfg = cfg
+        self.lora = lora if lora is not None and lora.rank else None
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         # A string goes through the same rule as init_learner_group ("auto", cuda → rank's GPU).
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version  # optimizer steps taken, i.e. the policy version of the weights
-        self.model = self._load_sharded(model_path, dtype)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
-                                           weight_decay=cfg.weight_decay)
+        self.model = self._load_sharded(model_path, dtype, self.lora)
+        # With LoRA only the adapters train: the frozen base has no optimizer state at all.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # The frozen reference: the base model (not a resumed checkpoint: pass reference_path).
         self.reference: nn.Module | None = None
         if cfg.loss.kl_coef > 0:
@@ -122,18 +126,26 @@ class Fsdp2Trainer:
             shard_model(value_model, self.world, self.device.type,
                         compute_dtype(cfg, self.device), cfg.activation_checkpointing)
             self.critic = Critic(value_model, cfg, self.world)
-        logger.info("rank %d/%d: %s sharded, %d params, version %d, loss %s/%s/%s, reference %s",
-                    self.rank, self.world, type(self.model).__name__,
-                    sum(p.numel() for p in self.model.parameters()), version,
+        logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
+                    "loss %s/%s/%s, reference %s", self.rank, self.world,
+                    type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
+                    sum(p.numel() for p in self.model.parameters() if p.requires_grad), version,
                     cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
                     "yes" if self.reference is not None else "no")
 
-    def _load_sharded(self, path: str | Path, dtype: torch.dtype) -> nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+    def _load_sharded(self, path: str | Path, dtype: torch.dtype,
+                      lora: LoraConfig | None = None) -> nn.Module:
+        """The HF model at ``path``, LoRA-wrapped when ``lora`` is given (before sharding, so
+        each adapter is sharded with its layer), with its HF model ``fully_shard``-ed. The
+        adapters are made on CPU from a fixed seed, identical on every rank."""
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
-        shard_model(model, self.world, self.device.type, compute_dtype(self.cfg, self.device),
-                    self.cfg.activation_checkpointing)
+        if lora is not None:
+            model = wrap_lora(model, lora)
+        model = model.to(self.device)
+        shard_model(hf_model(model), self.world, self.device.type,
+                    compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing)
         return model
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -227,10 +239,20 @@ class Fsdp2Trainer:
         """The full, unsharded weights on CPU, HF parameter names. COLLECTIVE.
 
         Rank 0 gets every tensor; the other ranks take part in the gathers and get an EMPTY dict
-        (``cpu_offload=True`` keeps the gathered tensors on rank 0 only).
+        (``cpu_offload=True`` keeps the gathered tensors on rank 0 only). With LoRA these are
+        the merged weights ``W0 + (alpha/r)·B·A`` under the plain HF names, so every consumer
+        (engines, ``save_pretrained``, evaluation) sees an ordinary model.
         """
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        state = get_model_state_dict(self.model, options=options)
+        return merged_state(state, self.lora.scale) if self.lora is not None else state
+
+    def adapter_state_dict(self) -> dict[str, Tensor]:
+        """LoRA only: the adapters alone, as engines that merge them receive them
+        (``learners.lora_wire``), on rank 0; an empty dict on the others. COLLECTIVE."""
+        if self.lora is None:
+            raise RuntimeError("adapter_state_dict needs model.lora.rank > 0")
+        return gather_adapters(self.model, self.lora.scale, self.rank)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write an HF ``from_pretrained`` directory (rank 0 writes; all ranks must call).
@@ -242,7 +264,9 @@ class Fsdp2Trainer:
         if self.rank == 0:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
+            # The HF model, not a peft wrapper (which would write the adapters alone): the
+            # state is merged, so the directory loads with plain ``from_pretrained``.
+            hf_model(self.model).save_pretrained(path, state_dict=state)
             for name in _TOKENIZER_FILES:
                 if (self.model_path / name).is_file():
                     shutil.copy2(self.model_path / name, path / name)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from learners.lora_wire import split_adapters
 from rollouters.engines.base import Completion, check_generate_args
+from rollouters.engines.lora_merge import LoraMerger
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class TorchEngine:
         self.on_step = on_step
         self._version = version
         self._lock = threading.Lock()
+        self._lora = LoraMerger()  # base copies of the weights LoRA updates merge into
         self._generator = torch.Generator(self.device)
         if seed is None:
             self._generator.seed()
@@ -135,16 +138,20 @@ class TorchEngine:
 
         Names are checked before anything is copied, so a bad update leaves the model as it
         was. Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight``) resolve to the
-        same storage; either name, or both, may be sent.
+        same storage; either name, or both, may be sent. LoRA adapters (``learners.lora_wire``
+        names) are merged into the base weights (``rollouters.engines.lora_merge``).
         """
-        items = list(weights)
+        adapters, items = split_adapters(weights)
         with self._lock, torch.no_grad():
             targets = self._named_tensors()
             self._check(items, targets)
+            merged = self._lora.merged(adapters, targets, replaced=[n for n, _ in items])
             for name, tensor in items:
                 targets[name].copy_(tensor)
+            self._assign(merged)
             self._version = version
-        logger.debug("loaded %d tensors, version %d", len(items), version)
+        logger.debug("loaded %d tensors and %d adapters, version %d", len(items), len(adapters),
+                     version)
 
     def adopt_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Make the given tensors the model's parameters (no copy), then set :attr:`version`.
@@ -156,14 +163,18 @@ class TorchEngine:
         the model holds them (:class:`~learners.weights_receiver.WeightReceiver` with
         ``adopt=True`` alternates two receive pools for this). A tensor that cannot be a
         parameter as it is (other dtype or device, not contiguous) and buffers are copied.
-        All names and shapes are checked first, so a bad update changes nothing.
+        All names and shapes are checked first, so a bad update changes nothing. LoRA
+        adapters are merged, as by :meth:`load_weights` (the merge makes new tensors: nothing
+        of the receiver's buffers is kept).
         """
+        adapters, items = split_adapters(weights.items())
         with self._lock, torch.no_grad():
             targets = self._named_tensors()
-            self._check(list(weights.items()), targets)
+            self._check(items, targets)
+            merged = self._lora.merged(adapters, targets, replaced=[n for n, _ in items])
             params = dict(self.model.named_parameters(remove_duplicate=False))
             adopted = 0
-            for name, tensor in weights.items():
+            for name, tensor in items:
                 target = targets[name]
                 if (name in params and tensor.dtype == target.dtype
                         and tensor.device == target.device and tensor.is_contiguous()):
@@ -171,8 +182,18 @@ class TorchEngine:
                     adopted += 1
                 else:
                     target.copy_(tensor)
+            self._assign(merged)
             self._version = version
         logger.debug("adopted %d of %d tensors, version %d", adopted, len(weights), version)
+
+    def _assign(self, merged: dict[str, torch.Tensor]) -> None:
+        """Make each merged LoRA weight its parameter's data (a new tensor, so a parameter
+        that viewed an adopted receive buffer stops viewing it). Under the lock."""
+        if not merged:
+            return
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, tensor in merged.items():
+            params[name].data = tensor
 
     @staticmethod
     def _check(items: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
