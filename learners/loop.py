@@ -123,15 +123,17 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
     cfg, timers = ctx.cfg, Timers()
     while trainer.version < cfg.learner.total_steps:
         with timers("wait_data"):
-            batch = _next_batch(ctx, trainer, driver, stop)
-        if batch is None:
+            fetched = _next_batch(ctx, trainer, driver, stop)
+        if fetched is None:
             break
+        batch, (whole, filter_counts) = fetched if driver is not None else (None, (None, {}))
+        if driver is not None and trainer.version + 1 < cfg.learner.total_steps:
+            driver.prefetcher.start(trainer.version + 1)  # the next batch, while this trains
         # The step may outlast buffer.reclaim_idle_s: rank 0 renews the batch's lease
         # meanwhile, so it is not redelivered to another learner and trained twice.
         lease = (keep_leased(ctx.client, ctx.member, batch, cfg.buffer.reclaim_idle_s)
                  if driver is not None else contextlib.nullcontext())
         with timers("compute"), lease:
-            whole, filter_counts = _collate(cfg, batch) if driver is not None else (None, {})
             metrics = trainer.train_step(scatter_batch(whole, ctx.rank, ctx.world))
         stats: dict = {}
         if driver is not None:   # rank 0 read the batch: it acks it and reports on it
@@ -168,15 +170,15 @@ def _collate(cfg: Config, batch):
 
 def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event):
     """Rank 0 waits for ``groups_per_step`` fresh groups, heartbeating and re-syncing late
-    joiners; after every poll all ranks agree whether a batch came or a stop. Returns the batch
-    on rank 0, ``True`` on the others, ``None`` on every rank to stop. The other ranks wait in
-    that agreement rather than in the batch's scatter, so an empty buffer never runs into the
-    process group's timeout."""
-    groups = ctx.cfg.learner.groups_per_step
+    joiners; after every poll all ranks agree whether a batch came or a stop. Returns
+    ``(batch, collated)`` on rank 0 (fetched and collated ahead, during the previous step:
+    :mod:`learners.prefetch`), ``True`` on the others, ``None`` on every rank to stop. The
+    other ranks wait in that agreement rather than in the batch's scatter, so an empty buffer
+    never runs into the process group's timeout."""
     while True:
         batch = None
         if driver is not None and not stop.is_set():
-            batch = ctx.client.get_batch(ctx.member, groups, trainer.version, BATCH_POLL_S)
+            batch = driver.prefetcher.take(trainer.version, BATCH_POLL_S)
         got, stopping = _agree_any([batch is not None, stop.is_set()], ctx.world)
         if got and not stopping:
             return batch if driver is not None else True
@@ -240,12 +242,17 @@ class _RankZero:
     def __init__(self, ctx: RankContext, model_dir: Path) -> None:
         from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
         from learners.dist import broadcast_host
+        from learners.prefetch import BatchPrefetcher
         from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
         from learners.weights_publisher import WeightPublisher
         from rollouters.engines.torch_engine import TorchEngine
         from rollouters.eval import make_evaluator
 
         self.ctx, self.cfg = ctx, ctx.cfg
+        # The next batch is fetched and collated on a thread of its own, with its own client.
+        self.prefetcher = BatchPrefetcher(
+            connect_buffer(self.cfg, ctx.address), ctx.member, self.cfg.learner.groups_per_step,
+            lambda batch: _collate(self.cfg, batch), BATCH_POLL_S, self.cfg.buffer.reclaim_idle_s)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         self.weights_client = connect_buffer(self.cfg, ctx.address)
         self.publisher = WeightPublisher(
@@ -331,6 +338,7 @@ class _RankZero:
     def close(self) -> None:
         """Finish the weight delivery in flight (engines leave), flush the metric sinks and stop
         serving /metrics (idempotent)."""
+        self.prefetcher.close()
         if self.weights_client is not None:
             try:
                 self.publisher.close()

@@ -8,7 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from asyncrl.config import load_config
+from buffers.zmq_client import ZmqBufferClient
 from learners.loop import RankContext, _next_batch
+from learners.prefetch import BatchPrefetcher
 from tests.unit.test_dashboard import screen
 from tests.unit.test_zmq_buffer import broker, client  # noqa: F401 (fixtures)
 
@@ -16,11 +18,17 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
 
 
 def test_waiting_learner_keeps_its_last_step_on_screen(broker, client) -> None:  # noqa: F811
-    buffer = client(broker())
-    ctx = RankContext(load_config(QUICKSTART), 0, 1, buffer, "learner-0")
+    address = broker()
+    buffer = client(address)
+    cfg = load_config(QUICKSTART)
+    ctx = RankContext(cfg, 0, 1, buffer, "learner-0")
     last = {"step": 4, "critic/score/mean": 0.625, "timing/step": 1.0, "timing/wait_data": 0.5}
-    # Rank 0's driver as _next_batch sees it: the last step's record; no engines to re-sync.
-    driver = SimpleNamespace(last_record=last, resync_late_joiners=lambda version: None)
+    # Rank 0's driver as _next_batch sees it: the last step's record; no engines to re-sync;
+    # the batch fetched by its prefetcher (the buffer stays empty).
+    prefetcher = BatchPrefetcher(ZmqBufferClient(address), "learner-0",
+                                 cfg.learner.groups_per_step, lambda batch: batch, 2.0, 60.0)
+    driver = SimpleNamespace(last_record=last, resync_late_joiners=lambda version: None,
+                             prefetcher=prefetcher)
     stop = threading.Event()
     timer = threading.Timer(1.0, stop.set)  # stop during the first empty long poll
     timer.start()
@@ -28,6 +36,7 @@ def test_waiting_learner_keeps_its_last_step_on_screen(broker, client) -> None: 
         assert _next_batch(ctx, SimpleNamespace(version=4), driver, stop) is None
     finally:
         timer.cancel()
+        prefetcher.close()
     status = buffer.status()
     info = status["members"]["learner-0"]["info"]
     assert info["step"] == 4 and info["state"] == "waiting for data" and info["version"] == 4
