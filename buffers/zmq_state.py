@@ -12,7 +12,6 @@ survive a restart is journaled before the broker replies.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import secrets
 import time
@@ -170,31 +169,18 @@ class BrokerState:
     # --- consumption ----------------------------------------------------------------------
 
     def take(self, consumer: str, count: int, learner_version: int) -> list[QueuedGroup] | None:
-        """Drop every stale group, then deliver the ``count`` oldest if there are that many.
-
-        Oldest by version first, then by arrival: earliest deadline first, a group's deadline
-        being ``min_version + max_staleness``. Groups arrive in completion order, not in the
-        order they were admitted, so under arrival order a long-tailed group queued behind
-        fresher ones that overtook it misses its deadline and is dropped; version order
-        serves it first (one producer's groups keep their order: its versions only grow)."""
+        """Drop every stale group, then deliver the ``count`` oldest if there are that many."""
         self._drop_stale(consumer, learner_version)
         if len(self.queue) < count:
             return None
         now = self.clock()
-        groups = self._pop_oldest(count)
+        groups = [self.queue.popleft() for _ in range(count)]
         for g in groups:
             g.consumer, g.delivered_at = consumer, now
             g.delivered_staleness = g.staleness(learner_version)
             self.pending[g.seq] = g
             self.requeued.discard(g.seq)
         return groups
-
-    def _pop_oldest(self, count: int) -> list[QueuedGroup]:
-        """Remove and return the ``count`` queued groups of the oldest versions (then seqs)."""
-        oldest = heapq.nsmallest(count, self.queue, key=lambda g: (g.min_version, g.seq))
-        chosen = {id(g) for g in oldest}
-        self.queue = deque(g for g in self.queue if id(g) not in chosen)
-        return oldest
 
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
         cutoff = learner_version - self.gate.max_staleness
