@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -51,7 +52,8 @@ logger = logging.getLogger("bench.pipeline")
 
 COLUMNS = ["tail", "ratio", "mode", "samples_per_s", "tokens_per_s", "speedup", "bound_speedup",
            "pct_of_bound", "learner_idle", "engine_idle", "staleness_hist", "drops",
-           "gate_closed_s_per_engine", "step_s", "bound_step_s"]
+           "gate_closed_s_per_engine", "step_s", "bound_step_s", "harness_cores", "machine_busy",
+           "load_1min"]
 
 
 @dataclass
@@ -106,6 +108,9 @@ class Row:
     gate_closed_s_per_engine: float = 0.0
     step_s: float = 0.0
     bound_step_s: float = 0.0
+    harness_cores: float = 0.0  # CPU of the whole run (every role) / its wall time
+    machine_busy: float = 0.0  # the machine's CPU busy fraction during the run (all users)
+    load_1min: float = 0.0  # load average at the run's end (other users included)
 
 
 def sim_config(scale: Scale, tail: str) -> SimConfig:
@@ -152,11 +157,17 @@ def overrides(scale: Scale, tail: str, cal: Calibration, staleness: int) -> list
             f"sim.mean_tokens={sim.mean_tokens}", f"sim.sigma={sim.sigma}",
             f"sim.train_token_s={cal.t_train / cal.tokens_per_step!r}",
             f"sim.model_params={params}", f"sim.param_bytes={param_bytes}",
-            f"sim.sync_gb_per_s={params * param_bytes / cal.t_sync / 1e9!r}"]
+            f"sim.sync_gb_per_s={params * param_bytes / cal.t_sync / 1e9!r}",
+            # not measured: the final greedy eval (a few prompts) and the roles' stop (the
+            # learner ends on its own; the fleet and broker are then stopped within 3 s)
+            "task.eval_size=4", "launcher.stop_timeout_s=3"]
 
 
-def run_scenario(config: Path, out: Path, name: str, sets: list[str], timeout_s: float) -> Path:
-    """One ``asyncrl up``; returns the run directory."""
+def run_scenario(config: Path, out: Path, name: str, sets: list[str], timeout_s: float
+                 ) -> tuple[Path, dict[str, float]]:
+    """One ``asyncrl up``; returns the run directory and what the run cost the machine: the
+    simulated waits also wait for the CPU, so a harness (or a neighbour) that saturates it
+    shows up as overhead."""
     cmd = [sys.executable, "-m", "asyncrl.cli", "up", str(config),
            "--set", f"run.output_dir={out}", "--set", f"run.name={name}"]
     for item in sets:
@@ -167,9 +178,35 @@ def run_scenario(config: Path, out: Path, name: str, sets: list[str], timeout_s:
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"{name}.log"
     with log.open("w") as handle:
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=handle,
-                       stderr=subprocess.STDOUT, timeout=timeout_s)
-    return out / name
+        with CpuMeter() as cpu:
+            subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=handle,
+                           stderr=subprocess.STDOUT, timeout=timeout_s)
+    return out / name, cpu.result
+
+
+class CpuMeter:
+    """CPU used by the finished children (every role of the run: ``asyncrl up`` reaps them)
+    and the machine's busy fraction, between enter and exit."""
+
+    def __enter__(self) -> CpuMeter:
+        self.start, self.machine = time.monotonic(), _machine_ticks()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu = usage.ru_utime + usage.ru_stime
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self.start
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        busy, total = (b - a for a, b in zip(self.machine, _machine_ticks()))
+        self.result = {"harness_cores": (usage.ru_utime + usage.ru_stime - self.cpu) / wall,
+                       "machine_busy": busy / max(total, 1), "load_1min": os.getloadavg()[0]}
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the machine since boot, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
 
 
 def measure(run_dir: Path, scale: Scale) -> dict:
@@ -192,7 +229,9 @@ def measure(run_dir: Path, scale: Scale) -> dict:
             "learner_idle": wait / span,
             "engine_idle": max(0.0, 1.0 - generate / (span * scale.workers)),
             "staleness_hist": [int(c) for c in hist.tolist()],
-            "drops": int(last.get("buffer/dropped_stale", 0)),
+            # within the window, like every other column (the counter runs from the start)
+            "drops": int(last.get("buffer/dropped_stale", 0)
+                         - first.get("buffer/dropped_stale", 0)),
             "gate_closed_s_per_engine": gate / scale.workers}
 
 
@@ -209,10 +248,10 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
             for staleness in modes:
                 name = f"{tail}-r{ratio:g}-s{staleness}"
                 start = time.monotonic()
-                run_dir = run_scenario(args.config, out / "runs", name,
-                                       overrides(scale, tail, cal, staleness) + args.overrides,
-                                       args.timeout)
-                got = measure(run_dir, scale)
+                run_dir, cost = run_scenario(args.config, out / "runs", name,
+                                             overrides(scale, tail, cal, staleness)
+                                             + args.overrides, args.timeout)
+                got = {**measure(run_dir, scale), **cost}
                 bound = cal.sync_bound if staleness == 0 else cal.async_bound
                 rate = got["samples_per_s"]
                 sync_rate = rate if staleness == 0 else sync_rate
@@ -231,7 +270,7 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
 def to_markdown(rows: list[Row]) -> str:
     head = ("| tail | T_gen:T_train | mode | samples/s | tokens/s | speedup vs sync | bound "
             "speedup | % of bound | learner idle | engine idle | staleness hist (0..s) | drops "
-            "| gate closed s/engine |")
+            "| gate closed s/engine | run CPU (cores) | machine busy | load |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -239,7 +278,8 @@ def to_markdown(rows: list[Row]) -> str:
             f"{r.tokens_per_s:,.0f} | {r.speedup:.2f}× | {r.bound_speedup:.2f}× | "
             f"{100 * r.pct_of_bound:.0f} % | {100 * r.learner_idle:.0f} % | "
             f"{100 * r.engine_idle:.0f} % | {' '.join(map(str, r.staleness_hist))} | {r.drops} | "
-            f"{r.gate_closed_s_per_engine:.1f} |")
+            f"{r.gate_closed_s_per_engine:.1f} | {r.harness_cores:.2f} | "
+            f"{100 * r.machine_busy:.0f} % | {r.load_1min:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -270,7 +310,7 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.set_xlabel("generation : training time")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup over synchronous")
-    axes[0].legend()
+    next(ax for ax in axes if ax.get_visible()).legend()
     fig.suptitle("asyncrl simulated: 64 engines, 8 learner ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
