@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from learners.lora_wire import A, B, adapter_name, merge
 
@@ -73,8 +74,10 @@ def hf_model(model: nn.Module) -> nn.Module:
 
 
 def _adapter_part(name: str) -> tuple[str, str] | None:
-    """``(HF weight name, "lora_A" | "lora_B")`` of a peft adapter parameter, else None."""
-    match = _ADAPTER.match(name.removeprefix(PEFT_PREFIX))
+    """``(HF weight name, "lora_A" | "lora_B")`` of a peft adapter parameter, else None.
+    Parameter names inside an activation-checkpointed layer carry the wrapper's prefix, which
+    state dicts strip: it is stripped here too."""
+    match = _ADAPTER.match(name.removeprefix(PEFT_PREFIX).replace(_CHECKPOINT_PREFIX, ""))
     return (f"{match['module']}.weight", match["part"]) if match else None
 
 

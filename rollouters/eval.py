@@ -130,12 +130,24 @@ def load_policy(cfg: Config, checkpoint: str | Path):
 
         model.load_state_dict(checkpoint_weights(path))
     else:
-        import torch.distributed.checkpoint as dcp
-
-        state = {"actor_model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(path))
-        model.load_state_dict(state["actor_model"])
+        model = _load_dcp(model, path, cfg.model.lora)
     return model, meta.get("version", -1), model_dir
+
+
+def _load_dcp(model, path: Path, lora):
+    """The actor of a sharded DCP checkpoint, as a plain HF model. A LoRA run
+    (``model.lora.rank``) checkpointed the peft-wrapped model: the initial model is wrapped the
+    same way, loaded, then merged (peft's ``merge_and_unload``, on local modules)."""
+    import torch.distributed.checkpoint as dcp
+
+    if lora.rank:
+        from learners.lora import wrap_lora
+
+        model = wrap_lora(model, lora)
+    state = {"actor_model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["actor_model"])
+    return model.merge_and_unload() if lora.rank else model
 
 
 def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config.schema import LearnerConfig, LoraConfig
+from asyncrl.config.schema import Config, LearnerConfig, LoraConfig, LossConfig, ModelConfig
 from learners import checkpoint
 from learners.batching import collate
 from learners.dist import free_port
@@ -27,9 +27,17 @@ from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
 STEPS = 3
 CFG = LearnerConfig(lr=1e-2, grad_clip=1.0, clip_eps=0.2)
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+# One-rank variants: recomputed activations (must not change a thing: non-reentrant checkpointing
+# lets gradients reach adapters whose layer inputs need none), and LoRA beside the frozen
+# reference (KL) and the fully trained GAE critic.
+VARIANTS = {
+    "checkpointing": CFG.model_copy(update={"activation_checkpointing": True}),
+    "kl_gae": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5, advantage="gae")}),
+}
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+             cfg: LearnerConfig = CFG) -> None:
     """One LoRA learner process: STEPS steps; metrics, merged state, adapters, HF export."""
     torch.set_num_threads(1)
     from learners.backends.fsdp2 import Fsdp2Trainer
@@ -37,8 +45,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> 
 
     device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
     try:
-        trainer = Fsdp2Trainer(model_dir, CFG, device, lora=LORA)
-        batch = collate(rank_groups(rank, world), std_norm=True, pad_id=0)
+        trainer = Fsdp2Trainer(model_dir, cfg, device, lora=LORA)
+        batch = collate(rank_groups(rank, world), std_norm=True, pad_id=0,
+                        advantage=cfg.loss.advantage)
         metrics = [trainer.train_step(batch) for _ in range(STEPS)]
         state, adapters = trainer.full_state_dict(), trainer.adapter_state_dict()
         trainer.save_pretrained(Path(out_dir) / "hf")
@@ -51,16 +60,18 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> 
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The 1-rank and the 2-rank LoRA run at once (3 processes)."""
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[int | str, Path]:
+    """The 1-rank and the 2-rank LoRA run, and each 1-rank variant (5 processes)."""
     ctx = mp.get_context("spawn")
+    worlds = {1: (1, CFG), 2: (2, CFG), **{name: (1, cfg) for name, cfg in VARIANTS.items()}}
     out, procs = {}, []
-    for world in (1, 2):
-        out[world] = tmp_path_factory.mktemp("lora") / f"world{world}"
-        out[world].mkdir()
+    for key, (world, cfg) in worlds.items():
+        out[key] = tmp_path_factory.mktemp("lora") / str(key)
+        out[key].mkdir()
         port = free_port()
         procs += [ctx.Process(target=run_rank,
-                              args=(r, world, port, str(tiny_model_dir), str(out[world])))
+                              args=(r, world, port, str(tiny_model_dir), str(out[key]), cfg))
                   for r in range(world)]
     for proc in procs:
         proc.start()
@@ -72,7 +83,7 @@ def _load(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def test_two_ranks_match_one_rank(runs: dict[int, Path]) -> None:
+def test_two_ranks_match_one_rank(runs: dict[int | str, Path]) -> None:
     single, multi = _load(runs[1] / "rank0.pt"), _load(runs[2] / "rank0.pt")
     assert single["version"] == multi["version"] == STEPS
     for key in ("state", "adapters"):
@@ -86,7 +97,7 @@ def test_two_ranks_match_one_rank(runs: dict[int, Path]) -> None:
     assert _load(runs[2] / "rank1.pt")["adapters"] == {}   # rank 0 only, like the state
 
 
-def test_only_adapters_train(runs: dict[int, Path], tiny_model_dir: Path) -> None:
+def test_only_adapters_train(runs: dict[int | str, Path], tiny_model_dir: Path) -> None:
     run, initial = _load(runs[2] / "rank0.pt"), _initial_state(tiny_model_dir)
     adapters, _ = split_adapters(run["adapters"].items())
     assert run["optimized"] == sum(a.numel() + b.numel() for a, b in adapters.values())
@@ -105,7 +116,7 @@ def test_only_adapters_train(runs: dict[int, Path], tiny_model_dir: Path) -> Non
             assert torch.equal(run["state"][name], tensor), name   # frozen, exactly
 
 
-def test_hf_export_is_the_merged_model(runs: dict[int, Path]) -> None:
+def test_hf_export_is_the_merged_model(runs: dict[int | str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
     state = _load(runs[2] / "rank0.pt")["state"]
@@ -125,6 +136,7 @@ def test_checkpoint_round_trip_resumes_adapters(tiny_model_dir: Path, tmp_path: 
     step(trainer)
     step(trainer)
     path = checkpoint.save(trainer, tmp_path, keep=2, cfg_hash="lora")
+    saved = trainer.full_state_dict()
     step(trainer)   # the step the resumed trainer must reproduce: needs adapters AND moments
     expected = trainer.adapter_state_dict()
 
@@ -135,3 +147,29 @@ def test_checkpoint_round_trip_resumes_adapters(tiny_model_dir: Path, tmp_path: 
     assert set(got) == set(expected)
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
+    # `asyncrl eval --checkpoint` reads the LoRA checkpoint as the merged plain model.
+    from rollouters.eval import load_policy
+
+    cfg = Config(model=ModelConfig(path=str(tiny_model_dir), lora=LORA))
+    model, version, _ = load_policy(cfg, path)
+    assert version == 2 and type(model).__name__ == "Qwen2ForCausalLM"
+    state = model.state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_activation_checkpointing_changes_nothing(runs: dict[int | str, Path]) -> None:
+    plain, recomputed = _load(runs[1] / "rank0.pt"), _load(runs["checkpointing"] / "rank0.pt")
+    for name, tensor in plain["adapters"].items():
+        torch.testing.assert_close(recomputed["adapters"][name], tensor, atol=1e-6, rtol=0)
+
+
+def test_lora_beside_reference_and_critic(runs: dict[int | str, Path],
+                                          tiny_model_dir: Path) -> None:
+    run = _load(runs["kl_gae"] / "rank0.pt")
+    kl = [m["actor/kl_loss"] for m in run["metrics"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 0   # the base IS the reference
+    assert run["metrics"][-1]["critic/values/mean"] != 0.0          # the critic trains
+    initial = _initial_state(tiny_model_dir)
+    assert torch.equal(run["state"]["model.embed_tokens.weight"],
+                       initial["model.embed_tokens.weight"])
