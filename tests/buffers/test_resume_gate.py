@@ -36,6 +36,15 @@ def test_a_fresh_buffer_is_seeded_from_the_checkpoint(backend):
         c.publish_version(4)
 
 
+def test_the_seed_survives_a_restart_of_the_server(backend):
+    """Journaled (the broker's spill file; Redis' AOF) like every other gate change."""
+    d = backend.start(groups_per_step=2, max_staleness=1)
+    assert d.client().restore_progress(5, 10) == 5
+    d.restart(kill=True)
+    status = d.client().status()
+    assert (status["version"], status["accepted"], status["consumed"]) == (5, 10, 10)
+
+
 def test_a_buffer_that_lived_through_the_steps_is_unchanged(backend):
     c = backend.start(groups_per_step=1, max_staleness=0).client()
     for version in range(3):
