@@ -261,10 +261,20 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
                           bound_speedup=cal.sync_bound / bound,
                           pct_of_bound=bound / got["step_s"], bound_step_s=bound, **got)
                 rows.append(row)
+                write_results(rows, scale, out)  # a sweep cut short keeps what it measured
                 logger.info("%s: %.1f samples/s, %.0f%% of bound, speedup %.2fx (bound %.2fx), "
                             "%.0fs", name, rate, 100 * row.pct_of_bound, row.speedup,
                             row.bound_speedup, time.monotonic() - start)
     return rows
+
+
+def write_results(rows: list[Row], scale: Scale, out: Path) -> str:
+    """``pipeline.md`` and ``pipeline.json`` in ``out``; returns the table."""
+    table = to_markdown(rows)
+    (out / "pipeline.md").write_text(table)
+    (out / "pipeline.json").write_text(json.dumps(
+        {"scale": asdict(scale), "rows": [asdict(r) for r in rows]}, indent=1))
+    return table
 
 
 def to_markdown(rows: list[Row]) -> str:
@@ -347,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                        if args.quick or args.tiny else ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     rows = sweep(args, scale, out)
-    table = to_markdown(rows)
-    (out / "pipeline.md").write_text(table)
-    (out / "pipeline.json").write_text(json.dumps(
-        {"scale": asdict(scale), "rows": [asdict(r) for r in rows]}, indent=1))
+    table = write_results(rows, scale, out)
     try:
         plot(rows, out / "pipeline.png")
     except ImportError:
