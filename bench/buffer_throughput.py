@@ -6,7 +6,7 @@ to one consumer that takes batches of ``--batch`` groups:
 
 - ``zmq``: the asyncrl ZMQ backend, broker in its own process (as ``asyncrl buffer`` runs):
   producers ``acquire`` + ``put(group)`` (encode included), the consumer ``get_batch`` (decode
-  and validation included) + ``ack``.
+  and validation included) carrying the ``ack`` of the batch before.
 - ``zmq-raw``: PUSH → PULL of the 5 pre-encoded frames (multipart), direct: one hop, no
   broker, no decode. ``zmq-raw-packed``: the same bytes as the one packed frame the backend
   sends (:func:`buffers.zmq_protocol.pack_group`). ``zmq-raw-2hop``: packed, through
@@ -21,8 +21,9 @@ runs in this process, the ZMQ broker in another). The gate never closes (``max_s
 huge); ``max_groups`` bounds what is held, so backpressure is part of the measure. Each row
 warms up, then counts what the consumer received over ``--seconds``; it is run ``--repeats``
 times (interleaved with the other rows) and the median is printed, as a shared machine is
-noisy. ``ratio`` is backend / the fastest raw transport of the same size and producer count
-(zmq: the better of ``zmq-raw`` and ``zmq-raw-packed``; redis: ``redis-raw``).
+noisy. ``vs raw`` is backend / the fastest raw transport of the same size and producer count
+(zmq: the better of ``zmq-raw`` and ``zmq-raw-packed``, one hop; redis: ``redis-raw``);
+``vs 2-hop`` is a zmq row / ``zmq-raw-2hop``, the raw transport with the broker's topology.
 
     python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
                                       [--producers 1 4] [--only zmq zmq-raw ...]
@@ -243,14 +244,15 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
 
 
 def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
-    """The consumer of a backend row: a learner that takes a batch and acks it at once."""
+    """The consumer of a backend row: a learner that takes a batch and acks it at once, the
+    ack riding on the request for the next batch (``get_batch(ack=...)``, one round trip)."""
+    previous = None
 
     def take() -> int:
-        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2)
-        if batch is None:
-            return 0
-        consumer.ack("learner", batch)
-        return len(batch.groups)
+        nonlocal previous
+        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2, ack=previous)
+        previous = batch  # after a timeout (None) the ack went with that request anyway
+        return len(batch.groups) if batch is not None else 0
 
     return take
 
@@ -398,6 +400,7 @@ ROWS = ("zmq-raw", "zmq-raw-packed", "zmq-raw-2hop", "zmq", "zmq-put-many", "zmq
 ZMQ_RAW = ("zmq-raw", "zmq-raw-packed")
 RAW_OF = {"zmq-raw-2hop": ZMQ_RAW, "zmq": ZMQ_RAW, "zmq-put-many": ZMQ_RAW,
           "zmq-spill": ZMQ_RAW, "redis": ("redis-raw",), "redis-put-many": ("redis-raw",)}
+TWO_HOP_RATIO = ("zmq", "zmq-put-many", "zmq-spill")
 PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
 
 
@@ -442,13 +445,15 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
                     "redis-raw": "redis server"}.get(name)
             if what is None:
                 continue  # zmq-spill without --spill-dir: not asked for
-            print(f"| {label} | {producers} | {name} | {what} not available | | |")
+            print(f"| {label} | {producers} | {name} | {what} not available | | | |")
             continue
         raws = [rates[r] for r in RAW_OF.get(name, ()) if r in rates]
         ratio = f"{rates[name] / max(raws):.2f}" if raws else ""
+        two_hop = rates.get("zmq-raw-2hop") if name in TWO_HOP_RATIO else None
+        ratio_2hop = f"{rates[name] / two_hop:.2f}" if two_hop else ""
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
         print(f"| {label} | {producers} | {name} | {rates[name]:,.0f} ({spread}) | "
-              f"{rates[name] * size / 1e6:,.0f} | {ratio} |", flush=True)
+              f"{rates[name] * size / 1e6:,.0f} | {ratio} | {ratio_2hop} |", flush=True)
 
 
 def main() -> int:
@@ -468,8 +473,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = mp.get_context("spawn")
-    print("| group | producers | backend | groups/s (min–max) | MB/s | ratio vs raw |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | vs 2-hop |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for tokens in args.tokens:
         for producers in args.producers:
             spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url)

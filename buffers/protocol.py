@@ -72,11 +72,15 @@ class Buffer(Protocol):
         """Give back granted groups that will never be put (filtered, failed)."""
 
     def get_batch(self, consumer: str, count: int, learner_version: int,
-                  timeout_s: float) -> Batch | None:
+                  timeout_s: float, ack: Batch | None = None) -> Batch | None:
         """Exactly ``count`` fresh groups, oldest first, or None after ``timeout_s``.
         Groups staler than ``max_staleness`` at ``learner_version`` are dropped and counted.
         Served groups stay pending until :meth:`ack`; a consumer that dies before acking has
-        them redelivered to another consumer after ``buffer.reclaim_idle_s`` (at-least-once)."""
+        them redelivered to another consumer after ``buffer.reclaim_idle_s`` (at-least-once).
+
+        ``ack``: a batch whose optimizer step is done, acked first exactly as :meth:`ack`
+        would (also when no batch comes back), in the same round trip: a consumer that
+        takes, trains and acks in turn pays one round trip per step instead of two."""
 
     def ack(self, consumer: str, batch: Batch) -> None:
         """The optimizer step that used ``batch`` is done: its groups are never redelivered."""

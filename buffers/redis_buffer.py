@@ -1,10 +1,11 @@
 """The Redis backend: :class:`~buffers.protocol.BufferClient` over Redis Streams.
 
-Redis is the broker: there is no ``asyncrl buffer`` process. Groups are entries of one stream;
-learners read them through the consumer group ``learners`` and ack after the optimizer step
-that used them, so the run is at-least-once and loses nothing a durable Redis kept (AOF).
-Every rule that touches two counters is one Lua script (:mod:`buffers.redis_scripts`, which
-also documents the key layout).
+Redis is the broker: there is no ``asyncrl buffer`` process. Each accepted group is an entry
+of an index stream naming its payload (the packed frames under their own key); learners read
+the index through the consumer group ``learners`` and ack after the optimizer step that used
+them, so the run is at-least-once and loses nothing a durable Redis kept (AOF). Every rule that
+touches two counters is one Lua script (:mod:`buffers.redis_scripts`, which also documents the
+key layout); payloads never pass through Lua, they move with plain ``SET`` and ``MGET``.
 
 Choices worth knowing:
 
@@ -16,6 +17,7 @@ Choices worth knowing:
   before it is known that a full batch can be formed.) Only an entry rejected when decoded
   (a producer that bypassed this client) leaves a partial batch, held here and topped up.
 - A served batch must be acked within ``reclaim_idle_s``, or another learner takes it over.
+  ``get_batch(ack=batch)`` acks inside the take script: one round trip for both.
 - Consumer names are made unique per client (``name-pid-random``), so a restarted learner
   never silently inherits its dead predecessor's pending groups: they are reclaimed.
 - Waiting is blocking reads, not spinning: ``get_batch`` blocks on the index stream for a new
@@ -24,7 +26,9 @@ Choices worth knowing:
   write in between is never missed. A full buffer makes ``put`` poll with a backoff of up to
   0.2 s (acks are not announced), then raise :class:`TimeoutError` after
   ``request_timeout_s``: unread data is never trimmed. ``put_many`` (``put`` is one of
-  one) pays one round trip per ``PUT_WINDOW`` groups; the script takes them in order.
+  one) pays one round trip per ``PUT_WINDOW`` groups: their payloads are ``SET`` with an
+  expiry in the same pipeline as the script that files them in order; a window that found
+  the buffer full is retried with the keys alone.
 - ``gate_closed_s`` is accrued by the scripts that change the gate, so a transition caused
   only by time (a producer declared dead) is noticed at the next call of any client.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
@@ -35,30 +39,31 @@ Choices worth knowing:
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
-from asyncrl.wire import Rejections, TrajectoryGroup, WireError, encode_group_views
+from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
 from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
 from buffers.redis_connect import connect
-from buffers.redis_entries import decode_entry, entry_order, put_args, put_results
-from buffers.redis_scripts import GROUP, PRELUDE, SCRIPTS, RedisKeys
-from buffers.redis_status import assemble_status, batch_stats
+from buffers.redis_consumer import RedisConsumer
+from buffers.redis_entries import StagedPut, put_results, stage_put
+from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
+    RedisKeys
+from buffers.redis_status import assemble_status
 
 logger = logging.getLogger(__name__)
 
 RUN_STATUS_KEY = "run/status"
 PUT_BACKOFF_S = (0.01, 0.2)  # first and largest wait while the buffer is full
 PUT_WINDOW = 8  # put_many: groups per script call (each call blocks Redis while it runs)
+STAGE_MARGIN_S = 30.0  # a staged payload outlives 2 x request_timeout_s by this much
 
 
 class BufferRefused(RuntimeError):
@@ -75,32 +80,28 @@ class RedisBufferClient:
         self.config = config
         self.gate = StalenessGate(config.max_staleness, groups_per_step)
         self.keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}")
+        self._all_keys = self.keys.all()
         self._redis = connect(config)
         self._scripts = {name: self._redis.register_script(PRELUDE + body)
                          for name, body in SCRIPTS.items()}
         self._params = [config.max_staleness, groups_per_step, config.max_groups,
                         int(config.heartbeat_timeout_s * 1000)]
         self._rejections = Rejections()
-        self._consumers: dict[str, str] = {}
-        self._held: dict[str, list[tuple[str, TrajectoryGroup]]] = {}
-        self._dropped: Counter[str] = Counter()
-        self._served: dict[str, int] = {}  # receipt -> staleness when served, until acked
-        self._wake_s = max(0.01, min(1.0, config.reclaim_idle_s / 4,
-                                     config.request_timeout_s / 2))
+        self._stage_ttl_ms = int((2 * config.request_timeout_s + STAGE_MARGIN_S) * 1000)
+        self._consumer = RedisConsumer(self._redis, self._run, self.keys, config, self.gate,
+                                       self._rejections)
         self.run_id = self._run("init", run_id).decode()
         if run_id and self.run_id != run_id:
             logger.warning("namespace %s belongs to run %r, not %r", self.keys.namespace,
                            self.run_id, run_id)
 
     def _run(self, script: str, *args: Any) -> Any:
-        return self._scripts[script](keys=self.keys.all(), args=[*self._params, *args])
+        return self._scripts[script](keys=self._all_keys, args=[*self._params, *args])
 
     def close(self) -> None:
         """Forget consumers that hold nothing (their pending groups must stay reclaimable)."""
         try:
-            for name in self._consumers.values():
-                if not self._redis.xpending_range(self.keys.groups, GROUP, "-", "+", 1, name):
-                    self._redis.xgroup_delconsumer(self.keys.groups, GROUP, name)
+            self._consumer.tidy()
         except RedisError as exc:  # closing must work with the server gone too
             logger.warning("redis buffer %s: consumers not tidied on close: %s",
                            self.keys.namespace, exc)
@@ -127,20 +128,21 @@ class RedisBufferClient:
 
     def put_frames(self, producer: str, frames: Sequence[bytes]) -> PutResult:
         """Put already-encoded frames; validated here, and again by consumers."""
-        args = put_args(frames, self.config.max_message_bytes, self._rejections, producer)
-        return self._put_items(producer, [args])[0]
+        staged = stage_put(frames, self.config.max_message_bytes, self._rejections, producer)
+        return self._put_items(producer, [staged])[0]
 
     def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
                  window: int = PUT_WINDOW) -> list[PutResult]:
-        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>` with one script call
-        per ``window`` groups (a bound on how long one call blocks Redis). All or error."""
+        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>` with one round trip
+        per ``window`` groups (a bound on how long one script call blocks Redis). All or
+        error."""
         if window < 1:
             raise ValueError(f"window {window} must be >= 1")
-        items = [put_args(encode_group_views(group), self.config.max_message_bytes,
-                          self._rejections, producer) for group in groups]
+        items = [stage_put(encode_group_views(group), self.config.max_message_bytes,
+                           self._rejections, producer) for group in groups]
         return self._put_items(producer, items, window)
 
-    def _put_items(self, producer: str, items: list[list[Any]],
+    def _put_items(self, producer: str, items: list[StagedPut],
                    window: int = PUT_WINDOW) -> list[PutResult]:
         """Send ``items`` in windows; while the buffer is full, poll with a backoff; give up
         after ``request_timeout_s`` without progress (the rest then stays unaccepted)."""
@@ -148,9 +150,10 @@ class RedisBufferClient:
         deadline = time.monotonic() + self.config.request_timeout_s
         delay = PUT_BACKOFF_S[0]
         while len(results) < len(items):
-            window_items = items[len(results):len(results) + window]
-            done, full = put_results(self._run("put_many", producer,
-                                               *[arg for item in window_items for arg in item]))
+            done, full = put_results(self._put_window(
+                producer, items[len(results):len(results) + window]))
+            for item in items[len(results):len(results) + len(done)]:
+                item.payload = None  # handled: Redis has it (or it was rejected)
             results += done
             if done:  # progress: the timeout counts from here, like a fresh put
                 deadline = time.monotonic() + self.config.request_timeout_s
@@ -164,85 +167,48 @@ class RedisBufferClient:
                 delay = min(PUT_BACKOFF_S[1], delay * 2)
         return results
 
+    def _put_window(self, producer: str, items: list[StagedPut]) -> Any:
+        """One pipeline: ``SET`` (with an expiry) of the payloads not staged yet, then the
+        put script with their keys. Returns the script's answers."""
+        keys: list[str] = []
+        args: list[Any] = [producer, self._stage_ttl_ms]
+        for item in items:
+            if item.payload is not None and not item.key:
+                item.key = self.keys.payload(uuid.uuid4().hex)
+            if item.key:
+                keys.append(item.key)
+            args += [item.reason, item.min_version, item.run_id, len(keys) if item.key else 0]
+        for attempt in (1, 2):
+            pipe = self._redis.pipeline(transaction=False)
+            for item in items:
+                if item.payload is not None and not item.staged:
+                    pipe.set(item.key, item.payload, px=self._stage_ttl_ms)
+            script = self._scripts["put_many"]
+            pipe.evalsha(script.sha, len(self._all_keys) + len(keys), *self._all_keys, *keys,
+                         *self._params, *args)
+            try:
+                answers = pipe.execute()[-1]
+                break
+            except NoScriptError:  # a restarted Redis forgot the scripts: load, send again
+                if attempt == 2:
+                    raise
+                self._redis.script_load(script.script)
+        for item in items:
+            item.staged = item.staged or item.payload is not None
+        return answers
+
     # --- learners -------------------------------------------------------------------------
 
     def get_batch(self, consumer: str, count: int, learner_version: int,
-                  timeout_s: float) -> Batch | None:
-        if not 1 <= count <= self.config.max_groups:
-            raise ValueError(f"count {count} must be in [1, max_groups={self.config.max_groups}]")
-        held = self._held.setdefault(consumer, [])
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while True:
-            self._drop_stale_held(consumer, learner_version)
-            tail, stats = self._take(consumer, count - len(held), learner_version)
-            if len(held) >= count:
-                return self._serve(consumer, count, learner_version, stats)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            wait_ms = max(1, int(min(remaining, self._wake_s) * 1000))
-            self._redis.xread({self.keys.index: tail}, count=1, block=wait_ms)
-
-    def _consumer_name(self, consumer: str) -> str:
-        if consumer not in self._consumers:
-            self._consumers[consumer] = f"{consumer}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        return self._consumers[consumer]
-
-    def _take(self, consumer: str, need: int, learner_version: int) -> tuple[bytes, list]:
-        """One take script; valid entries join this consumer's held list."""
-        held = self._held[consumer]
-        lost, dropped, entries, tail, stats = self._run(
-            "take", self._consumer_name(consumer), max(0, need), learner_version,
-            int(self.config.reclaim_idle_s * 1000), *[entry_id for entry_id, _ in held])
-        if lost:
-            logger.warning("%d held groups were reclaimed by another consumer", len(lost))
-            gone = {i.decode() for i in lost}
-            held[:] = [(i, g) for i, g in held if i not in gone]
-        self._dropped[consumer] += int(dropped)
-        for raw_id, fields in entries:
-            entry_id = raw_id.decode()
-            try:
-                held.append((entry_id, decode_entry(fields, self.config.max_message_bytes)))
-            except WireError as exc:
-                self._rejections.add(exc, f"stream entry {entry_id}")
-                self._run("discard", "reject", exc.reason, entry_id)
-        return tail, stats
-
-    def _drop_stale_held(self, consumer: str, learner_version: int) -> None:
-        held = self._held[consumer]
-        stale = [i for i, g in held if not self.gate.is_fresh(learner_version, g.min_version())]
-        if stale:
-            self._run("discard", "stale", "", *stale)
-            self._dropped[consumer] += len(stale)
-            held[:] = [(i, g) for i, g in held if i not in stale]
-
-    def _serve(self, consumer: str, count: int, learner_version: int, stats: list) -> Batch:
-        held = self._held[consumer]
-        held.sort(key=lambda item: entry_order(item[0]))  # oldest first: FIFO per producer
-        served, held[:] = held[:count], held[count:]
-        for entry_id, group in served:
-            self._served[entry_id] = group.staleness(learner_version)
-        return Batch(groups=[g for _, g in served], dropped_stale=self._dropped.pop(consumer, 0),
-                     stats=batch_stats(stats), receipts=[i for i, _ in served])
+                  timeout_s: float, ack: Batch | None = None) -> Batch | None:
+        return self._consumer.get_batch(consumer, count, learner_version, timeout_s, ack)
 
     def ack(self, consumer: str, batch: Batch) -> None:
-        if not batch.receipts:
-            return
-        args: list[Any] = []
-        for receipt in batch.receipts:
-            args += [receipt, self._served.pop(receipt, 0)]
-        acked = int(self._run("ack", *args))
-        if acked < len(batch.receipts):
-            logger.warning("%s: %d of %d groups were already acked (reclaimed and trained "
-                           "elsewhere: at-least-once)", consumer,
-                           len(batch.receipts) - acked, len(batch.receipts))
+        self._consumer.ack(consumer, batch)
 
     def renew(self, consumer: str, batch: Batch) -> int:
         """Keep ``batch`` from being reclaimed during a long step (see the protocol)."""
-        name = self._consumers.get(consumer)
-        if name is None or not batch.receipts:
-            return 0
-        return int(self._run("renew", name, *batch.receipts))
+        return self._consumer.renew(consumer, batch)
 
     # --- control plane --------------------------------------------------------------------
 
@@ -300,8 +266,8 @@ class RedisBufferClient:
         pipe = self._redis.pipeline(transaction=True)
         for name in ("state", "inflight", "seen", "roles", "info", "rejected", "hist"):
             pipe.hgetall(getattr(self.keys, name))
-        pipe.hkeys(self.keys.kvseq).xlen(self.keys.groups)
-        pipe.xpending(self.keys.groups, GROUP).time()
+        pipe.hkeys(self.keys.kvseq).xlen(self.keys.index)
+        pipe.xpending(self.keys.index, GROUP).time()
         return assemble_status(pipe.execute(), self.gate, self.config, self.keys.namespace)
 
 
@@ -313,11 +279,20 @@ def reset_run(config: BufferConfig, run_id: str) -> int:
     """Delete every key of run ``run_id``'s namespace; returns how many were deleted.
 
     ``asyncrl up`` starts a new run: without this, a second run of the same name would inherit
-    the first one's version, gate counters and leftover groups from Redis.
+    the first one's version, gate counters and leftover groups from Redis. Payload keys are
+    found by ``SCAN`` (a reset is rare; their names are random).
     """
-    keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}").all()
+    keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}")
+    names = [*keys.all(), *(f"{keys.namespace}:{name}" for name in LEGACY_KEY_NAMES)]
     client = connect(config)
     try:
-        return int(client.unlink(*keys))
+        names += client.scan_iter(match=_glob_escape(keys.namespace) + PAYLOAD_INFIX + "*",
+                                  count=1000)
+        return int(client.unlink(*names))
     finally:
         client.close()
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob pattern."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)

@@ -1,5 +1,11 @@
 """Lua of the Redis buffer's data plane: the gate, puts, takes, drops and acks.
 
+Payloads never pass through Lua: a producer stages each group's packed bytes under its own
+key with a plain ``SET`` and the put script only files the key in the index; a take claims
+index entries and the consumer reads the payloads they name with a plain ``MGET``. (When the
+scripts carried the payloads, every byte was copied into a Lua string and back: ``EVALSHA``
+of a put took 4x a plain ``XADD`` of the same bytes.)
+
 Each body runs after :data:`buffers.redis_scripts.PRELUDE` (key names ``K_*``, the gate
 parameters, and helpers such as ``touch``, ``reap``, ``gate_update`` and ``remove``); see
 :mod:`buffers.redis_scripts` for the key layout. Kept as plain strings so that Redis, not
@@ -15,7 +21,7 @@ touch(producer, now)
 reap(now)
 local version, granted = num(K_STATE, 'version'), 0
 if run_status() == 'running' and version - engine_version <= S then
-  local room = MAX_GROUPS - redis.call('XLEN', K_GROUPS) - in_flight_total()
+  local room = MAX_GROUPS - redis.call('XLEN', K_INDEX) - in_flight_total()
   granted = math.max(0, math.min(want, allowance(), room))
   if granted > 0 then add_in_flight(producer, granted) end
 end
@@ -32,35 +38,45 @@ return 1
 """
 
 PUT_MANY = """
--- ARGV: producer, then 8 per group: reason ('' unless the client already rejected it), minv,
--- run_id, the 5 frames. Groups are handled in order, each exactly as a single put: a
--- rejection is counted and uses its slot up; an accepted group is added to both streams.
--- Stops at the first valid group that finds the buffer full (backpressure: never trim): its
--- result is {0, 'full'} and it and the rest are untouched, for the client to send again.
+-- KEYS[13..]: the payload keys the client staged (SET ... PX) in the same pipeline.
+-- ARGV: producer, staged ttl ms, then 4 per group: reason ('' unless the client already
+-- rejected it), minv, run_id, its payload key's position in KEYS[13..] (0: none). Groups
+-- are handled in order, each exactly as a single put: a rejection is counted, uses its slot
+-- up and deletes its payload; an accepted group gets an index entry and its payload is kept
+-- (PERSIST). Stops at the first valid group that finds the buffer full (backpressure: never
+-- trim): its result is {0, 'full'}, its and the rest's payloads stay staged (their expiry is
+-- pushed back) for the client to retry with the keys alone. Payloads never enter Lua.
 -- Returns one {1, id} | {0, reason} per group handled.
-local producer = ARGV[5]
+local producer, ttl = ARGV[5], ARGV[6]
 local now = now_ms()
 touch(producer, now)
 local run_id = redis.call('HGET', K_STATE, 'run_id') or ''
 local running = run_status() == 'running'
 local results = {}
-for i = 6, #ARGV, 8 do
+for i = 7, #ARGV, 4 do
   local reason, minv, group_run = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local key = KEYS[N_FIXED_KEYS + tonumber(ARGV[i + 3])]  -- nil for position 0
   if reason == '' and (not running or (run_id ~= '' and group_run ~= '' and
                                        group_run ~= run_id)) then reason = 'run' end
-  if reason ~= '' then
+  if reason == '' and (not key or not is_payload_key(key)) then reason = 'frames' end
+  local full = reason == '' and redis.call('XLEN', K_INDEX) >= MAX_GROUPS
+  if not full and reason == '' and redis.call('EXISTS', key) == 0 then reason = 'expired' end
+  if full then
+    redis.call('HINCRBY', K_STATE, 'put_full', 1)
+    for j = i, #ARGV, 4 do
+      local rest = KEYS[N_FIXED_KEYS + tonumber(ARGV[j + 3])]
+      if rest and is_payload_key(rest) then redis.call('PEXPIRE', rest, ttl) end
+    end
+    table.insert(results, {0, 'full'})
+    break
+  elseif reason ~= '' then
+    if key and is_payload_key(key) then redis.call('DEL', key) end
     redis.call('HINCRBY', K_REJECTED, reason, 1)
     add_in_flight(producer, -1)
     table.insert(results, {0, reason})
-  elseif redis.call('XLEN', K_GROUPS) >= MAX_GROUPS then
-    redis.call('HINCRBY', K_STATE, 'put_full', 1)
-    table.insert(results, {0, 'full'})
-    break
   else
-    local id = redis.call('XADD', K_GROUPS, '*', 'h', ARGV[i + 3], 't', ARGV[i + 4],
-                          'l', ARGV[i + 5], 'm', ARGV[i + 6], 'v', ARGV[i + 7], 'minv', minv,
-                          'p', producer)
-    redis.call('XADD', K_INDEX, id, 'minv', minv)
+    redis.call('PERSIST', key)
+    local id = redis.call('XADD', K_INDEX, '*', 'minv', minv, 'p', producer, 'k', key)
     redis.call('HINCRBY', K_STATE, 'accepted', 1)
     add_in_flight(producer, -1)
     table.insert(results, {1, id})
@@ -71,13 +87,17 @@ return results
 """
 
 TAKE = """
--- ARGV: consumer, need, learner_version, reclaim_idle_ms, then ids this consumer holds.
--- All or nothing: claims/reads only when `need` fresh groups can be had right now, so
--- consumers never strand partial batches. Returns {lost held ids, dropped, entries, tail id,
--- stats}.
+-- ARGV: consumer, need, learner_version, reclaim_idle_ms, n held, then the n ids this
+-- consumer holds, then (id, staleness) pairs to ack first (a get_batch carrying the previous
+-- batch's ack). All or nothing: claims/reads only when `need` fresh groups can be had right
+-- now, so consumers never strand partial batches. Works on the index alone: entries are a
+-- few bytes, the client reads the payloads they name afterwards (MGET), outside Lua.
+-- Returns {lost held ids, dropped, entries, tail id, stats, acked}.
 local consumer, need = ARGV[5], tonumber(ARGV[6])
 local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
+local n_held = tonumber(ARGV[9])
 ensure_group()
+local acked = ack_entries(10 + n_held)
 local function stale(minv) return minv >= 0 and learner_version - minv > S end
 local function index_minv(id)
   local e = redis.call('XRANGE', K_INDEX, id, id)
@@ -86,19 +106,19 @@ local function index_minv(id)
 end
 
 local lost = {}
-for i = 9, #ARGV do  -- held ids stay ours only if nobody reclaimed them; keep them fresh
-  local p = redis.call('XPENDING', K_GROUPS, GROUP, ARGV[i], ARGV[i], 1)
+for i = 10, 9 + n_held do  -- held ids stay ours only if nobody reclaimed them; keep them fresh
+  local p = redis.call('XPENDING', K_INDEX, GROUP, ARGV[i], ARGV[i], 1)
   if #p == 0 or p[1][2] ~= consumer then table.insert(lost, ARGV[i])
-  else redis.call('XCLAIM', K_GROUPS, GROUP, consumer, 0, ARGV[i], 'JUSTID') end
+  else redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, ARGV[i], 'JUSTID') end
 end
 
 local dropped, claim, start = 0, {}, '-'
 while #claim < need do  -- pending on other consumers for too long: theirs is presumed dead
-  local page = redis.call('XPENDING', K_GROUPS, GROUP, 'IDLE', reclaim_ms, start, '+', need)
+  local page = redis.call('XPENDING', K_INDEX, GROUP, 'IDLE', reclaim_ms, start, '+', need)
   if #page == 0 then break end
   for _, e in ipairs(page) do
     if e[2] ~= consumer and #claim < need then
-      if stale(index_minv(e[1])) then remove(e[1]); dropped = dropped + 1
+      if stale(index_minv(e[1])) then dropped = dropped + remove(e[1])
       else table.insert(claim, e[1]) end
     end
   end
@@ -106,7 +126,7 @@ while #claim < need do  -- pending on other consumers for too long: theirs is pr
 end
 
 local ldi = '0-0'
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_GROUPS)) do
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_INDEX)) do
   local f = {}
   for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
   if f['name'] == GROUP then ldi = f['last-delivered-id'] end
@@ -116,7 +136,7 @@ while #claim + unread < need do
   local page = redis.call('XRANGE', K_INDEX, cursor, '+', 'COUNT', need - #claim - unread)
   if #page == 0 then break end
   for _, e in ipairs(page) do
-    if stale(tonumber(e[2][2]) or -1) then remove(e[1]); dropped = dropped + 1
+    if stale(tonumber(e[2][2]) or -1) then dropped = dropped + remove(e[1])
     else unread = unread + 1 end
   end
   cursor = '(' .. page[#page][1]
@@ -127,40 +147,42 @@ local entries = {}
 if #claim + unread >= need then
   for i = 1, #claim, 500 do
     local ids = {unpack(claim, i, math.min(i + 499, #claim))}
-    for _, e in ipairs(redis.call('XCLAIM', K_GROUPS, GROUP, consumer, reclaim_ms,
+    for _, e in ipairs(redis.call('XCLAIM', K_INDEX, GROUP, consumer, reclaim_ms,
                                   unpack(ids))) do table.insert(entries, e) end
   end
   redis.call('HINCRBY', K_STATE, 'redelivered', #entries)
   if unread > 0 then
     local r = redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', unread,
-                         'STREAMS', K_GROUPS, '>')
+                         'STREAMS', K_INDEX, '>')
     if r then for _, e in ipairs(r[1][2]) do table.insert(entries, e) end end
   end
 end
 local tail = redis.call('XREVRANGE', K_INDEX, '+', '-', 'COUNT', 1)
-local stats = {redis.call('XLEN', K_GROUPS), num(K_STATE, 'accepted'), in_flight_total(),
+local stats = {redis.call('XLEN', K_INDEX), num(K_STATE, 'accepted'), in_flight_total(),
                num(K_STATE, 'consumed'), num(K_STATE, 'dropped_stale'),
                num(K_STATE, 'version'), run_status()}
-return {lost, dropped, entries, tail[1] and tail[1][1] or '0-0', stats}
+return {lost, dropped, entries, tail[1] and tail[1][1] or '0-0', stats, acked}
 """
 
 DISCARD = """
--- ARGV: kind ('stale' | 'reject'), reason, ids. Entries a consumer refuses after reading.
-for i = 7, #ARGV do remove(ARGV[i]) end
-if ARGV[5] == 'stale' then redis.call('HINCRBY', K_STATE, 'dropped_stale', #ARGV - 6)
-else redis.call('HINCRBY', K_REJECTED, ARGV[6], #ARGV - 6) end
-return 1
+-- ARGV: kind ('stale' | 'reject'), reason, ids. Entries a consumer refuses after reading;
+-- counted only if still there (another consumer may have settled them meanwhile).
+local n = 0
+for i = 7, #ARGV do n = n + remove(ARGV[i]) end
+if ARGV[5] == 'stale' then redis.call('HINCRBY', K_STATE, 'dropped_stale', n)
+elseif n > 0 then redis.call('HINCRBY', K_REJECTED, ARGV[6], n) end
+return n
 """
 
 RENEW = """
 -- ARGV: consumer, then ids. Resets the idle time of the entries this consumer still owns
--- (XCLAIM to itself, min-idle 0, JUSTID: no payload copied, delivery count unchanged); an
--- entry another consumer reclaimed is left alone. Returns how many are still owned.
+-- (XCLAIM to itself, min-idle 0, JUSTID: delivery count unchanged); an entry another
+-- consumer reclaimed is left alone. Returns how many are still owned.
 local consumer, n = ARGV[5], 0
 for i = 6, #ARGV do
-  local p = redis.call('XPENDING', K_GROUPS, GROUP, ARGV[i], ARGV[i], 1)
+  local p = redis.call('XPENDING', K_INDEX, GROUP, ARGV[i], ARGV[i], 1)
   if #p == 1 and p[1][2] == consumer then
-    redis.call('XCLAIM', K_GROUPS, GROUP, consumer, 0, ARGV[i], 'JUSTID')
+    redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, ARGV[i], 'JUSTID')
     n = n + 1
   end
 end
@@ -170,15 +192,5 @@ return n
 ACK = """
 -- ARGV: (id, staleness) pairs. Counts only entries still pending, so a duplicate ack (or
 -- one racing a reclaim) never counts a group twice.
-local n = 0
-for i = 5, #ARGV, 2 do
-  if redis.call('XACK', K_GROUPS, GROUP, ARGV[i]) == 1 then
-    redis.call('XDEL', K_GROUPS, ARGV[i])
-    redis.call('XDEL', K_INDEX, ARGV[i])
-    redis.call('HINCRBY', K_HIST, ARGV[i + 1], 1)
-    n = n + 1
-  end
-end
-redis.call('HINCRBY', K_STATE, 'consumed', n)
-return n
+return ack_entries(5)
 """

@@ -1,4 +1,5 @@
-"""A stream entry of the Redis buffer, read back as a trajectory group.
+"""A group on its way into and out of Redis: the put script's arguments, and a consumer's
+validation of what it read back.
 
 Consumers validate every entry they are served, whatever the producer's client did: a writer
 that bypassed :class:`~buffers.redis_buffer.RedisBufferClient` (or a bug in one) must cost a
@@ -8,28 +9,44 @@ counted rejection, never a crashed learner or a batch trained on garbage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group
+from buffers.packing import pack_group, unpack_group
 from buffers.protocol import PutResult
 
-FRAME_FIELDS = (b"h", b"t", b"l", b"m", b"v")  # the 5 wire frames, in order
+PACKING_SLACK = 4096  # packed length over the frames' own: lengths and alignment padding
 
 
-def put_args(frames: Sequence[Any], max_message_bytes: int, rejections: Rejections,
-             producer: str) -> list[Any]:
-    """The put_many script's 8 arguments for one group: reason, minv, run_id, the 5 frames.
-    Oversized or malformed frames are counted in ``rejections`` and sent as a bare reason,
-    so that the script counts them too, in order with the producer's other puts."""
-    try:  # frames may be memoryviews of the group's arrays: redis-py sends them uncopied
+@dataclass
+class StagedPut:
+    """One group of a put: its payload (the packed frames) goes to Redis under ``key`` with a
+    plain ``SET``; the put script gets ``reason``, ``min_version`` and ``run_id`` and files the
+    key. A group the client rejected has a ``reason`` and no payload."""
+
+    reason: str
+    min_version: int
+    run_id: str
+    payload: bytes | None = None
+    key: str = ""
+    staged: bool = False  # the payload was sent (it waits in Redis, with an expiry)
+
+
+def stage_put(frames: Sequence[Any], max_message_bytes: int, rejections: Rejections,
+              producer: str) -> StagedPut:
+    """Validate a group's frames as the producer's client. Oversized or malformed frames are
+    counted in ``rejections`` and sent as a bare reason, so that the script counts them too,
+    in order with the producer's other puts."""
+    try:  # frames may be memoryviews of the group's arrays: packed with one copy each
         size = sum(memoryview(f).nbytes for f in frames)
         if size > max_message_bytes:
             raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
         group = decode_group(frames)
     except WireError as exc:
         rejections.add(exc, producer)
-        return [exc.reason, "", "", *[b""] * len(FRAME_FIELDS)]
-    return ["", group.min_version(), group.run_id, *frames]
+        return StagedPut(exc.reason, -1, "")
+    return StagedPut("", group.min_version(), group.run_id, pack_group(frames))
 
 
 def put_results(answers: Sequence[Sequence[Any]]) -> tuple[list[PutResult], bool]:
@@ -42,18 +59,25 @@ def put_results(answers: Sequence[Sequence[Any]]) -> tuple[list[PutResult], bool
     return results, False
 
 
-def decode_entry(fields: Sequence[bytes], max_message_bytes: int) -> TrajectoryGroup:
-    """Validate a stream entry as a consumer: producers may have bypassed this client."""
-    values = dict(zip(fields[::2], fields[1::2]))
-    frames = [values.get(name) for name in FRAME_FIELDS]
-    if any(frame is None for frame in frames):
-        raise WireError("frames", f"entry has fields {sorted(values)}")
-    size = sum(len(frame) for frame in frames)  # type: ignore[arg-type]
+def entry_fields(fields: Sequence[bytes]) -> dict[bytes, bytes]:
+    return dict(zip(fields[::2], fields[1::2]))
+
+
+def decode_entry(fields: dict[bytes, bytes], payload: bytes | None,
+                 max_message_bytes: int) -> TrajectoryGroup:
+    """Validate an index entry and the payload it names, as a consumer."""
+    if payload is None:
+        raise WireError("frames", f"no payload under {fields.get(b'k')!r}")
+    if len(payload) > max_message_bytes + PACKING_SLACK:  # before anything is decoded
+        raise WireError("oversized",
+                        f"{len(payload)} bytes > max_message_bytes {max_message_bytes}")
+    frames = unpack_group(payload)
+    size = sum(frame.nbytes for frame in frames)  # as the producer's client counted it
     if size > max_message_bytes:
         raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
-    group = decode_group(frames)  # type: ignore[arg-type]
+    group = decode_group(frames)
     try:
-        minv = int(values.get(b"minv", b""))
+        minv = int(fields.get(b"minv", b""))
     except ValueError:
         raise WireError("version", "minv field is not an integer") from None
     if minv != group.min_version():

@@ -16,12 +16,14 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
                             timeout
 ``ns:roles``       hash     member → role
 ``ns:info``        hash     member → orjson of its last heartbeat info
-``ns:groups``      stream   one entry per accepted group: fields h t l m v (the 5 wire frames,
-                            binary), minv (oldest token version), p (producer); consumer
-                            group ``learners``. Acked, dropped and rejected entries are
-                            deleted, so XLEN is the depth (unread + pending)
-``ns:index``       stream   same entry ids, field minv only: lets a take see how many fresh
-                            groups are unread without copying their payloads into Lua
+``ns:index``       stream   one entry per accepted group: minv (oldest token version), p
+                            (producer), k (its payload key); consumer group ``learners``.
+                            Acked, dropped and rejected entries are deleted, so XLEN is the
+                            depth (unread + pending)
+``ns:g:<hex>``     string   one group's payload: the 5 wire frames packed
+                            (:func:`buffers.packing.pack_group`). Staged by the producer
+                            with an expiry (gone if it dies before the put script), kept
+                            (PERSIST) when the group is accepted, deleted with its entry
 ``ns:rejected``    hash     reason → count
 ``ns:hist``        hash     staleness at consumption → count
 ``ns:kv``          hash     key → orjson value (rendezvous, announcements, run/status)
@@ -29,7 +31,8 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 ``ns:notify``      stream   one entry per set_key (field k), capped: wakes get_key long-polls
 =================  =======  ==================================================================
 
-Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order) and the gate parameters
+Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order; the put script also
+the payload keys it files, after them) and the gate parameters
 as ``ARGV[1..4]`` = max_staleness, groups_per_step, max_groups, heartbeat_timeout_ms; its own
 arguments start at ``ARGV[5]``. Give ``namespace`` a ``{hash tag}`` to use Redis Cluster.
 The data-plane scripts (gate, put, take, ack) live in :mod:`buffers.redis_data_scripts`;
@@ -43,8 +46,10 @@ from dataclasses import dataclass
 from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, RENEW, TAKE
 
 GROUP = "learners"
-KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "groups", "index", "rejected",
+KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "index", "rejected",
              "hist", "kv", "kvseq", "notify")
+PAYLOAD_INFIX = ":g:"  # payload keys are f"{namespace}{PAYLOAD_INFIX}{hex}"
+LEGACY_KEY_NAMES = ("groups",)  # the payload stream of earlier versions: reset deletes it
 NOTIFY_MAXLEN = 1000  # notifications only wake waiters; trimming them loses no data
 
 
@@ -62,10 +67,21 @@ class RedisKeys:
     def all(self) -> list[str]:
         return [f"{self.namespace}:{name}" for name in KEY_NAMES]
 
+    def payload(self, tag: str) -> str:
+        return f"{self.namespace}{PAYLOAD_INFIX}{tag}"
+
+    def is_payload(self, key: str) -> bool:
+        """A consumer reads and deletes only keys of this shape (an index entry written by
+        someone else may name any key)."""
+        prefix = f"{self.namespace}{PAYLOAD_INFIX}"
+        return key.startswith(prefix) and len(key) > len(prefix)
+
 
 PRELUDE = """
-local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_GROUPS, K_INDEX, K_REJECTED, K_HIST,
-      K_KV, K_KVSEQ, K_NOTIFY = unpack(KEYS)
+local N_FIXED_KEYS = """ + str(len(KEY_NAMES)) + """
+local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_INDEX, K_REJECTED, K_HIST,
+      K_KV, K_KVSEQ, K_NOTIFY = unpack(KEYS, 1, N_FIXED_KEYS)
+local PAYLOAD_PREFIX = string.sub(K_STATE, 1, -#'state' - 2) .. '""" + PAYLOAD_INFIX + """'
 local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
 local GROUP = 'learners'
@@ -116,21 +132,45 @@ local function gate_update(now)  -- closed time accrues between the calls that s
   end
 end
 local function ensure_group()  -- after a restart without persistence, start empty
-  if redis.call('EXISTS', K_GROUPS) == 0 then
-    redis.call('XGROUP', 'CREATE', K_GROUPS, GROUP, '0', 'MKSTREAM')
+  if redis.call('EXISTS', K_INDEX) == 0 then
+    redis.call('XGROUP', 'CREATE', K_INDEX, GROUP, '0', 'MKSTREAM')
     return
   end
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_GROUPS)) do
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_INDEX)) do
     for i = 1, #g, 2 do
       if g[i] == 'name' and g[i + 1] == GROUP then return end
     end
   end
-  redis.call('XGROUP', 'CREATE', K_GROUPS, GROUP, '0')
+  redis.call('XGROUP', 'CREATE', K_INDEX, GROUP, '0')
 end
-local function remove(id)  -- acked (or never delivered) and gone from both streams
-  redis.call('XACK', K_GROUPS, GROUP, id)
-  redis.call('XDEL', K_GROUPS, id)
-  redis.call('XDEL', K_INDEX, id)
+local function is_payload_key(key)  -- an entry may name any key: touch only payload keys
+  return #key > #PAYLOAD_PREFIX and string.sub(key, 1, #PAYLOAD_PREFIX) == PAYLOAD_PREFIX
+end
+local function drop_payload(id)  -- delete the payload an index entry names, if any
+  local e = redis.call('XRANGE', K_INDEX, id, id)
+  if #e == 0 then return end
+  local f = e[1][2]
+  for i = 1, #f - 1, 2 do
+    if f[i] == 'k' and is_payload_key(f[i + 1]) then redis.call('DEL', f[i + 1]) end
+  end
+end
+local function remove(id)  -- settled (or never delivered): entry and payload gone; 1 if it was
+  drop_payload(id)
+  redis.call('XACK', K_INDEX, GROUP, id)
+  return redis.call('XDEL', K_INDEX, id)
+end
+local function ack_entries(first)  -- ARGV[first..]: (id, staleness) pairs; only pending count
+  local n = 0
+  for i = first, #ARGV - 1, 2 do
+    if redis.call('XACK', K_INDEX, GROUP, ARGV[i]) == 1 then
+      drop_payload(ARGV[i])
+      redis.call('XDEL', K_INDEX, ARGV[i])
+      redis.call('HINCRBY', K_HIST, ARGV[i + 1], 1)
+      n = n + 1
+    end
+  end
+  if n > 0 then redis.call('HINCRBY', K_STATE, 'consumed', n) end
+  return n
 end
 """
 

@@ -36,12 +36,12 @@ from buffers.zmq_protocol import (
 )
 from buffers.zmq_replay import open_spill, snapshot_of
 from buffers.zmq_state import BrokerState, QueuedGroup, StateError
-from buffers.zmq_waits import Parked, Waits, park
+from buffers.zmq_waits import Parked, PutJob, Waits, park
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # upper bound on how late a stop event or a deadline is noticed
-COMMANDS = ("acquire", "put", "release", "get_batch", "ack", "renew", "publish_version",
+COMMANDS = ("acquire", "put", "put_many", "release", "get_batch", "ack", "renew", "publish_version",
             "restore_progress", "heartbeat", "set_key", "get_key", "get_keys", "status",
             "shutdown")
 TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
@@ -179,29 +179,63 @@ class ZmqBroker:
                             "run_status": self.state.run_status})
 
     def _put(self, request: Request) -> Reply | None:
+        """One group (the payload must be exactly one packed group, or ``frames``)."""
         producer = arg_str(request.args, "producer")
-        checked = self.state.check(producer, request.payload)
-        if isinstance(checked, str):
-            return Reply(True, {"accepted": False, "reason": checked})
-        if not self._waits.puts and self.state.has_room():
-            return self._accept(producer, checked)
-        parked = park(request, producer, self.state.clock(),
+        return self._put_job(request, PutJob(producer, [self.state.check(producer,
+                                                                         request.payload)],
+                                             single=True))
+
+    def _put_many(self, request: Request) -> Reply | None:
+        """Several groups in one request, one payload frame each: answered with one result
+        per group, in order, exactly as that many ``put`` requests in a row would be."""
+        producer = arg_str(request.args, "producer")
+        items = [self.state.check(producer, [frame]) for frame in request.payload]
+        return self._put_job(request, PutJob(producer, items, single=False))
+
+    def _put_job(self, request: Request, job: PutJob) -> Reply | None:
+        """Accept what fits now; the rest waits, behind earlier waiting puts (FIFO)."""
+        if not self._waits.puts and self._advance(job):
+            return self._put_reply(job)
+        parked = park(request, job.producer, self.state.clock(),
                       default_timeout_s=self.config.request_timeout_s)
-        parked.group = checked
+        parked.job = job
         self._waits.add_put(parked)
         return None
 
-    def _accept(self, producer: str, group: QueuedGroup) -> Reply:
-        reason = self.state.accept(producer, group)
-        if not reason:
+    def _advance(self, job: PutJob) -> bool:
+        """Give ``job``'s groups their results in order while there is room; True when all
+        have one. Batches waiting for groups are served as soon as some were accepted."""
+        accepted = 0
+        while not job.done:
+            item = job.next_item()
+            if isinstance(item, str):  # rejected when checked: its result keeps its place
+                job.results.append((False, item))
+                continue
+            if not self.state.has_room():
+                break
+            reason = self.state.accept(job.producer, item)
+            job.results.append((not reason, reason))
+            accepted += not reason
+        if accepted:
             self._serve_batches()
-        return Reply(True, {"accepted": not reason, "reason": reason})
+        return job.done
+
+    @staticmethod
+    def _put_reply(job: PutJob) -> Reply:
+        if job.single:
+            accepted, reason = job.results[0]
+            return Reply(True, {"accepted": accepted, "reason": reason})
+        return Reply(True, {"results": [list(r) for r in job.results]})
 
     def _admit_parked_puts(self) -> None:
         """Accept waiting puts in arrival order while there is room (FIFO per producer)."""
         while self._waits.puts and self.state.has_room():
-            parked = self._waits.pop_put(self.state.clock())
-            self._answer(parked, self._accept(parked.name, parked.group))
+            parked = self._waits.puts[0]
+            assert parked.job is not None
+            if not self._advance(parked.job):
+                return
+            self._waits.pop_put(self.state.clock())
+            self._answer(parked, self._put_reply(parked.job))
 
     def _release(self, request: Request) -> Reply:
         self.state.release(arg_str(request.args, "producer"),
@@ -209,10 +243,14 @@ class ZmqBroker:
         return Reply(True, {})
 
     def _get_batch(self, request: Request) -> None:
+        """Park a batch request; an ``ack`` list in it settles the previous batch first,
+        exactly as an ``ack`` request would (one round trip instead of two)."""
         args = request.args
         count = arg_int(args, "count", minimum=1)
         if count > self.config.max_groups:
             raise ProtocolError("args", f"count {count} > max_groups {self.config.max_groups}")
+        if "ack" in args:
+            self.state.ack(arg_str(args, "consumer"), arg_str_list(args, "ack"))
         self._waits.batches.append(park(request, arg_str(args, "consumer"), self.state.clock(),
                                         count, arg_int(args, "learner_version")))
         self._serve_batches()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import zmq
@@ -49,6 +49,7 @@ from buffers.zmq_protocol import (
 logger = logging.getLogger(__name__)
 
 PUT_WINDOW = 8  # put_many: requests in flight (a bound on what waits in socket buffers)
+PUT_CHUNK_BYTES = 1 << 20  # put_many: groups per request up to about this many bytes
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
 RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version",
                        "restore_progress", "heartbeat",
@@ -186,36 +187,47 @@ class ZmqBufferClient:
 
     def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
                  window: int = PUT_WINDOW) -> list[PutResult]:
-        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>`: up to ``window``
-        put requests in flight, so encoding and sending overlap the broker's work while the
-        broker still takes them in order (parking them, in order, while it is full).
+        """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>`: groups go in
+        ``put_many`` requests of about :data:`PUT_CHUNK_BYTES` (one group's frame each),
+        up to ``window`` requests in flight, so packing and sending overlap the broker's
+        work while the broker still takes them in order (parking them, in order, while it
+        is full). Small groups so cost one round trip per chunk instead of one per group.
 
-        All or error, as the protocol says: a put that waited ``timeout_s`` for room, or no
-        reply at all, raises :class:`TimeoutError` with the groups in doubt (puts already
-        sent may still be accepted after it; the rest are never sent)."""
+        All or error, as the protocol says: a request that waited ``timeout_s`` for room,
+        or no reply at all, raises :class:`TimeoutError` with the groups in doubt (requests
+        already sent may still be accepted after it; the rest are never sent)."""
         if window < 1:
             raise ValueError(f"window {window} must be >= 1")
         args = {"producer": producer, "timeout_s": self.timeout_s}
-        sent: list[bytes] = []
+        sent: list[tuple[bytes, int]] = []  # request id, groups in it
         replies: dict[bytes, Reply] = {}
-        for group in groups:
+        for chunk in _packed_chunks(groups, PUT_CHUNK_BYTES):
             if len(sent) - len(replies) >= window:
-                replies.update(self._receive(set(sent) - replies.keys(), "put",
+                replies.update(self._receive({i for i, _ in sent} - replies.keys(), "put_many",
                                              PUT_MARGIN_S, want=1))
-            sent.append(self._send("put", args, [pack_group(encode_group_views(group))]))
+            sent.append((self._send("put_many", args, chunk), len(chunk)))
         if len(replies) < len(sent):
-            replies.update(self._receive(set(sent) - replies.keys(), "put", PUT_MARGIN_S))
-        return [PutResult(accepted=replies[i].body["accepted"], reason=replies[i].body["reason"])
-                for i in sent]
+            replies.update(self._receive({i for i, _ in sent} - replies.keys(), "put_many",
+                                         PUT_MARGIN_S))
+        results: list[PutResult] = []
+        for request_id, count in sent:
+            answers = replies[request_id].body.get("results")
+            if not isinstance(answers, list) or len(answers) != count:
+                raise BrokerError(f"buffer broker {self.address}: put_many of {count} groups "
+                                  f"answered {answers!r}")
+            results += [PutResult(accepted=bool(ok), reason=str(reason)) for ok, reason in answers]
+        return results
 
     def release(self, producer: str, count: int) -> None:
         self._call("release", {"producer": producer, "count": count})
 
     def get_batch(self, consumer: str, count: int, learner_version: int,
-                  timeout_s: float) -> Batch | None:
-        reply = self._call("get_batch", {"consumer": consumer, "count": count,
-                                         "learner_version": learner_version,
-                                         "timeout_s": timeout_s}, wait_s=timeout_s)
+                  timeout_s: float, ack: Batch | None = None) -> Batch | None:
+        args = {"consumer": consumer, "count": count, "learner_version": learner_version,
+                "timeout_s": timeout_s}
+        if ack is not None and ack.receipts:
+            args["ack"] = ack.receipts  # settled by the broker before it serves this one
+        reply = self._call("get_batch", args, wait_s=timeout_s)
         if not reply.body["found"]:
             return None
         groups = [decode_group(unpack_group(packed)) for packed in reply.payload]
@@ -265,3 +277,18 @@ class ZmqBufferClient:
     def shutdown(self) -> None:
         """Ask the broker to stop serving (it answers first)."""
         self._call("shutdown", {})
+
+
+def _packed_chunks(groups: Sequence[TrajectoryGroup], chunk_bytes: int) -> Iterator[list[bytes]]:
+    """The groups packed (one frame each), in order, in lists of about ``chunk_bytes`` (at
+    least one group): each list is one request, packed only when it is about to be sent."""
+    chunk: list[bytes] = []
+    size = 0
+    for group in groups:
+        chunk.append(pack_group(encode_group_views(group)))
+        size += len(chunk[-1])
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk

@@ -8,8 +8,8 @@ broker, so there is no empty delimiter frame)::
 
 The ROUTER prepends the client's identity frame on receive and strips it on send. A payload
 frame is one trajectory group: the 5 frames of :func:`asyncrl.wire.encode_group` packed as
-``<u16 count><count × u32 length>`` + the frames (:func:`pack_group`). Each frame starts at a multiple of 8 bytes (zero
-padding; the count's top bit says so), so received arrays are aligned. One ZMQ frame per group
+``<u16 count><count × u32 length>`` + the frames (:func:`buffers.packing.pack_group`, each
+frame aligned to 8 bytes, so received arrays are aligned). One ZMQ frame per group
 rather than five because ZMQ over TCP costs about 10 µs per frame of this size (measured on
 loopback: packed groups move ~25 % faster than multipart ones). The broker validates and
 forwards the packed bytes without re-encoding them, and nothing is ever unpickled.
@@ -22,7 +22,6 @@ frames are turned into bytes here, the payload is passed on untouched (no copy).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +29,12 @@ from typing import Any
 import orjson
 
 from asyncrl.wire import TrajectoryGroup, WireError, decode_group
+from buffers.packing import pack_group, unpack_group
+
+__all__ = ["pack_group", "unpack_group"]  # re-exported: the packed frame is this protocol's
 
 OK = b"ok"
 ERR = b"err"
-_COUNT = struct.Struct("<H")
-ALIGN = 8  # packed frames start at multiples of this (the widest wire dtype is 4 bytes)
-ALIGNED_FLAG = 0x8000  # in the count: the frames are aligned (earlier packing was not)
-_PADDING = bytes(ALIGN)
 
 
 class ProtocolError(ValueError):
@@ -121,55 +119,6 @@ def decode_reply(frames: Sequence[bytes]) -> tuple[bytes, Reply]:
         raise ProtocolError("frames", f"malformed reply of {len(frames)} frames")
     body = _loads_object(_bytes(frames[2]), "reply body")
     return _bytes(frames[0]), Reply(ok=status == OK, body=body, payload=list(frames[3:]))
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-def _offsets(start: int, lengths: Sequence[int], aligned: bool) -> list[int]:
-    offsets = []
-    for length in lengths:
-        start = _aligned(start) if aligned else start
-        offsets.append(start)
-        start += length
-    return offsets
-
-
-def pack_group(frames: Sequence[Any]) -> bytes:
-    """The group's frames (bytes or buffers) as one ZMQ frame: one memcpy of each, and
-    each frame starts at a multiple of :data:`ALIGN` bytes, so the receiver's zero-copy
-    numpy views are aligned (unaligned int32 arrays made the checks up to 8x slower)."""
-    lengths = [memoryview(f).nbytes for f in frames]
-    head = struct.pack(f"<H{len(frames)}I", len(frames) | ALIGNED_FLAG, *lengths)
-    parts: list[Any] = [head]
-    end = len(head)
-    for frame, offset, length in zip(frames, _offsets(len(head), lengths, True), lengths):
-        if offset > end:
-            parts.append(_PADDING[:offset - end])
-        parts.append(frame)
-        end = offset + length
-    return b"".join(parts)
-
-
-def unpack_group(packed: Any) -> list[memoryview]:
-    """Zero-copy views of the frames of :func:`pack_group` output (bytes or ``zmq.Frame``);
-    raises :class:`WireError` ``frames`` when the lengths do not add up. Reads the
-    unaligned layout of earlier versions too (spill files written before the change)."""
-    view = memoryview(packed)
-    if view.nbytes < _COUNT.size:
-        raise WireError("frames", "empty group payload")
-    (count,) = _COUNT.unpack_from(view)
-    aligned, count = bool(count & ALIGNED_FLAG), count & ~ALIGNED_FLAG
-    start = _COUNT.size + 4 * count
-    if view.nbytes < start:
-        raise WireError("frames", f"group payload too short for {count} frame lengths")
-    lengths = struct.unpack_from(f"<{count}I", view, _COUNT.size)
-    offsets = _offsets(start, lengths, aligned)
-    end = offsets[-1] + lengths[-1] if count else start
-    if end != view.nbytes:
-        raise WireError("frames", "group frame lengths do not add up to the payload")
-    return [view[offset:offset + length] for offset, length in zip(offsets, lengths)]
 
 
 def decode_put(payload: Sequence[Any], nbytes: int, max_bytes: int) -> TrajectoryGroup:

@@ -2,7 +2,7 @@
 
 The broker has one thread and never blocks, so a request that cannot be answered yet is
 *parked* here with its deadline: ``get_batch`` until enough groups are queued, ``get_key`` until
-the key changes, ``put`` while the buffer holds ``max_groups`` (backpressure). Each kind keeps
+the key changes, ``put`` and ``put_many`` while the buffer holds ``max_groups`` (backpressure). Each kind keeps
 arrival order, which is what makes puts FIFO per producer and batches first come, first served.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from buffers.zmq_protocol import Request, arg_float
@@ -27,7 +27,27 @@ class Parked:
     learner_version: int
     deadline: float
     since: float
-    group: Any = None  # put: the checked group waiting for room
+    job: PutJob | None = None  # put, put_many: the groups waiting for room
+
+
+@dataclass(eq=False)
+class PutJob:
+    """The groups of one put or put_many request, accepted in order as room appears; the
+    request is answered once every group has its result. ``items`` holds each group as
+    checked on arrival: a group to accept (a ``QueuedGroup``) or the reason it was rejected
+    (already counted, its slot given back), so results keep the order of the request."""
+
+    producer: str
+    items: list[Any]
+    single: bool  # a ``put``: answered as one result, not a list
+    results: list[tuple[bool, str]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.items)
+
+    def next_item(self) -> Any:
+        return self.items[len(self.results)]
 
 
 def park(request: Request, name: str, now: float, wanted: int = 0, learner_version: int = 0,

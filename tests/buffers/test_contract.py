@@ -209,6 +209,24 @@ def test_a_dead_consumers_batch_is_redelivered_and_an_acked_one_never(backend):
     assert (status["consumed"], status["depth"]) == (4, 0)
 
 
+def test_get_batch_carries_the_previous_batchs_ack(backend):
+    """``get_batch(ack=batch)`` acks ``batch`` first, exactly as ``ack`` would, in the same
+    request: also when no batch comes back, and the acked groups are never redelivered."""
+    d = backend.start(groups_per_step=8, reclaim_idle_s=0.3)
+    learner, other = d.client(), d.client()
+    for i in range(4):
+        learner.put("w", make_group(f"g{i}"))
+    first = learner.get_batch("learner", 2, 0, timeout_s=5.0)
+    second = learner.get_batch("learner", 2, 0, timeout_s=5.0, ack=first)
+    assert ids(first) + ids(second) == ["g0", "g1", "g2", "g3"]
+    assert (learner.status()["consumed"], learner.status()["depth"]) == (2, 2)
+    assert learner.get_batch("learner", 1, 0, timeout_s=0.2, ack=second) is None
+    assert other.get_batch("other", 1, 0, timeout_s=1.0) is None  # > reclaim_idle_s: acked
+    status = learner.status()
+    assert (status["consumed"], status["depth"], status["redelivered"]) == (4, 0, 0)
+    assert status["staleness_hist"] == {"0": 4}
+
+
 def test_a_live_consumers_batch_is_not_served_twice_within_reclaim_idle(backend):
     d = backend.start(reclaim_idle_s=30.0)
     first, second = d.client(), d.client()

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,12 @@ import redis
 from asyncrl.config.schema import BufferConfig
 from asyncrl.wire import encode_group
 from buffers import make_buffer_client
-from buffers.redis_buffer import RedisBufferClient
+from buffers.protocol import PutResult
+from buffers.redis_buffer import RedisBufferClient, reset_run
 from buffers.redis_connect import connect, connection_kwargs
+from buffers.packing import pack_group
 from buffers.redis_scripts import GROUP
-from tests.buffers import make_group
+from tests.buffers import eventually, make_group
 from tests.buffers.conftest import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,14 +85,14 @@ def test_reclaim_moves_a_dead_consumers_entries_and_counts_the_redelivery(redis_
     for i in range(2):
         dead.put("w", make_group(f"g{i}"))
     taken = dead.get_batch("learner", 2, 0, timeout_s=5.0)
-    owner = admin(redis_server).xpending_range("asyncrl:t:groups", GROUP, "-", "+", 10)
-    assert {e["consumer"].decode() for e in owner} == {dead._consumers["learner"]}
+    owner = admin(redis_server).xpending_range("asyncrl:t:index", GROUP, "-", "+", 10)
+    assert {e["consumer"].decode() for e in owner} == {dead._consumer.name("learner")}
     again = alive.get_batch("learner", 2, 0, timeout_s=10.0)  # same name, other process role
     assert again.receipts == taken.receipts
-    pending = admin(redis_server).xpending_range("asyncrl:t:groups", GROUP, "-", "+", 10)
-    assert {e["consumer"].decode() for e in pending} == {alive._consumers["learner"]}
+    pending = admin(redis_server).xpending_range("asyncrl:t:index", GROUP, "-", "+", 10)
+    assert {e["consumer"].decode() for e in pending} == {alive._consumer.name("learner")}
     assert all(e["times_delivered"] == 2 for e in pending)
-    assert alive._consumers["learner"] != dead._consumers["learner"]
+    assert alive._consumer.name("learner") != dead._consumer.name("learner")
     alive.ack("learner", again)
     status = alive.status()
     assert (status["redelivered"], status["consumed"], status["pending"]) == (2, 2, 0)
@@ -104,35 +107,95 @@ def test_a_consumer_never_reclaims_its_own_slow_batch(open_client):
     assert c.status()["consumed"] == 1
 
 
-def _raw_entry(name: str, **replace: bytes) -> dict[bytes, bytes]:
+def _raw_entry(raw: redis.Redis, name: str, **replace: bytes) -> None:
+    """Write a group as a rogue producer would: payload and index entry, no counters, and
+    ``replace`` fields of the frames (h t l m v) or of the entry (minv, k)."""
     group = make_group(name)
-    fields = dict(zip((b"h", b"t", b"l", b"m", b"v"), encode_group(group)))
-    fields.update({b"minv": str(group.min_version()).encode(), b"p": b"rogue"})
-    fields.update({k.encode(): v for k, v in replace.items()})
-    return {k: v for k, v in fields.items() if v != b"<drop>"}
+    frames = dict(zip(("h", "t", "l", "m", "v"), encode_group(group)))
+    frames.update({k: v for k, v in replace.items() if k in frames})
+    key = f"asyncrl:t:g:rogue-{name}"
+    raw.set(key, pack_group([v for v in frames.values() if v != b"<drop>"]))
+    fields = {"minv": str(group.min_version()).encode(), "p": b"rogue", "k": key.encode()}
+    fields.update({k: v for k, v in replace.items() if k in fields})
+    raw.xadd("asyncrl:t:index", fields)
 
 
 def test_consumers_reject_entries_that_bypassed_the_client(redis_server, open_client):
-    """A producer writing the stream directly cannot crash or poison learners: each bad entry
-    is rejected with a counted reason, acked and deleted, and batches stay exactly full."""
+    """A producer writing the streams directly cannot crash or poison learners: each bad entry
+    is rejected with a counted reason, acked and deleted (its payload too), and batches stay
+    exactly full. An entry naming a key outside the run's payloads never has it read or
+    deleted."""
     c = open_client(groups_per_step=8, max_message_bytes=2048)
     raw = admin(redis_server)
     header = orjson.loads(encode_group(make_group("x"))[0])
-    bad = {"frames": _raw_entry("r1", t=b"<drop>"),
-           "schema": _raw_entry("r2", h=orjson.dumps({**header, "schema": 9})),
-           "oversized": _raw_entry("r3", t=b"\0" * 4096),
-           "version": _raw_entry("r4", minv=b"5")}
+    raw.set("asyncrl:t:precious", b"keep me")
+    bad = {"frames": dict(t=b"<drop>"),
+           "schema": dict(h=orjson.dumps({**header, "schema": 9})),
+           "oversized": dict(t=b"\0" * 4096),
+           "version": dict(minv=b"5")}
     c.put("w", make_group("g0"))
-    for fields in bad.values():
-        raw.xadd("asyncrl:t:groups", fields)  # no index entry, no counters: a rogue writer
+    for i, fields in enumerate(bad.values()):
+        _raw_entry(raw, f"r{i}", **fields)  # no counters: a rogue writer
+    raw.xadd("asyncrl:t:index", {"minv": b"0", "p": b"rogue", "k": b"asyncrl:t:precious"})
     c.put("w", make_group("g1"))
     c.put("w", make_group("g2"))
     batch = c.get_batch("learner", 3, 0, timeout_s=5.0)
     assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
     c.ack("learner", batch)
     status = c.status()
-    assert status["rejected"] == {reason: 1 for reason in bad}
+    assert status["rejected"] == {**{reason: 1 for reason in bad}, "frames": 2}
     assert (status["depth"], status["pending"], status["consumed"]) == (0, 0, 3)
+    assert raw.get("asyncrl:t:precious") == b"keep me"
+    assert list(raw.scan_iter(match="asyncrl:t:g:*")) == []  # no payload outlives its entry
+
+
+def _payload_ttls(server: RedisServer) -> list[int]:
+    raw = admin(server)
+    return sorted(raw.pttl(key) for key in raw.scan_iter(match="asyncrl:t:g:*"))
+
+
+def test_payloads_are_kept_once_accepted_and_expire_if_never_filed(redis_server, open_client):
+    """A payload staged for a put that never got in (full, then the producer gave up) expires
+    by itself; an accepted one is kept until its group is acked or dropped, then deleted."""
+    c = open_client(groups_per_step=8, max_groups=1, request_timeout_s=0.5, max_staleness=0)
+    assert c.put("w", make_group("kept")).accepted
+    with pytest.raises(TimeoutError):
+        c.put("w", make_group("never-filed"))
+    kept, staged = _payload_ttls(redis_server)
+    assert kept == -1 and 0 < staged <= (2 * 0.5 + 30) * 1000
+    assert c.get_batch("learner", 1, learner_version=1, timeout_s=0.2) is None  # stale: dropped
+    (left,) = _payload_ttls(redis_server)  # the dropped group's payload went with it
+    assert 0 < left <= staged
+    assert c.status()["dropped_stale"] == 1
+
+
+def test_a_staged_payload_that_expired_while_waiting_is_rejected_and_counted(redis_server,
+                                                                           open_client):
+    c = open_client(groups_per_step=8, max_groups=1, request_timeout_s=10.0)
+    learner = open_client(groups_per_step=8, max_groups=1)
+    raw = admin(redis_server)
+    c.put("w", make_group("g0"))
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(c.put, "w", make_group("g1"))
+        eventually(lambda: len(_payload_ttls(redis_server)) == 2, what="g1 staged")
+        (staged,) = [k for k in raw.scan_iter(match="asyncrl:t:g:*") if raw.pttl(k) > 0]
+        raw.delete(staged)  # as if it expired while the producer waited for room
+        learner.ack("learner", learner.get_batch("learner", 1, 0, timeout_s=5.0))
+        assert future.result(timeout=10) == PutResult(accepted=False, reason="expired")
+    status = learner.status()
+    assert (status["accepted"], status["rejected"], status["depth"]) == (1, {"expired": 1}, 0)
+    assert status["in_flight"] == 0 and _payload_ttls(redis_server) == []
+
+
+def test_reset_run_deletes_every_key_of_the_run_and_no_other(redis_server, open_client):
+    c = open_client(groups_per_step=8)
+    c.put("w", make_group("g0"))
+    c.put("w", make_group("g1"))
+    c.get_batch("learner", 1, 0, timeout_s=5.0)  # one pending, one unread
+    raw = admin(redis_server)
+    raw.set("asyncrl:tother", b"not this run's")
+    assert reset_run(c.config, "t") >= 4
+    assert sorted(raw.scan_iter(match="asyncrl:t*")) == [b"asyncrl:tother"]
 
 
 def test_waiting_blocks_in_redis_instead_of_spinning(redis_server, open_client):

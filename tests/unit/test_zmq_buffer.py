@@ -121,6 +121,27 @@ def test_malformed_packing_is_rejected_as_frames(broker, client):
     assert c.status()["rejected"] == {"frames": 4}
 
 
+def test_put_many_is_one_request_with_a_result_per_group_in_order(broker, client):
+    c = client(broker(groups_per_step=8))
+    good = [pack_group(encode_group(make_group(f"g{i}"))) for i in range(2)]
+    reply = c._call("put_many", {"producer": "w"}, [good[0], b"\x05", good[1]]).body
+    assert reply == {"results": [[True, ""], [False, "frames"], [True, ""]]}
+    assert c._call("put_many", {"producer": "w"}).body == {"results": []}
+    batch = c.get_batch("l", 2, 0, timeout_s=5.0)
+    assert [g.group_id for g in batch.groups] == ["g0", "g1"]
+    assert c.status()["rejected"] == {"frames": 1}
+
+
+def test_put_many_chunks_requests_by_bytes(broker, client, monkeypatch):
+    monkeypatch.setattr("buffers.zmq_client.PUT_CHUNK_BYTES", 1)  # one group per request
+    address = broker(groups_per_step=8)
+    producer, learner = client(address), client(address)
+    assert all(r.accepted for r in producer.put_many("w", [make_group(f"g{i}")
+                                                           for i in range(5)], window=2))
+    assert [g.group_id for g in learner.get_batch("l", 5, 0, timeout_s=5.0).groups] == \
+        [f"g{i}" for i in range(5)]
+
+
 def test_packed_groups_have_aligned_arrays_and_legacy_packing_still_reads():
     frames = encode_group(make_group("x"))
     views = unpack_group(pack_group(frames))
