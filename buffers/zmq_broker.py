@@ -36,7 +36,8 @@ from buffers.zmq_protocol import (
 )
 from buffers.zmq_replay import open_spill, snapshot_of
 from buffers.zmq_state import BrokerState, QueuedGroup, StateError
-from buffers.zmq_waits import Parked, PutJob, Waits, park
+from buffers.zmq_puts import PutDesk
+from buffers.zmq_waits import Parked, Waits, park
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ZmqBroker:
         self._curve: CurveServer | None = None
         self._socket: zmq.Socket | None = None
         self._waits = Waits()
+        self._puts = PutDesk(self.state, self._waits, self._answer, self._serve_batches,
+                             config.request_timeout_s)
         self._next_tick = 0.0
         self._stopping = False
         self._handlers: dict[str, Callable[[Request], Reply | None]] = {
@@ -179,63 +182,13 @@ class ZmqBroker:
                             "run_status": self.state.run_status})
 
     def _put(self, request: Request) -> Reply | None:
-        """One group (the payload must be exactly one packed group, or ``frames``)."""
-        producer = arg_str(request.args, "producer")
-        return self._put_job(request, PutJob(producer, [self.state.check(producer,
-                                                                         request.payload)],
-                                             single=True))
+        return self._puts.put(request, single=True)
 
     def _put_many(self, request: Request) -> Reply | None:
-        """Several groups in one request, one payload frame each: answered with one result
-        per group, in order, exactly as that many ``put`` requests in a row would be."""
-        producer = arg_str(request.args, "producer")
-        items = [self.state.check(producer, [frame]) for frame in request.payload]
-        return self._put_job(request, PutJob(producer, items, single=False))
-
-    def _put_job(self, request: Request, job: PutJob) -> Reply | None:
-        """Accept what fits now; the rest waits, behind earlier waiting puts (FIFO)."""
-        if not self._waits.puts and self._advance(job):
-            return self._put_reply(job)
-        parked = park(request, job.producer, self.state.clock(),
-                      default_timeout_s=self.config.request_timeout_s)
-        parked.job = job
-        self._waits.add_put(parked)
-        return None
-
-    def _advance(self, job: PutJob) -> bool:
-        """Give ``job``'s groups their results in order while there is room; True when all
-        have one. Batches waiting for groups are served as soon as some were accepted."""
-        accepted = 0
-        while not job.done:
-            item = job.next_item()
-            if isinstance(item, str):  # rejected when checked: its result keeps its place
-                job.results.append((False, item))
-                continue
-            if not self.state.has_room():
-                break
-            reason = self.state.accept(job.producer, item)
-            job.results.append((not reason, reason))
-            accepted += not reason
-        if accepted:
-            self._serve_batches()
-        return job.done
-
-    @staticmethod
-    def _put_reply(job: PutJob) -> Reply:
-        if job.single:
-            accepted, reason = job.results[0]
-            return Reply(True, {"accepted": accepted, "reason": reason})
-        return Reply(True, {"results": [list(r) for r in job.results]})
+        return self._puts.put(request, single=False)
 
     def _admit_parked_puts(self) -> None:
-        """Accept waiting puts in arrival order while there is room (FIFO per producer)."""
-        while self._waits.puts and self.state.has_room():
-            parked = self._waits.puts[0]
-            assert parked.job is not None
-            if not self._advance(parked.job):
-                return
-            self._waits.pop_put(self.state.clock())
-            self._answer(parked, self._put_reply(parked.job))
+        self._puts.admit_parked()
 
     def _release(self, request: Request) -> Reply:
         self.state.release(arg_str(request.args, "producer"),
