@@ -57,8 +57,10 @@ def stop_on_signals() -> threading.Event:
 
 
 def serve_buffer(cfg: Config, address_file: Path | None) -> int:
+    from buffers.malloc_tuning import keep_large_buffers
     from buffers.zmq_broker import ZmqBroker
 
+    keep_large_buffers()  # the broker forwards every group: no mmap per message
     stop = stop_on_signals()
     broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name)
     address = broker.bind()
@@ -134,8 +136,11 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
 
 
 def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
+    from buffers.malloc_tuning import keep_large_buffers
+
     die_with_parent()
     setup_logging(role)
+    keep_large_buffers()  # groups are packed and sent, or received, as large buffers
     target(*args, stop_on_signals())
 
 

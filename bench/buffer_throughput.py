@@ -11,19 +11,26 @@ to one consumer that takes batches of ``--batch`` groups:
   broker, no decode. ``zmq-raw-packed``: the same bytes as the one packed frame the backend
   sends (:func:`buffers.zmq_protocol.pack_group`). ``zmq-raw-2hop``: packed, through
   ``zmq.proxy`` in its own process (the broker's topology: the bytes cross loopback twice).
-- ``redis`` / ``redis raw``: the asyncrl Redis backend; raw ``XADD`` / ``XREADGROUP`` +
+- ``redis`` / ``redis-raw``: the asyncrl Redis backend; raw ``XADD`` / ``XREADGROUP`` +
   ``XACK`` + ``XDEL`` of the same five fields on a unique stream key (deleted afterwards).
+  ``redis-raw-kv``: the backend's own way of moving bytes, bare: ``SET`` of the packed group
+  + ``RPUSH`` of its key (one pipeline), ``LPOP`` of a batch of keys then ``MGET`` + ``DEL``
+  (Redis stores a big ``SET`` argument without copying it; a big stream field is copied into
+  the stream's listpack, so the backend can beat ``redis-raw``).
 - ``zmq-put-many`` / ``redis-put-many``: the backend with producers calling
   ``put_many`` of 8 groups (one engine batch, as the rollout worker does) instead of ``put``.
 
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
-runs in this process, the ZMQ broker in another). The gate never closes (``max_staleness``
+runs in this process, the ZMQ broker in another). Every process, raw or backend, keeps large
+buffers in the heap (:func:`buffers.malloc_tuning.keep_large_buffers`, as the ``asyncrl``
+roles do; ``--default-malloc`` leaves glibc's defaults). The gate never closes (``max_staleness``
 huge); ``max_groups`` bounds what is held, so backpressure is part of the measure. Each row
 warms up, then counts what the consumer received over ``--seconds``; it is run ``--repeats``
 times (interleaved with the other rows) and the median is printed, as a shared machine is
 noisy. ``vs raw`` is backend / the fastest raw transport of the same size and producer count
 (zmq: the better of ``zmq-raw`` and ``zmq-raw-packed``, one hop; redis: ``redis-raw``);
-``vs 2-hop`` is a zmq row / ``zmq-raw-2hop``, the raw transport with the broker's topology.
+``vs 2-hop / kv`` is a zmq row / ``zmq-raw-2hop`` (the raw transport with the broker's
+topology) and a redis row / ``redis-raw-kv`` (the raw commands the backend uses).
 
     python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
                                       [--producers 1 4] [--only zmq zmq-raw ...]
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -376,6 +384,48 @@ def bench_redis_raw(ctx: Any, spec: Spec, producers: int, seconds: float) -> flo
         r.close()
 
 
+def _redis_raw_kv_producer(spec: Spec, queue: str, index: int, stop: Any) -> None:
+    import redis
+
+    from buffers.packing import pack_group
+
+    r = redis.Redis.from_url(spec.redis_url)
+    payload = pack_group(encode_group(make_group(spec, f"p{index}")))
+    sent = 0
+    while not stop.is_set():
+        if sent % 8 == 0 and r.llen(queue) >= spec.max_groups:
+            time.sleep(0.0005)  # the same bound as max_groups: wait for the consumer
+            continue
+        key = f"{queue}:{index}:{sent}"
+        r.pipeline(transaction=False).set(key, payload).rpush(queue, key).execute()
+        sent += 1
+    r.close()
+
+
+def bench_redis_raw_kv(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+    import redis
+
+    r = redis.Redis.from_url(spec.redis_url)
+    queue = f"asyncrl-bench-kv:{uuid.uuid4().hex[:8]}"
+
+    def take() -> int:
+        keys = r.lpop(queue, spec.batch)
+        if not keys:  # wait for one without spinning, as XREADGROUP BLOCK does
+            first = r.blpop([queue], timeout=0.2)
+            if first is None:
+                return 0
+            keys = [first[1], *(r.lpop(queue, spec.batch - 1) or [])]
+        r.pipeline(transaction=False).mget(keys).delete(*keys).execute()
+        return len(keys)
+
+    try:
+        return run_row(ctx, _redis_raw_kv_producer, lambda i: (spec, queue, i), producers, take,
+                       seconds)
+    finally:
+        r.delete(queue, *r.scan_iter(match=f"{queue}:*"))
+        r.close()
+
+
 # --- the table -----------------------------------------------------------------------------
 
 def redis_available(spec: Spec) -> tuple[bool, bool]:
@@ -396,10 +446,12 @@ def redis_available(spec: Spec) -> tuple[bool, bool]:
 
 
 ROWS = ("zmq-raw", "zmq-raw-packed", "zmq-raw-2hop", "zmq", "zmq-put-many", "zmq-spill",
-        "redis-raw", "redis", "redis-put-many")
+        "redis-raw", "redis-raw-kv", "redis", "redis-put-many")
 ZMQ_RAW = ("zmq-raw", "zmq-raw-packed")
 RAW_OF = {"zmq-raw-2hop": ZMQ_RAW, "zmq": ZMQ_RAW, "zmq-put-many": ZMQ_RAW,
-          "zmq-spill": ZMQ_RAW, "redis": ("redis-raw",), "redis-put-many": ("redis-raw",)}
+          "zmq-spill": ZMQ_RAW, "redis-raw-kv": ("redis-raw",), "redis": ("redis-raw",),
+          "redis-put-many": ("redis-raw",)}
+KV_RATIO = ("redis", "redis-put-many")  # also shown against redis-raw-kv
 TWO_HOP_RATIO = ("zmq", "zmq-put-many", "zmq-spill")
 PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
 
@@ -417,6 +469,7 @@ def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Names
         "zmq-spill": lambda: bench_zmq(ctx, replace(spec, put_many=PUT_MANY,
                                                     spill_dir=args.spill_dir), producers, seconds),
         "redis-raw": lambda: bench_redis_raw(ctx, spec, producers, seconds),
+        "redis-raw-kv": lambda: bench_redis_raw_kv(ctx, spec, producers, seconds),
         "redis": lambda: bench_redis(ctx, spec, producers, seconds),
         "redis-put-many": lambda: bench_redis(ctx, replace(spec, put_many=PUT_MANY), producers,
                                               seconds),
@@ -428,7 +481,8 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
     size = group_bytes(spec)
     label = f"{spec.samples}×{spec.tokens} ({size / 1e6:.2f} MB)"
     raw_redis, redis_backend = redis_available(spec)
-    missing = {"redis-raw": not raw_redis, "redis": not redis_backend,
+    missing = {"redis-raw": not raw_redis, "redis-raw-kv": not raw_redis,
+               "redis": not redis_backend,
                "redis-put-many": not redis_backend,
                "zmq-spill": not args.spill_dir}
     names = [n for n in ROWS if (not args.only or n in args.only) and not missing.get(n)]
@@ -442,15 +496,16 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
             continue
         if missing.get(name):
             what = {"redis": "redis backend", "redis-put-many": "redis backend",
-                    "redis-raw": "redis server"}.get(name)
+                    "redis-raw": "redis server", "redis-raw-kv": "redis server"}.get(name)
             if what is None:
                 continue  # zmq-spill without --spill-dir: not asked for
             print(f"| {label} | {producers} | {name} | {what} not available | | | |")
             continue
         raws = [rates[r] for r in RAW_OF.get(name, ()) if r in rates]
         ratio = f"{rates[name] / max(raws):.2f}" if raws else ""
-        two_hop = rates.get("zmq-raw-2hop") if name in TWO_HOP_RATIO else None
-        ratio_2hop = f"{rates[name] / two_hop:.2f}" if two_hop else ""
+        second = rates.get("zmq-raw-2hop") if name in TWO_HOP_RATIO else \
+            rates.get("redis-raw-kv") if name in KV_RATIO else None
+        ratio_2hop = f"{rates[name] / second:.2f}" if second else ""
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
         print(f"| {label} | {producers} | {name} | {rates[name]:,.0f} ({spread}) | "
               f"{rates[name] * size / 1e6:,.0f} | {ratio} | {ratio_2hop} |", flush=True)
@@ -470,10 +525,19 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",
                         help="also run zmq-spill: put_many with the broker's spill file here")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="do not keep large buffers in the heap (glibc defaults)")
     args = parser.parse_args()
+    if not args.default_malloc:
+        from buffers.malloc_tuning import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_large_buffers
+
+        keep_large_buffers()  # this process; spawned ones read the same from the environment
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = mp.get_context("spawn")
-    print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | vs 2-hop |")
+    print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | "
+          "vs 2-hop / kv |")
     print("|---|---|---|---:|---:|---:|---:|")
     for tokens in args.tokens:
         for producers in args.producers:
