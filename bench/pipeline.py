@@ -14,9 +14,15 @@ Calibration, per (ratio, tail): ``T_gen`` = generate calls per step / engines ×
 - async: ``max(T_gen, T_train + T_sync)`` (the pipeline bound);
 - sync: ``E[slowest engine's calls of a step] + T_train + T_sync``.
 
-Measured over steps ``warmup..last`` from the learner's metrics: steps/s → samples/s and
-tokens/s, learner idle (waiting for data / wall), engine idle (1 − generating / wall, from
-heartbeats), staleness histogram of consumed groups, drops, gate-closed time per engine.
+Measured over the ``steps`` steps after a warm-up of ``max(warmup, s + 3)`` steps, from the
+learner's metrics: steps/s → samples/s and tokens/s, learner idle (waiting for data / wall),
+engine idle (1 − generating / wall, from heartbeats), staleness histogram of consumed groups,
+drops, gate-closed time per engine. Why the warm-up grows with s: the rollout fleet is up
+before the learner (its ranks take longer to start), so the gate's whole window, s + 1 steps
+of groups at version 0, is generated before the first step; the learner drains that backlog
+over its first s + 1 steps without waiting for data, and the slow first weight sync (every
+engine joins) leaves the backlog's tail staler than s. Measured from step 4 regardless of s,
+a run at s = 8 would report that drain and its drops, not the steady state.
 
     python bench/pipeline.py                 # full sweep → bench/results/pipeline.{md,json,png}
     python bench/pipeline.py --quick         # one ratio, one tail, sync and s=2 (minutes)
@@ -70,8 +76,12 @@ class Scale:
     mean_tokens: float = 64.0
     sigma: float = 1.0
     sync_frac: float = 0.02
-    warmup: int = 4
-    steps: int = 20
+    warmup: int = 4  # at least; see warmup_steps()
+    steps: int = 16  # measured, after the warm-up
+
+    def warmup_steps(self, staleness: int) -> int:
+        """Steps left out at the start of a run with ``max_staleness = staleness``."""
+        return max(self.warmup, staleness + 3)
 
 
 @dataclass
@@ -152,7 +162,8 @@ def overrides(scale: Scale, tail: str, cal: Calibration, staleness: int) -> list
             f"rollout.group_size={scale.group_size}",
             f"rollout.groups_per_batch={scale.groups_per_batch}",
             f"rollout.max_new_tokens={scale.max_new_tokens}",
-            f"learner.total_steps={scale.steps}", f"buffer.max_staleness={staleness}",
+            f"learner.total_steps={scale.warmup_steps(staleness) + scale.steps}",
+            f"buffer.max_staleness={staleness}",
             f"sim.decode_step_s={sim.decode_step_s}", f"sim.length={sim.length}",
             f"sim.mean_tokens={sim.mean_tokens}", f"sim.sigma={sim.sigma}",
             f"sim.train_token_s={cal.t_train / cal.tokens_per_step!r}",
@@ -209,12 +220,12 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def measure(run_dir: Path, scale: Scale) -> dict:
+def measure(run_dir: Path, scale: Scale, warmup: int) -> dict:
     """Throughput and idle ratios over steps ``warmup..last`` of one run."""
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
-    window = [r for r in records if r["step"] >= scale.warmup]
+    window = [r for r in records if r["step"] >= warmup]
     if len(window) < 2:
-        raise RuntimeError(f"{run_dir}: only {len(window)} steps after warm-up {scale.warmup}")
+        raise RuntimeError(f"{run_dir}: only {len(window)} steps after warm-up {warmup}")
     first, last = window[0], window[-1]
     span = last["time_s"] - first["time_s"]
     steps = last["step"] - first["step"]
@@ -251,7 +262,7 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
                 run_dir, cost = run_scenario(args.config, out / "runs", name,
                                              overrides(scale, tail, cal, staleness)
                                              + args.overrides, args.timeout)
-                got = {**measure(run_dir, scale), **cost}
+                got = {**measure(run_dir, scale, scale.warmup_steps(staleness)), **cost}
                 bound = cal.sync_bound if staleness == 0 else cal.async_bound
                 rate = got["samples_per_s"]
                 sync_rate = rate if staleness == 0 else sync_rate
@@ -334,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tails", nargs="+", default=["uniform", "lognormal"],
                         choices=["uniform", "lognormal"])
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=None, help="steps per run")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="measured steps per run (after the warm-up)")
     parser.add_argument("--quick", action="store_true", help="ratio 1, lognormal, sync and s=2")
     parser.add_argument("--tiny", action="store_true", help="8 engines, 2 ranks (CI smoke)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
@@ -348,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ratios, args.tails, args.staleness = [1.0], ["lognormal"], [2]
     if args.tiny:
         scale = Scale(workers=8, ranks=2, groups_per_step=8, decode_step_s=0.002,
-                      mean_tokens=16, max_new_tokens=128, warmup=2, steps=6)
+                      mean_tokens=16, max_new_tokens=128, warmup=2, steps=4)
     if args.steps:
         scale.steps = args.steps
     # The full sweep's results are kept in the repository (its run directories are ignored);
