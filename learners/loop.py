@@ -127,14 +127,17 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if fetched is None:
             break
         batch, (whole, filter_counts) = fetched if driver is not None else (None, (None, {}))
-        if driver is not None and trainer.version + 1 < cfg.learner.total_steps:
-            driver.prefetcher.start(trainer.version + 1)  # the next batch, while this trains
         # The step may outlast buffer.reclaim_idle_s: rank 0 renews the batch's lease
         # meanwhile, so it is not redelivered to another learner and trained twice.
         lease = (keep_leased(ctx.client, ctx.member, batch, cfg.buffer.reclaim_idle_s)
                  if driver is not None else contextlib.nullcontext())
         with timers("compute"), lease:
-            metrics = trainer.train_step(scatter_batch(whole, ctx.rank, ctx.world))
+            share = scatter_batch(whole, ctx.rank, ctx.world)
+            if driver is not None and trainer.version + 1 < cfg.learner.total_steps:
+                # the next batch, while this one trains (after the scatter: not competing
+                # with it for rank 0's interpreter)
+                driver.prefetcher.start(trainer.version + 1)
+            metrics = trainer.train_step(share)
         stats: dict = {}
         if driver is not None:   # rank 0 read the batch: it acks it and reports on it
             ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
