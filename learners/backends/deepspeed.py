@@ -13,10 +13,9 @@ the weighted sum / GLOBAL unit count × world size. Clipping is DeepSpeed's ``gr
 The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU Adam needs a
 ~50 s g++ build on first use. ZeRO still wraps it (flat fp32 partitions per rank).
 
-One forward per step: ``learner.micro_batch_tokens`` and ``learner.packing`` are FSDP2-only for
-now (DeepSpeed's own gradient accumulation rescales the loss per micro-batch; wiring our global
-normalisation through it is left to do). Not supported yet (raises): the GAE critic (it is
-built on FSDP2). The frozen KL reference is an unsharded replica on every rank (no optimizer
+Micro-batching (``learner.micro_batch_tokens``, ``learner.packing``) is FSDP2's loop with
+DeepSpeed's accumulation boundary set by hand (:meth:`DeepSpeedTrainer.train_step`). Not
+supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an unsharded replica on every rank (no optimizer
 state; under ZeRO-3 this costs one model copy per rank).
 
 Training checkpoints (``learners.checkpoint``, same layout and ``meta.json`` as FSDP2's) hold
@@ -46,12 +45,9 @@ except ImportError as exc:  # optional dependency
                       "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8") from exc
 
 from asyncrl.config.schema import LearnerConfig
-from learners.backends.fsdp2 import Fsdp2Trainer
-from learners.packing import token_logprobs_and_entropy
+from learners.backends.fsdp2 import Fsdp2Trainer, merge_token_stats
 from learners.batching import TrainBatch
 from learners.dist import resolve_device
-from learners.losses.objective import objective
-from learners.losses.policy import masked_mean
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
@@ -147,26 +143,37 @@ class DeepSpeedTrainer(Fsdp2Trainer):
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics are global and
-        identical on every rank (``timing/train_step`` is the slowest rank's)."""
+        identical on every rank (``timing/train_step`` is the slowest rank's).
+
+        The share runs as FSDP2's micro-batches (``learner.micro_batch_tokens``, packed or
+        padded) through the same loop (:meth:`Fsdp2Trainer._accumulate`); DeepSpeed's
+        accumulation boundary is set by hand for each one (True only for the last), so ZeRO
+        reduces and steps once, and the loss keeps our GLOBAL normalisation (DeepSpeed's
+        ``gradient_accumulation_steps`` stays 1 and never rescales it)."""
         start = time.perf_counter()
         batch = batch.to(self.device)
-        proximal, ref = self._frozen_logprobs(batch)
-        # Through the engine: its forward sets up the ZeRO backward hooks for this step.
-        logprobs, entropy = token_logprobs_and_entropy(self.engine, batch)
-        loss_sum, units, stats = objective(self.cfg, batch, logprobs, proximal, ref)
-        stats["entropy"] = masked_mean(entropy, batch.loss_mask)
-        global_units = units.clone()
-        dist.all_reduce(global_units)
+        global_units = self._global_units(batch)
         # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
-        self.engine.backward(loss_sum * self.world / global_units.clamp(min=1.0))
+        loss_sum, stats, mismatch = self._accumulate(
+            batch, self.world / global_units.clamp(min=1.0))
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
-        metrics = step_metrics(loss_sum.detach(), global_units, stats, batch)
-        metrics.update(self._mismatch(logprobs.detach(), batch))
+        metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)
+        metrics.update(self._mismatch_metrics(mismatch))
         metrics["actor/grad_norm"] = float(self.engine.get_global_grad_norm())
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
         return metrics
+
+    def _policy(self) -> nn.Module:
+        """Through the engine: its forward sets up the ZeRO backward hooks for the step."""
+        return self.engine
+
+    def _begin_micro(self, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+
+    def _backward(self, loss: Tensor) -> None:
+        self.engine.backward(loss)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full weights on CPU, HF names; rank 0 gets every tensor, others an EMPTY dict.

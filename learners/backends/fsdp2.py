@@ -164,16 +164,7 @@ class Fsdp2Trainer:
         global_units = self._global_units(batch)
         # × world: FSDP2 averages gradients over ranks; we want their sum (module docstring).
         scale = self.world / global_units.clamp(min=1.0)
-        loss_sum, stats, mismatch = torch.zeros((), device=self.device), [], None
-        for micro in self._micro_batches(batch):
-            proximal, ref = self._frozen_logprobs(micro)
-            logprobs, entropy = token_logprobs_and_entropy(self.model, micro, self.cfg.packing)
-            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
-            micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
-            (micro_loss * scale).backward()
-            loss_sum += micro_loss.detach()
-            stats.append(micro_stats)
-            mismatch = merge_mismatch_sums(mismatch, self._mismatch_sums(logprobs.detach(), micro))
+        loss_sum, stats, mismatch = self._accumulate(batch, scale)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,6 +176,38 @@ class Fsdp2Trainer:
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
         return metrics
+
+    def _accumulate(self, batch: TrainBatch, scale: Tensor
+                    ) -> tuple[Tensor, list[dict[str, Tensor]], Tensor | None]:
+        """Forward and backward every micro-batch of this rank's share, each loss times
+        ``scale``; the summed loss, per-micro statistics and mismatch sums. Backends differ
+        only in the module they run (:meth:`_policy`) and how a backward accumulates
+        (:meth:`_backward`), so DeepSpeed runs this same loop."""
+        loss_sum, stats, mismatch = torch.zeros((), device=self.device), [], None
+        plan = self._micro_batches(batch)
+        for index, micro in enumerate(plan):
+            last = index == len(plan) - 1
+            self._begin_micro(last)
+            proximal, ref = self._frozen_logprobs(micro)
+            logprobs, entropy = token_logprobs_and_entropy(self._policy(), micro,
+                                                           self.cfg.packing)
+            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
+            micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
+            self._backward(micro_loss * scale)
+            loss_sum += micro_loss.detach()
+            stats.append(micro_stats)
+            mismatch = merge_mismatch_sums(mismatch, self._mismatch_sums(logprobs.detach(), micro))
+        return loss_sum, stats, mismatch
+
+    def _policy(self) -> nn.Module:
+        """The module whose forward the loss differentiates."""
+        return self.model
+
+    def _begin_micro(self, last: bool) -> None:
+        """Before a micro-batch's forward; ``last``: its backward ends the accumulation."""
+
+    def _backward(self, loss: Tensor) -> None:
+        loss.backward()
 
     def _global_units(self, batch: TrainBatch) -> Tensor:
         """The step's aggregation units over every rank's share (tokens, samples or groups)."""

@@ -36,14 +36,15 @@ METRIC_REL = 1e-4
 
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
-             backend: str, stage: int) -> None:
+             backend: str, stage: int, micro_tokens: int, packing: bool) -> None:
     """One learner process: STEPS steps, then metrics, full state dict and an HF export."""
     torch.set_num_threads(1)
     from learners.backends import make_trainer
     from learners.backends.base import Trainer
     from learners.dist import init_learner_group, shutdown_learner_group
 
-    cfg = CFG.model_copy(update={"backend": backend, "zero_stage": stage})
+    cfg = CFG.model_copy(update={"backend": backend, "zero_stage": stage,
+                                 "micro_batch_tokens": micro_tokens, "packing": packing})
     device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
     try:
         if backend == "deepspeed":
@@ -65,23 +66,29 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
         shutdown_learner_group()
 
 
-RUNS = {"fsdp2_w1": ("fsdp2", 2, 1), "zero2_w2": ("deepspeed", 2, 2),
-        "zero3_w2": ("deepspeed", 3, 2)}
+# name → (backend, stage, world, micro_batch_tokens, packing). The baseline is one micro-batch;
+# the *_micro runs split each rank's share (<= 54 tokens) into several, a different number on
+# each rank (the shorter rank adds zero-weight ones), through DeepSpeed's accumulation boundary.
+RUNS = {"fsdp2_w1": ("fsdp2", 2, 1, 0, False), "zero2_w2": ("deepspeed", 2, 2, 0, False),
+        "zero3_w2": ("deepspeed", 3, 2, 0, False),
+        "zero2_w2_micro": ("deepspeed", 2, 2, 12, False),
+        "zero3_w2_micro": ("deepspeed", 3, 2, 16, True)}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """All three runs at once (5 processes): the FSDP2 baseline, ZeRO-2 and ZeRO-3."""
+    """All runs at once (9 processes): the FSDP2 baseline, ZeRO-2 and ZeRO-3, each of them
+    with and without micro-batches."""
     return spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("ds"),
-                      {name: (world, (backend, stage))
-                       for name, (backend, stage, world) in RUNS.items()})
+                      {name: (world, (backend, stage, micro, packing))
+                       for name, (backend, stage, world, micro, packing) in RUNS.items()})
 
 
 def _load(path: Path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.parametrize("name", ["zero2_w2", "zero3_w2"])
+@pytest.mark.parametrize("name", ["zero2_w2", "zero3_w2", "zero2_w2_micro", "zero3_w2_micro"])
 def test_zero_two_ranks_match_fsdp2_one_rank(runs: dict[str, Path], tiny_model_dir: Path,
                                             name: str) -> None:
     from safetensors.torch import load_file
