@@ -6,8 +6,9 @@ replaced, so a late reply can never be mistaken for the answer to a later reques
 ids guard the same thing on a live socket).
 
 Delivery is at-least-once: every :class:`~buffers.protocol.Batch` carries receipts, and
-:meth:`ZmqBufferClient.ack` after the optimizer step settles them; unacked groups come back
-after ``buffer.reclaim_idle_s``. A put into a full buffer waits (backpressure) up to the
+:meth:`ZmqBufferClient.ack` after the optimizer step settles them (or the next ``get_batch``
+carries them: one round trip for both); unacked groups come back after
+``buffer.reclaim_idle_s``. A put into a full buffer waits (backpressure) up to the
 request timeout and then raises :class:`TimeoutError`: the group was not accepted and is still
 the producer's to put again or release (:meth:`ZmqBufferClient.put_many` is all or error:
 after a TimeoutError its groups are in doubt, see :class:`~buffers.protocol.Buffer`).
@@ -18,10 +19,12 @@ re-sends a request that got no reply for up to that long, but only requests that
 repeat: reads, heartbeats, acks, lease renewals and progress restores (idempotent), versions
 and keys (last write wins), ``acquire``
 (a restarted broker starts with no grants in flight) and ``get_batch`` (a batch whose reply was
-lost is redelivered after ``reclaim_idle_s``). Puts are never re-sent: a lost put is in doubt
-and the producer's to handle (a rollout worker exits and its supervisor restarts it). A group
-travels as one packed frame (:func:`~buffers.zmq_protocol.pack_group`): one copy when the
-producer packs it, none after (the consumer's arrays are views of the received frame).
+lost is redelivered after ``reclaim_idle_s``; an ack it carries is idempotent). Puts are never
+re-sent: a lost put is in doubt and the producer's to handle (a rollout worker exits and its
+supervisor restarts it). A group travels as one packed frame
+(:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
+consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
+them per request.
 """
 
 from __future__ import annotations
