@@ -32,8 +32,9 @@ Choices worth knowing:
 - ``gate_closed_s`` is accrued by the scripts that change the gate, so a transition caused
   only by time (a producer declared dead) is noticed at the next call of any client.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
-  script ran but before its reply arrived runs it again: a put then stores a duplicate group
-  (at-least-once), an acquire holds its slots until the producer releases or goes silent.
+  script ran but before its reply arrived runs it again: a put files each group once (its
+  payload key, kept once filed, says so), an acquire holds its slots until the producer
+  releases or goes silent.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ class RedisBufferClient:
             args += [item.reason, item.min_version, item.run_id, len(keys) if item.key else 0]
         for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
-            for item in items:
-                if item.payload is not None and not item.staged:
-                    pipe.set(item.key, item.payload, px=self._stage_ttl_ms)
+            for item in items:  # NX: a pipeline re-sent after a lost connection leaves a
+                if item.payload is not None and not item.staged:  # payload filed as it is
+                    pipe.set(item.key, item.payload, px=self._stage_ttl_ms, nx=True)
             script = self._scripts["put_many"]
             pipe.evalsha(script.sha, len(self._all_keys) + len(keys), *self._all_keys, *keys,
                          *self._params, *args)

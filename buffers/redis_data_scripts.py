@@ -45,7 +45,9 @@ PUT_MANY = """
 -- up and deletes its payload; an accepted group gets an index entry and its payload is kept
 -- (PERSIST). Stops at the first valid group that finds the buffer full (backpressure: never
 -- trim): its result is {0, 'full'}, its and the rest's payloads stay staged (their expiry is
--- pushed back) for the client to retry with the keys alone. Payloads never enter Lua.
+-- pushed back) for the client to retry with the keys alone. A payload already kept (no
+-- expiry) was filed by an earlier run of the same call, sent again after a lost connection:
+-- it is answered as accepted and filed once. Payloads never enter Lua.
 -- Returns one {1, id} | {0, reason} per group handled.
 local producer, ttl = ARGV[5], ARGV[6]
 local now = now_ms()
@@ -59,13 +61,18 @@ for i = 7, #ARGV, 4 do
   if reason == '' and (not running or (run_id ~= '' and group_run ~= '' and
                                        group_run ~= run_id)) then reason = 'run' end
   if reason == '' and (not key or not is_payload_key(key)) then reason = 'frames' end
-  local full = reason == '' and redis.call('XLEN', K_INDEX) >= MAX_GROUPS
-  if not full and reason == '' and redis.call('EXISTS', key) == 0 then reason = 'expired' end
-  if full then
+  local left = reason == '' and redis.call('PTTL', key) or -2  -- -1: kept, -2: gone
+  local full = reason == '' and left ~= -1 and redis.call('XLEN', K_INDEX) >= MAX_GROUPS
+  if not full and reason == '' and left == -2 then reason = 'expired' end
+  if reason == '' and left == -1 then
+    table.insert(results, {1, key})  -- filed by an earlier run of this same call (a retry)
+  elseif full then
     redis.call('HINCRBY', K_STATE, 'put_full', 1)
-    for j = i, #ARGV, 4 do
+    for j = i, #ARGV, 4 do  -- still staged (not kept): they wait for the retry
       local rest = KEYS[N_FIXED_KEYS + tonumber(ARGV[j + 3])]
-      if rest and is_payload_key(rest) then redis.call('PEXPIRE', rest, ttl) end
+      if rest and is_payload_key(rest) and redis.call('PTTL', rest) > 0 then
+        redis.call('PEXPIRE', rest, ttl)
+      end
     end
     table.insert(results, {0, 'full'})
     break

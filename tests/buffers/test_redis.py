@@ -20,10 +20,11 @@ import pytest
 import redis
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.wire import encode_group
+from asyncrl.wire import Rejections, encode_group, encode_group_views
 from buffers import make_buffer_client
 from buffers.protocol import PutResult
 from buffers.redis_buffer import RedisBufferClient, reset_run
+from buffers.redis_entries import put_results, stage_put
 from buffers.redis_connect import connect, connection_kwargs
 from buffers.packing import pack_group
 from buffers.redis_scripts import GROUP
@@ -185,6 +186,23 @@ def test_a_staged_payload_that_expired_while_waiting_is_rejected_and_counted(red
     status = learner.status()
     assert (status["accepted"], status["rejected"], status["depth"]) == (1, {"expired": 1}, 0)
     assert status["in_flight"] == 0 and _payload_ttls(redis_server) == []
+
+
+def test_a_put_sent_again_after_a_lost_reply_files_its_group_once(redis_server, open_client):
+    """redis-py re-sends a pipeline whose connection broke: the payload SET and the put script
+    run twice. The second run finds the payload kept (filed by the first) and answers it
+    accepted without a second entry, even with the buffer now full, and leaves it kept."""
+    c = open_client(groups_per_step=8, max_groups=1)
+    items = [stage_put(encode_group_views(make_group("once")), c.config.max_message_bytes,
+                       Rejections(), "w")]
+    c.acquire("w", 1, 0)
+    assert put_results(c._put_window("w", items)) == ([PutResult(accepted=True)], False)
+    items[0].staged = False  # the same pipeline, sent again
+    assert put_results(c._put_window("w", items)) == ([PutResult(accepted=True)], False)
+    status = c.status()
+    assert (status["accepted"], status["depth"], status["in_flight"]) == (1, 1, 0)
+    assert _payload_ttls(redis_server) == [-1]
+    assert [g.group_id for g in c.get_batch("learner", 1, 0, timeout_s=5.0).groups] == ["once"]
 
 
 def test_reset_run_deletes_every_key_of_the_run_and_no_other(redis_server, open_client):
