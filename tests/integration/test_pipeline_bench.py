@@ -35,12 +35,14 @@ def test_pipeline_harness_reports_every_column(tmp_path: Path) -> None:
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0
         assert 0 < row["pct_of_bound"] < 2 and 0 <= row["learner_idle"] <= 1
         assert 0 <= row["engine_idle"] <= 1 and row["drops"] >= 0
+        assert row["harness_cores"] > 0 and 0 < row["machine_busy"] <= 1  # what the run cost
+        assert row["load_1min"] >= 0
         assert len(row["staleness_hist"]) == (1 if row["mode"] == "sync" else 3)
     sync, fast = rows
     assert sync["speedup"] == pytest.approx(1.0)
     assert sync["staleness_hist"][0] > 0  # synchronous: everything on-policy
     assert fast["bound_speedup"] > 1
     table = (out / "pipeline.md").read_text()
-    assert "% of bound" in table and "async s=2" in table
+    assert "% of bound" in table and "async s=2" in table and "run CPU (cores)" in table
     png = (out / "pipeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
