@@ -205,6 +205,15 @@ def test_a_put_sent_again_after_a_lost_reply_files_its_group_once(redis_server, 
     assert [g.group_id for g in c.get_batch("learner", 1, 0, timeout_s=5.0).groups] == ["once"]
 
 
+def test_a_put_after_redis_forgot_the_scripts_loads_them_and_goes_through(redis_server,
+                                                                          open_client):
+    c = open_client(groups_per_step=8)
+    assert c.put("w", make_group("before")).accepted
+    admin(redis_server).script_flush()  # as a restart without persistence of scripts does
+    assert c.put_many("w", [make_group("after")]) == [PutResult(accepted=True)]
+    assert c.status()["accepted"] == 2 and _payload_ttls(redis_server) == [-1, -1]
+
+
 def test_reset_run_deletes_every_key_of_the_run_and_no_other(redis_server, open_client):
     c = open_client(groups_per_step=8)
     c.put("w", make_group("g0"))
