@@ -28,7 +28,8 @@ Choices worth knowing:
   ``request_timeout_s``: unread data is never trimmed. ``put_many`` (``put`` is one of
   one) pays one round trip per ``PUT_WINDOW`` groups: their payloads are ``SET`` with an
   expiry in the same pipeline as the script that files them in order; a window that found
-  the buffer full is retried with the keys alone.
+  the buffer full is retried with the keys alone. So Redis holds at most ``max_groups``
+  accepted payloads plus ``PUT_WINDOW`` staged ones per waiting producer.
 - ``gate_closed_s`` is accrued by the scripts that change the gate, so a transition caused
   only by time (a producer declared dead) is noticed at the next call of any client.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
