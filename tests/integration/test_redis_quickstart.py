@@ -31,9 +31,11 @@ def test_quickstart_learns_with_redis(tmp_path: Path, processes: Processes) -> N
     assert final["val/test_score/copy"] >= 0.9, final
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
     assert max(r["staleness/max"] for r in records) <= 2
-    # Buffer stats are read before the step's publish; the previous version's delivery runs on
-    # the publisher's thread (weights.overlap) and may not have published yet. Its metrics
-    # arrive with this step's record.
+    # Buffer stats are read when the step's batch was fetched: at the step's start, or during
+    # the step before it (learners.prefetch). Either way before the step's publish, and the
+    # previous version's delivery runs on the publisher's thread (weights.overlap) and may not
+    # have published yet, so the buffer is 1 to 3 versions behind the record's step. Its
+    # weights/* metrics arrive with this step's record.
     last = records[-1]
-    assert last["buffer/version"] in (last["step"] - 2, last["step"] - 1), last
+    assert last["step"] - 3 <= last["buffer/version"] <= last["step"] - 1, last
     assert last["weights/version"] == last["step"] - 1, last
