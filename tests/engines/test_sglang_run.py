@@ -40,8 +40,12 @@ def test_run_with_sglang_engine(tmp_path: Path, processes: Processes) -> None:
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
     assert len(records) == STEPS
     for record in records[1:]:  # a step's record carries the previous delivery's metrics
-        assert record["weights/members"] == 2 and record["weights/evicted"] == 0, record
-        assert record["weights/bytes"] > 0
+        assert record["weights/evicted"] == 0 and record["weights/bytes"] > 0, record
+    # Both servers take part. One that got ready late (a loaded machine: the fixture starts in
+    # seconds to tens of seconds) joins at the next update, gets the current weights before it
+    # generates (the on-policy checks below), and none ever leaves.
+    members = [record["weights/members"] for record in records[1:]]
+    assert set(members) <= {1, 2} and members == sorted(members) and members[-1] == 2, members
     for record in records:
         assert record["mismatch/abs_logp"] < MAX_ABS_LOGP, record
         assert record["staleness/consumed_version_min"] == record["step"] - 1, record
