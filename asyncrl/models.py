@@ -110,6 +110,11 @@ def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
         tokenizer = build_char_tokenizer(model_cfg.tiny.extra_tokens)
         build_tiny_model(model_cfg.tiny, len(tokenizer), seed).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file():  # never publish a model dir without a model
+            raise RuntimeError(
+                f"saving the initial model to {tmp} wrote no config.json: transformers skips "
+                "saving on a torch.distributed rank other than 0; build it before joining a "
+                "process group")
         tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is for every role
         os.rename(tmp, final)
         logger.info("initial model (seed %d) saved to %s", seed, final)

@@ -60,13 +60,16 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.learner.threads)
     torch.manual_seed(cfg.run.seed + rank)
+    # Before the process group: transformers' save_pretrained writes nothing on a process whose
+    # torch.distributed rank is not 0, so a rank > 0 that built the initial model first would
+    # publish a directory without weights.
+    model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     device = init_learner_group(rank, world, master_port=master_port,
                                 master_addr=cfg.learner.master_addr, device=cfg.learner.device)
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address), f"learner-{rank}",
                       address)
     driver = None
     try:
-        model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
