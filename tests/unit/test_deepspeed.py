@@ -54,14 +54,18 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
         else:
             trainer = make_trainer(model_dir, cfg, device)
         assert isinstance(trainer, Trainer)
+        forwards = [0]   # policy forwards through the DeepSpeed engine: one per micro-batch
+        if backend == "deepspeed":
+            trainer.engine.register_forward_pre_hook(lambda *_: forwards.__setitem__(0,
+                                                                                 forwards[0] + 1))
         batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
         metrics = [trainer.train_step(batch) for _ in range(STEPS)]
         state = trainer.full_state_dict()
         trainer.save_pretrained(Path(out_dir) / "checkpoint")
         # Elements this rank holds in the module's weights: 0 once ZeRO-3 has partitioned them.
         held = sum(p.data.numel() for p in trainer.model.parameters())
-        torch.save({"metrics": metrics, "state": state, "version": trainer.version, "held": held},
-                   Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"metrics": metrics, "state": state, "version": trainer.version, "held": held,
+                    "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         shutdown_learner_group()
 
@@ -130,3 +134,19 @@ def test_make_trainer_routes_deepspeed_and_rejects_gae() -> None:
                                  "loss": LossConfig(advantage="gae")})
     with pytest.raises(NotImplementedError, match="GAE"):   # before any collective
         make_trainer("unused", cfg, "cpu")
+
+
+@pytest.mark.parametrize("name", ["zero2_w2", "zero3_w2", "zero2_w2_micro", "zero3_w2_micro"])
+def test_zero_runs_the_micro_batch_plan(runs: dict[str, Path], name: str) -> None:
+    """Each rank runs as many policy forwards per step as the rank with the most micro-batches
+    (the others add zero-weight ones): with ``micro_batch_tokens`` ignored it would be one,
+    and the equality with FSDP2 above would still hold."""
+    from learners.packing import micro_batches
+
+    _, _, world, tokens, packing = RUNS[name]
+    plans = [micro_batches(collate(rank_groups(r, world), std_norm=True, pad_id=0), tokens,
+                           packing) for r in range(world)]
+    expected = max(len(plan) for plan in plans)
+    assert expected == 1 if tokens == 0 else expected > 1
+    for rank in range(world):
+        assert _load(runs[name] / f"rank{rank}.pt")["forwards"] == expected * STEPS
