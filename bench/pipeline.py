@@ -14,15 +14,16 @@ Calibration, per (ratio, tail): ``T_gen`` = generate calls per step / engines ×
 - async: ``max(T_gen, T_train + T_sync)`` (the pipeline bound);
 - sync: ``E[slowest engine's calls of a step] + T_train + T_sync``.
 
-Measured over the ``steps`` steps after a warm-up of ``max(warmup, s + 3)`` steps, from the
-learner's metrics: steps/s → samples/s and tokens/s, learner idle (waiting for data / wall),
-engine idle (1 − generating / wall, from heartbeats), staleness histogram of consumed groups,
-drops, gate-closed time per engine. Why the warm-up grows with s: the rollout fleet is up
-before the learner (its ranks take longer to start), so the gate's whole window, s + 1 steps
-of groups at version 0, is generated before the first step; the learner drains that backlog
-over its first s + 1 steps without waiting for data, and the slow first weight sync (every
-engine joins) leaves the backlog's tail staler than s. Measured from step 4 regardless of s,
-a run at s = 8 would report that drain and its drops, not the steady state.
+Measured over the steady state, from the learner's metrics: steps/s → samples/s and
+tokens/s, learner idle (waiting for data / wall), engine idle (1 − generating / wall, from
+heartbeats), staleness histogram of consumed groups, drops, gate-closed time per engine. The
+window starts once the start-up backlog has drained (:func:`window_start`); the run lasts a
+planned warm-up (:meth:`Scale.warmup_steps`) plus ``steps``. Why there is a backlog: the
+rollout fleet is up before the learner (its ranks take longer to start), so the gate's whole
+window, s + 1 steps of groups at version 0, is generated before the first step; the learner
+drains it without waiting for data, and the slow first weight sync (every engine joins)
+leaves its tail staler than s. Measured from step 4 regardless of s and ratio, a run would
+report that drain and its drops, not the steady state.
 
     python bench/pipeline.py                 # full sweep → bench/results/pipeline.{md,json,png}
     python bench/pipeline.py --quick         # one ratio, one tail, sync and s=2 (minutes)
@@ -59,7 +60,7 @@ logger = logging.getLogger("bench.pipeline")
 COLUMNS = ["tail", "ratio", "mode", "samples_per_s", "tokens_per_s", "speedup", "bound_speedup",
            "pct_of_bound", "learner_idle", "engine_idle", "staleness_hist", "drops",
            "gate_closed_s_per_engine", "step_s", "bound_step_s", "harness_cores", "machine_busy",
-           "load_1min"]
+           "load_1min", "window"]
 
 
 @dataclass
@@ -79,9 +80,18 @@ class Scale:
     warmup: int = 4  # at least; see warmup_steps()
     steps: int = 16  # measured, after the warm-up
 
-    def warmup_steps(self, staleness: int) -> int:
-        """Steps left out at the start of a run with ``max_staleness = staleness``."""
-        return max(self.warmup, staleness + 3)
+    def warmup_steps(self, staleness: int, ratio: float = 1.0) -> int:
+        """Steps to leave out at the start of a run with ``max_staleness = staleness`` at a
+        generation:training ratio ``ratio``: the planned warm-up, from which the run's length
+        is set (:func:`window_start` then finds the actual start in the run's own metrics).
+
+        The start-up backlog is s + 1 steps of groups. Where generation is the slower side
+        (ratio > 1) the learner eats into it at 1/T_train while the fleet adds 1/T_gen, so it
+        lasts (s + 1) / (1 - 1/ratio) steps: 18 at ratio 2, s = 8, not s + 3."""
+        drain = staleness + 1
+        if ratio > 1:
+            drain = math.ceil((staleness + 1) / (1 - 1 / ratio))
+        return max(self.warmup, drain + 2)
 
 
 @dataclass
@@ -121,6 +131,7 @@ class Row:
     harness_cores: float = 0.0  # CPU of the whole run (every role) / its wall time
     machine_busy: float = 0.0  # the machine's CPU busy fraction during the run (all users)
     load_1min: float = 0.0  # load average at the run's end (other users included)
+    window: list[int] = field(default_factory=list)  # first and last step measured
 
 
 def sim_config(scale: Scale, tail: str) -> SimConfig:
@@ -154,7 +165,8 @@ def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 400,
                        sync_gen=float(np.mean(slowest)))
 
 
-def overrides(scale: Scale, tail: str, cal: Calibration, staleness: int) -> list[str]:
+def overrides(scale: Scale, tail: str, ratio: float, cal: Calibration, staleness: int
+              ) -> list[str]:
     sim = sim_config(scale, tail)
     params, param_bytes = 7e9, 2
     return [f"rollout.workers={scale.workers}", f"learner.ranks={scale.ranks}",
@@ -162,7 +174,7 @@ def overrides(scale: Scale, tail: str, cal: Calibration, staleness: int) -> list
             f"rollout.group_size={scale.group_size}",
             f"rollout.groups_per_batch={scale.groups_per_batch}",
             f"rollout.max_new_tokens={scale.max_new_tokens}",
-            f"learner.total_steps={scale.warmup_steps(staleness) + scale.steps}",
+            f"learner.total_steps={scale.warmup_steps(staleness, ratio) + scale.steps}",
             f"buffer.max_staleness={staleness}",
             f"sim.decode_step_s={sim.decode_step_s}", f"sim.length={sim.length}",
             f"sim.mean_tokens={sim.mean_tokens}", f"sim.sigma={sim.sigma}",
@@ -220,12 +232,34 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
+def window_start(records: list[dict], warmup: int, tail_steps: int) -> int:
+    """The first step of the steady state: at or after ``warmup``, the first step whose batch
+    found no more groups queued than the run's last ``tail_steps`` steps ever did.
+
+    The gate lets the fleet queue s + 1 steps of groups before the learner's first step;
+    until that backlog is gone the learner never waits and steps faster than the pipeline
+    can sustain. A fixed warm-up either cuts real steady state or keeps part of the drain
+    (``lognormal, ratio 2, s=8`` read 124 % of the bound that way), so the run's own queue
+    depth (``buffer/queued``, reported with each batch) says where the drain ended."""
+    tail = [r.get("buffer/queued", 0) for r in records[-tail_steps:]]
+    ceiling = max(tail) if tail else 0
+    for r in records:
+        if r["step"] >= warmup and r.get("buffer/queued", 0) <= ceiling:
+            return int(r["step"])
+    return warmup
+
+
 def measure(run_dir: Path, scale: Scale, warmup: int) -> dict:
-    """Throughput and idle ratios over steps ``warmup..last`` of one run."""
+    """Throughput and idle ratios from the steady state's first step (:func:`window_start`,
+    at least ``warmup``) to the last step of one run."""
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
-    window = [r for r in records if r["step"] >= warmup]
+    start = window_start(records, warmup, max(2, scale.steps // 2))
+    window = [r for r in records if r["step"] >= start]
     if len(window) < 2:
-        raise RuntimeError(f"{run_dir}: only {len(window)} steps after warm-up {warmup}")
+        raise RuntimeError(f"{run_dir}: only {len(window)} steps after step {start}")
+    if len(window) < scale.steps // 2 + 1:
+        logger.warning("%s: the backlog drained late (step %d); %d steps measured", run_dir,
+                       start, len(window) - 1)
     first, last = window[0], window[-1]
     span = last["time_s"] - first["time_s"]
     steps = last["step"] - first["step"]
@@ -243,7 +277,8 @@ def measure(run_dir: Path, scale: Scale, warmup: int) -> dict:
             # within the window, like every other column (the counter runs from the start)
             "drops": int(last.get("buffer/dropped_stale", 0)
                          - first.get("buffer/dropped_stale", 0)),
-            "gate_closed_s_per_engine": gate / scale.workers}
+            "gate_closed_s_per_engine": gate / scale.workers,
+            "window": [int(first["step"]), int(last["step"])]}
 
 
 def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
@@ -260,9 +295,9 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
                 name = f"{tail}-r{ratio:g}-s{staleness}"
                 start = time.monotonic()
                 run_dir, cost = run_scenario(args.config, out / "runs", name,
-                                             overrides(scale, tail, cal, staleness)
+                                             overrides(scale, tail, ratio, cal, staleness)
                                              + args.overrides, args.timeout)
-                got = {**measure(run_dir, scale, scale.warmup_steps(staleness)), **cost}
+                got = {**measure(run_dir, scale, scale.warmup_steps(staleness, ratio)), **cost}
                 bound = cal.sync_bound if staleness == 0 else cal.async_bound
                 rate = got["samples_per_s"]
                 sync_rate = rate if staleness == 0 else sync_rate
@@ -291,7 +326,7 @@ def write_results(rows: list[Row], scale: Scale, out: Path) -> str:
 def to_markdown(rows: list[Row]) -> str:
     head = ("| tail | T_gen:T_train | mode | samples/s | tokens/s | speedup vs sync | bound "
             "speedup | % of bound | learner idle | engine idle | staleness hist (0..s) | drops "
-            "| gate closed s/engine | run CPU (cores) | machine busy | load |")
+            "| gate closed s/engine | run CPU (cores) | machine busy | load | steps measured |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -300,7 +335,8 @@ def to_markdown(rows: list[Row]) -> str:
             f"{100 * r.pct_of_bound:.0f} % | {100 * r.learner_idle:.0f} % | "
             f"{100 * r.engine_idle:.0f} % | {' '.join(map(str, r.staleness_hist))} | {r.drops} | "
             f"{r.gate_closed_s_per_engine:.1f} | {r.harness_cores:.2f} | "
-            f"{100 * r.machine_busy:.0f} % | {r.load_1min:.1f} |")
+            f"{100 * r.machine_busy:.0f} % | {r.load_1min:.1f} | "
+            f"{'–'.join(map(str, r.window))} |")
     return "\n".join(lines) + "\n"
 
 
