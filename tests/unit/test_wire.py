@@ -82,3 +82,16 @@ def test_rejections_are_counted() -> None:
         except WireError as error:
             counter.add(error, "test")
     assert counter.counts == {"frames": 1, "reward": 1} and counter.total == 2
+
+
+def test_structure_checked_without_value_scan() -> None:
+    """``check_values=False`` (a consumer behind a validating broker) still refuses what it
+    could not index safely, and lets the value scans go."""
+    frames = encode_group(make_group())
+    with pytest.raises(WireError) as info:
+        decode_group([frames[0], frames[1][:-2], *frames[2:]], check_values=False)
+    assert info.value.reason == "length"
+    nan_logprobs = [frames[0], frames[1], np.full(14, np.nan, "<f4").tobytes(), *frames[3:]]
+    with pytest.raises(WireError):
+        decode_group(nan_logprobs)
+    assert np.isnan(decode_group(nan_logprobs, check_values=False).logprobs).all()
