@@ -7,7 +7,8 @@ Layout under the checkpoint directory (``<run dir>/<checkpoint.dir>``)::
         .metadata        FSDP2: DCP's index
         deepspeed/       DeepSpeed: ``engine.save_checkpoint`` (model states, and one
                          ZeRO-partitioned optimizer file per rank)
-        meta.json        version, time, config hash, format, per-rank RNG states, counters
+        meta.json        version, time, config hash, format, per-rank RNG states, counters,
+                         the LoRA setting it was trained with
     step_<V>.tmp/        a checkpoint being written: never read, removed by the next save
 
 A checkpoint is written to ``step_<V>.tmp`` and renamed to ``step_<V>`` only once complete, so
@@ -52,8 +53,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from learners.backends.base import NativeCheckpoint
 
@@ -75,6 +74,27 @@ class CheckpointMeta:
     rng: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, Any] = field(default_factory=dict)
     format: str = DCP  # how model and optimizer are stored: DCP, or the backend's own
+    lora: dict[str, Any] = field(default_factory=dict)  # its model.lora ({}: not recorded)
+
+
+def lora_record(lora: Any) -> dict[str, Any]:
+    """The part of ``model.lora`` that shapes the saved state and its meaning: off, or the
+    rank, scale numerator and targets (a different rank or target set is a different set of
+    tensors; a different alpha re-scales every adapter already trained)."""
+    if not lora.rank:
+        return {"rank": 0}
+    return {"rank": lora.rank, "alpha": lora.alpha,
+            "target_modules": sorted(lora.target_modules)}
+
+
+def _check_lora(path: Path, saved: dict[str, Any], wanted: dict[str, Any] | None) -> None:
+    """Refuse a resume under another LoRA setting, naming it, before any state is read (DCP
+    would otherwise fail on mismatched keys, or silently re-scale the adapters)."""
+    if wanted is None or not saved or saved == wanted:
+        return
+    raise ValueError(f"checkpoint {path} was trained with model.lora = {saved}; this run "
+                     f"has {wanted}. Resume with the same model.lora, or start a new run "
+                     f"(model.path) from the checkpoint's merged HF export")
 
 
 def config_hash(*sections: Any) -> str:
@@ -117,6 +137,10 @@ def _stateful(trainer: Any) -> dict[str, tuple[torch.nn.Module, torch.optim.Opti
 
 
 def _sharded_state(trainer: Any) -> dict[str, Any]:
+    # torch.distributed.checkpoint is imported where it is used (~0.7 s): the launcher reads
+    # meta.json through this module, and a learner that never checkpoints need not pay it.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     state: dict[str, Any] = {}
     for name, (module, optimizer) in _stateful(trainer).items():
         model_sd, optim_sd = get_state_dict(module, optimizer)
@@ -133,6 +157,8 @@ def _write_state(trainer: Any, path: Path) -> None:
     if isinstance(trainer, NativeCheckpoint):
         trainer.save_training_state(path)
     else:
+        import torch.distributed.checkpoint as dcp
+
         dcp.save(_sharded_state(trainer), checkpoint_id=str(path))
 
 
@@ -149,6 +175,9 @@ def _read_state(trainer: Any, path: Path, meta: CheckpointMeta) -> None:
                              f"{world})")
         trainer.load_training_state(path)
         return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     state = _sharded_state(trainer)
     dcp.load(state, checkpoint_id=str(path))
     for name, (module, optimizer) in _stateful(trainer).items():
@@ -201,7 +230,7 @@ def _rank() -> int:
 
 
 def save(trainer: Any, directory: Path, *, keep: int, cfg_hash: str = "",
-         counters: dict[str, Any] | None = None) -> Path:
+         counters: dict[str, Any] | None = None, lora: dict[str, Any] | None = None) -> Path:
     """Write ``step_<V>`` for the trainer's version V atomically; keep the ``keep`` newest.
 
     COLLECTIVE. Returns the checkpoint's path on every rank once it is complete."""
@@ -216,7 +245,7 @@ def save(trainer: Any, directory: Path, *, keep: int, cfg_hash: str = "",
     rng = _gather_rng()  # after the state, so that all ranks have written their shards
     if _rank() == 0:
         meta = CheckpointMeta(trainer.version, time.time(), cfg_hash, len(rng), rng,
-                              counters or {}, state_format(trainer))
+                              counters or {}, state_format(trainer), lora or {})
         (tmp / META).write_text(json.dumps(asdict(meta)))
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same version
         tmp.rename(final)
@@ -232,14 +261,16 @@ def _prune(directory: Path, keep: int) -> None:
         logger.info("removed old checkpoint %s", path)
 
 
-def load(trainer: Any, path: Path) -> CheckpointMeta:
+def load(trainer: Any, path: Path, lora: dict[str, Any] | None = None) -> CheckpointMeta:
     """Restore model, optimizer, version and this rank's RNG from ``path``. COLLECTIVE.
 
     A DCP checkpoint written by a different number of ranks loads too (DCP reshards); each rank
     then takes the RNG state of rank ``rank mod saved world``. A checkpoint of another format
-    than the trainer's (e.g. DeepSpeed's, into FSDP2) is refused before any collective."""
+    than the trainer's (e.g. DeepSpeed's, into FSDP2), or trained under another ``lora``
+    (:func:`lora_record`; None skips that check), is refused before any collective."""
     path = Path(path)
     meta = read_meta(path)
+    _check_lora(path, meta.lora, lora)
     _read_state(trainer, path, meta)
     trainer.version = meta.version
     set_rng_state(meta.rng[_rank() % len(meta.rng)])
@@ -269,6 +300,7 @@ class Checkpointer:
         self.run_dir = Path(cfg.run_dir)
         self.directory = self.run_dir / self.cfg.dir
         self.hash = config_hash(cfg.model, cfg.learner)
+        self.lora = lora_record(cfg.model.lora)
         self.saved_version = -1
 
     def resume(self, trainer: Any) -> CheckpointMeta | None:
@@ -276,7 +308,7 @@ class Checkpointer:
         path = resume_point(self.cfg, self.run_dir)
         if path is None:
             return None
-        meta = load(trainer, path)
+        meta = load(trainer, path, self.lora)
         if meta.config_hash and meta.config_hash != self.hash:
             logger.warning("checkpoint %s was written under a different model/learner config "
                            "(hash %s, now %s)", path, meta.config_hash, self.hash)
@@ -301,7 +333,7 @@ class Checkpointer:
             _barrier()
             return
         save(trainer, self.directory, keep=self.cfg.keep, cfg_hash=self.hash,
-             counters=counters)
+             counters=counters, lora=self.lora)
         self.saved_version = trainer.version
 
 

@@ -30,7 +30,7 @@ from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer
 from buffers.lease import keep_leased
-from learners.lora import engine_state
+from learners.lora import engine_state, sends_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,10 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         # A stop (signal) leaves the run resumable; the end of training marks it finished.
         checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}),
                                     "finished": not stop.is_set()})
-        state = engine_state(trainer, cfg)  # collective, like save_pretrained
-        trainer.save_pretrained(cfg.run_dir / "final")
+        state = engine_state(trainer, cfg)  # collective
+        # The engines' full weights are the export's: gathered once (not with adapters alone).
+        trainer.save_pretrained(cfg.run_dir / "final",
+                                state=None if sends_adapters(cfg) else state)
         if driver is not None:
             driver.finish(state, trainer.version)
     finally:

@@ -53,6 +53,7 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    check_targets(model, cfg.target_modules)
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha,
                               target_modules=list(cfg.target_modules), lora_dropout=0.0,
                               bias="none")
@@ -64,6 +65,43 @@ def wrap_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     logger.info("LoRA r=%d alpha=%g on %s: %d of %d parameters trainable", cfg.rank, cfg.alpha,
                 cfg.target_modules, trainable, total)
     return wrapped.eval()
+
+
+def check_targets(model: nn.Module, targets: list[str]) -> None:
+    """Refuse targets this module's merge cannot serve, naming the config key, before peft
+    builds anything: a non-linear module (peft would put ``lora_embedding_*`` adapters on an
+    embedding, which no engine here merges), or a linear layer whose weight is tied to
+    another parameter (``lm_head`` of a ``tie_word_embeddings`` model: merging ``W + B·A``
+    into one name would untie it, and the engines' copy of the shared weight would diverge
+    from the learner's)."""
+    names = set(targets)
+    shared = _shared_parameter_ids(model)
+    for path, module in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf not in names:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"model.lora.target_modules: {path!r} is "
+                             f"{_article(type(module).__name__)}, not a linear layer; LoRA adapters "
+                             f"are built for linear layers only")
+        if id(module.weight) in shared:
+            raise ValueError(f"model.lora.target_modules: {path!r} shares its weight with "
+                             f"another module (tie_word_embeddings); an adapter on it would "
+                             f"untie the weights. Target the decoder's linear layers, or "
+                             f"use an untied model")
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _shared_parameter_ids(model: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one module (tied weights)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return {pid for pid, count in owners.items() if count > 1}
 
 
 def hf_model(model: nn.Module) -> nn.Module:

@@ -31,8 +31,12 @@ class Trainer(Protocol):
         """Full CPU weights with HF names on rank 0; an empty dict on the other ranks."""
         ...
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write an HF ``from_pretrained`` directory (rank 0 writes; returns after a barrier)."""
+    def save_pretrained(self, path: str | Path,
+                        state: dict[str, Tensor] | None = None) -> None:
+        """Write an HF ``from_pretrained`` directory (rank 0 writes; returns after a barrier).
+        ``state``: this version's :meth:`full_state_dict`, already gathered (rank 0 full,
+        the others empty), written as it is instead of gathered again; every rank passes
+        one or none (the gather is collective)."""
         ...
 
 

@@ -277,13 +277,17 @@ class Fsdp2Trainer:
             raise RuntimeError("adapter_state_dict needs model.lora.rank > 0")
         return gather_adapters(self.model, self.lora.scale, self.rank)
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path,
+                        state: dict[str, Tensor] | None = None) -> None:
         """Write an HF ``from_pretrained`` directory (rank 0 writes; all ranks must call).
 
         Returns on every rank only once the directory is complete (a barrier after the write).
         Tokenizer files found next to the source model are copied too, so engines can load it.
+        ``state``: :meth:`full_state_dict` of this version if the caller already gathered it
+        (the end of a run sends the same weights to the engines): not gathered twice.
         """
-        state = self.full_state_dict()
+        if state is None:
+            state = self.full_state_dict()
         if self.rank == 0:
             path = Path(path)
             path.mkdir(parents=True, exist_ok=True)

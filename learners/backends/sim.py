@@ -66,9 +66,10 @@ class SimTrainer:
             return {}
         return {name: t.detach() for name, t in self.model.state_dict().items()}
 
-    def save_pretrained(self, path: str | Path) -> None:
+    def save_pretrained(self, path: str | Path,
+                        state: dict[str, Tensor] | None = None) -> None:
         if self.rank == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path)
+            self.model.save_pretrained(path, state_dict=state)
         if self.world > 1:
             dist.barrier()

@@ -195,3 +195,29 @@ def test_cli_resume_sets_checkpoint_path(tmp_path: Path) -> None:
     assert cfg.checkpoint.path == str(tmp_path / "step_5")
     with pytest.raises(FileNotFoundError):
         checkpoint.resume_point(cfg.checkpoint, cfg.run_dir)
+
+
+def test_a_resume_under_another_lora_setting_is_refused_before_any_state(tmp_path: Path):
+    """An adapter checkpoint resumed with LoRA off, another rank or targets (other tensors),
+    or another alpha (every adapter re-scaled), fails naming model.lora; the same setting,
+    or a meta that predates the record, goes on to the state (here: the format check)."""
+    from asyncrl.config.schema import LoraConfig
+
+    trained = checkpoint.lora_record(LoraConfig(rank=8, target_modules=["v_proj", "q_proj"]))
+    assert trained == {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+    step = _meta_only(tmp_path, checkpoint.CheckpointMeta(3, 0.0, "", 1, [], {}, "deepspeed",
+                                                          trained))
+    assert checkpoint.read_meta(step).lora == trained
+    for other in (LoraConfig(), LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]),
+                  LoraConfig(rank=8, target_modules=["q_proj"]),
+                  LoraConfig(rank=8, alpha=32.0, target_modules=["q_proj", "v_proj"])):
+        with pytest.raises(ValueError, match=r"trained with model.lora = \{'rank': 8"):
+            checkpoint.load(_DcpTrainer(), step, checkpoint.lora_record(other))
+    same = checkpoint.lora_record(LoraConfig(rank=8, target_modules=["q_proj", "v_proj"]))
+    for lora in (same, None):
+        with pytest.raises(ValueError, match="'deepspeed' state"):
+            checkpoint.load(_DcpTrainer(), step, lora)
+    old = _meta_only(tmp_path / "old", checkpoint.CheckpointMeta(3, 0.0, "", 1, [], {},
+                                                                 "deepspeed"))
+    with pytest.raises(ValueError, match="'deepspeed' state"):
+        checkpoint.load(_DcpTrainer(), old, checkpoint.lora_record(LoraConfig()))

@@ -74,7 +74,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
                         advantage=cfg.loss.advantage)
         metrics = [trainer.train_step(batch) for _ in range(STEPS)]
         state = trainer.full_state_dict()
-        trainer.save_pretrained(Path(out_dir) / "checkpoint")
+        # Written from the state just gathered (what the end of a run does), not re-gathered.
+        trainer.save_pretrained(Path(out_dir) / "checkpoint", state=state)
         torch.save({"metrics": metrics, "state": state, "version": trainer.version},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:

@@ -207,3 +207,16 @@ def test_full_weights_after_adapters_are_the_new_truth() -> None:
     state = engine.state_dict()
     for name, tensor in full.items():
         assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize(("targets", "expected"), [
+    (["lm_head"], "'lm_head' shares its weight with another module (tie_word_embeddings)"),
+    (["q_proj", "embed_tokens"], "'model.embed_tokens' is an Embedding, not a linear layer"),
+])
+def test_targets_a_merge_cannot_serve_are_refused(targets: list[str], expected: str) -> None:
+    """The tiny model ties its head to the embeddings: an adapter on either would leave the
+    engines with an untied (or unmergeable) copy; refused before peft builds anything."""
+    with pytest.raises(ValueError) as info:
+        wrap_lora(_tiny(), LoraConfig(rank=4, target_modules=targets))
+    assert str(info.value).startswith("model.lora.target_modules: ")
+    assert expected in str(info.value)
