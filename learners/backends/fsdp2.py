@@ -12,7 +12,8 @@ shards of a batch take the same step as one rank on the whole batch, whatever th
 
 Per step, before the update and without gradients: the proximal logprobs (decoupled PPO) and
 the frozen reference's logprobs (``kl_coef > 0``; the reference is sharded like the actor and has
-no optimizer). Every step reports the train-vs-rollout mismatch (``mismatch/…``,
+no optimizer; with LoRA it is the policy itself with its adapters switched off, since the base
+weights never change: no second copy of the model). Every step reports the train-vs-rollout mismatch (``mismatch/…``,
 ``learners.mismatch``) and warns past ``loss.mismatch_warn_abs_logp``.
 """
 
@@ -97,6 +98,9 @@ def shard_model(model: nn.Module, world: int, device_type: str,
 class Fsdp2Trainer:
     """One learner rank: the sharded model, its AdamW, and the optimizer-step counter."""
 
+    # KL reference = this model with its LoRA adapters off (peft's ``disable_adapter``).
+    reference_is_base = False
+
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
@@ -114,8 +118,12 @@ class Fsdp2Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # The frozen reference: the base model (not a resumed checkpoint: pass reference_path).
+        # Under LoRA the base weights ARE that model (frozen, never stepped): the policy with
+        # its adapters off is the reference, at no memory and no extra all-gathers of its own.
         self.reference: nn.Module | None = None
-        if cfg.loss.kl_coef > 0:
+        self.reference_is_base = (cfg.loss.kl_coef > 0 and self.lora is not None
+                                  and reference_path is None)
+        if cfg.loss.kl_coef > 0 and not self.reference_is_base:
             self.reference = self._load_sharded(reference_path or model_path, dtype)
             self.reference.requires_grad_(False)
         # The critic (GAE only): a value head on a copy of the decoder, sharded the same way.
@@ -131,7 +139,8 @@ class Fsdp2Trainer:
                     type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
                     sum(p.numel() for p in self.model.parameters() if p.requires_grad), version,
                     cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
-                    "yes" if self.reference is not None else "no")
+                    "a copy" if self.reference is not None
+                    else "the base (adapters off)" if self.reference_is_base else "no")
 
     def _load_sharded(self, path: str | Path, dtype: torch.dtype,
                       lora: LoraConfig | None = None) -> nn.Module:
@@ -233,8 +242,12 @@ class Fsdp2Trainer:
         proximal = None
         if self.cfg.loss.policy_loss == "decoupled_ppo":
             proximal = packed_or_padded_logprobs(self.model, batch, packing)
-        ref = (packed_or_padded_logprobs(self.reference, batch, packing)
-               if self.reference is not None else None)
+        ref = None
+        if self.reference is not None:
+            ref = packed_or_padded_logprobs(self.reference, batch, packing)
+        elif self.reference_is_base:
+            with self.model.disable_adapter():
+                ref = packed_or_padded_logprobs(self.model, batch, packing)
         return proximal, ref
 
     def _mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:

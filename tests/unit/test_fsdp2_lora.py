@@ -33,11 +33,14 @@ LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_pro
 VARIANTS = {
     "checkpointing": CFG.model_copy(update={"activation_checkpointing": True}),
     "kl_gae": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5, advantage="gae")}),
+    # KL against a loaded copy of the base (reference_path given), not the adapters-off policy
+    "kl_copy": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5)}),
+    "kl_base": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5)}),
 }
 
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
-             cfg: LearnerConfig = CFG) -> None:
+             cfg: LearnerConfig = CFG, reference_path: str | None = None) -> None:
     """One LoRA learner process: STEPS steps; metrics, merged state, adapters, HF export."""
     torch.set_num_threads(1)
     from learners.backends.fsdp2 import Fsdp2Trainer
@@ -45,7 +48,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
 
     device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
     try:
-        trainer = Fsdp2Trainer(model_dir, cfg, device, lora=LORA)
+        trainer = Fsdp2Trainer(model_dir, cfg, device, lora=LORA,
+                               reference_path=reference_path)
         batch = collate(rank_groups(rank, world), std_norm=True, pad_id=0,
                         advantage=cfg.loss.advantage)
         metrics = [trainer.train_step(batch) for _ in range(STEPS)]
@@ -53,7 +57,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
         trainer.save_pretrained(Path(out_dir) / "hf")
         optimized = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
         torch.save({"metrics": metrics, "state": state, "adapters": adapters,
-                    "optimized": optimized, "version": trainer.version},
+                    "optimized": optimized, "version": trainer.version,
+                    "reference_copy": trainer.reference is not None},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         shutdown_learner_group()
@@ -62,7 +67,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
          ) -> dict[int | str, Path]:
-    """The 1-rank and the 2-rank LoRA run, and each 1-rank variant (5 processes)."""
+    """The 1-rank and the 2-rank LoRA run, and each 1-rank variant (7 processes)."""
     ctx = mp.get_context("spawn")
     worlds = {1: (1, CFG), 2: (2, CFG), **{name: (1, cfg) for name, cfg in VARIANTS.items()}}
     out, procs = {}, []
@@ -70,8 +75,10 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         out[key] = tmp_path_factory.mktemp("lora") / str(key)
         out[key].mkdir()
         port = free_port()
+        reference = str(tiny_model_dir) if key == "kl_copy" else None
         procs += [ctx.Process(target=run_rank,
-                              args=(r, world, port, str(tiny_model_dir), str(out[key]), cfg))
+                              args=(r, world, port, str(tiny_model_dir), str(out[key]), cfg,
+                                    reference))
                   for r in range(world)]
     for proc in procs:
         proc.start()
@@ -173,3 +180,17 @@ def test_lora_beside_reference_and_critic(runs: dict[int | str, Path],
     initial = _initial_state(tiny_model_dir)
     assert torch.equal(run["state"]["model.embed_tokens.weight"],
                        initial["model.embed_tokens.weight"])
+
+
+def test_kl_reference_is_the_base_with_adapters_off(runs: dict[int | str, Path]) -> None:
+    """Under LoRA the KL reference is the policy with its adapters off (no model copy): it
+    trains exactly as against a loaded copy of the base model."""
+    base, copy = _load(runs["kl_base"] / "rank0.pt"), _load(runs["kl_copy"] / "rank0.pt")
+    assert not base["reference_copy"] and copy["reference_copy"]
+    kl = [m["actor/kl_loss"] for m in base["metrics"]]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 0
+    for step_base, step_copy in zip(base["metrics"], copy["metrics"]):
+        for name in ("actor/kl_loss", "actor/loss", "actor/grad_norm"):
+            assert step_base[name] == pytest.approx(step_copy[name], rel=1e-5, abs=1e-7), name
+    for name, tensor in copy["adapters"].items():
+        torch.testing.assert_close(base["adapters"][name], tensor, atol=1e-6, rtol=0)
