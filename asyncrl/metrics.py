@@ -30,7 +30,8 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``mismatch/*``                 train-vs-rollout logprob mismatch (``learners.mismatch``)
 ``timing/step``                wall time of the whole learner step, data wait included
 ``timing/wait_data``           waiting for the buffer; ``timing/compute`` the optimizer step
-                               (``timing/train_step``: the slowest rank's), ``timing/gather``
+                               (``timing/train_step``: the slowest rank's; ``timing/scatter``:
+                               rank 0 splitting the batch and sending the shares), ``timing/gather``
                                the full-state gather, ``timing/weight_sync`` the broadcast to
                                the engines (``timing/weight_send``, ``timing/weight_ack``)
 ``weights/*``                  the broadcast: bytes, members, evicted, buckets, epoch

@@ -9,7 +9,9 @@ other rows (advantages, ``group_tokens``) is computed before the split
 (``learners.batching``, ``learners.losses.aggregation``).
 
 The transfer is one ``scatter`` of byte buffers (every field padded to the largest share), no
-pickle.
+pickle. Splitting and packing those buffers (:func:`pack_shares`) needs nothing but the batch,
+so the learner does it on its prefetch thread, during the step before (``learners.prefetch``):
+only the two collectives stay between steps.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -50,8 +52,31 @@ def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
     return [batch.select(rows) if rows else batch.as_pad() for rows in shares]
 
 
-def scatter_batch(batch: TrainBatch | None, rank: int, world: int) -> TrainBatch:
-    """Rank 0 passes the global batch (others ``None``); every rank returns its balanced share.
+@dataclass(frozen=True)
+class PackedShares:
+    """A global batch split for ``world`` ranks and packed, ready for :func:`scatter_batch`:
+    ``header[r] = [rows, width]`` of rank r's share, ``buffers[r]`` its bytes."""
+
+    world: int
+    header: torch.Tensor
+    buffers: list[torch.Tensor]
+
+
+def pack_shares(batch: TrainBatch, world: int) -> PackedShares:
+    """Rank 0's half of :func:`scatter_batch` that involves no other rank: the token-balanced
+    split, and each share's fields padded to the largest share and laid end to end."""
+    shares = split_batch(batch, world)
+    header = torch.tensor([[s.num_samples, s.input_ids.shape[1]] for s in shares])
+    layout = _layout(*(int(v) for v in header.max(dim=0).values))
+    return PackedShares(world, header, [_pack(share, layout) for share in shares])
+
+
+def scatter_batch(batch: TrainBatch | PackedShares | None, rank: int, world: int,
+                  header: torch.Tensor | None = None) -> TrainBatch:
+    """Rank 0 passes the global batch, or it already packed (:func:`pack_shares`); the
+    others ``None``. Every rank returns its balanced share. ``header``: the packed shares'
+    ``header``, when every rank already has it (the learner agrees on it at the end of the
+    step before: then the scatter is the only collective here).
 
     COLLECTIVE over the default group, and only two collectives: a broadcast of every share's
     ``[rows, width]``, then ONE ``dist.scatter`` of byte buffers, each share's fields padded
@@ -61,18 +86,25 @@ def scatter_batch(batch: TrainBatch | None, rank: int, world: int) -> TrainBatch
     machine.
     """
     if world == 1:
+        if not isinstance(batch, TrainBatch):
+            raise ValueError("rank 0 of a world of 1 must pass the batch itself")
+        return batch
+    packed = None
+    if rank == 0:
         if batch is None:
             raise ValueError("rank 0 must pass the batch")
-        return batch
-    shares = split_batch(batch, world) if rank == 0 else None
-    header = torch.zeros(world, 2, dtype=torch.int64)
-    if shares:
-        header = torch.tensor([[s.num_samples, s.input_ids.shape[1]] for s in shares])
-    dist.broadcast(header, src=0)
-    padded_rows, padded_width = (int(v) for v in header.max(dim=0).values)
-    layout = _layout(padded_rows, padded_width)
+        packed = batch if isinstance(batch, PackedShares) else pack_shares(batch, world)
+        if packed.world != world:
+            raise ValueError(f"shares packed for {packed.world} ranks, the world is {world}")
+    if header is None:
+        header = packed.header if packed is not None else torch.zeros(world, 2, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+    elif packed is not None and not torch.equal(header, packed.header):
+        raise ValueError(f"agreed header {header.tolist()} is not the packed shares' "
+                         f"{packed.header.tolist()}")
+    layout = _layout(*(int(v) for v in header.max(dim=0).values))
     out = torch.zeros(sum(nbytes for _, _, _, nbytes in layout), dtype=torch.uint8)
-    _scatter(out, [_pack(share, layout) for share in shares] if shares else None)
+    _scatter(out, packed.buffers if packed is not None else None)
     rows, width = (int(v) for v in header[rank])
     received, offset = {}, 0
     for name, dtype, shape, nbytes in layout:
@@ -122,4 +154,4 @@ def _scatter(out: torch.Tensor, inputs: list[torch.Tensor] | None) -> None:
     dist.scatter(out, scatter_list=inputs, src=0)
 
 
-__all__ = ["partition_by_tokens", "scatter_batch", "split_batch"]
+__all__ = ["PackedShares", "pack_shares", "partition_by_tokens", "scatter_batch", "split_batch"]

@@ -126,18 +126,22 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
     from learners.balance import scatter_batch
 
     cfg, timers = ctx.cfg, Timers()
+    header = None   # the next batch's shares, when agreed at the end of the step before
     while trainer.version < cfg.learner.total_steps:
         with timers("wait_data"):
-            fetched = _next_batch(ctx, trainer, driver, stop)
+            fetched = _next_batch(ctx, trainer, driver, stop, ready=header is not None)
         if fetched is None:
             break
-        batch, (whole, filter_counts) = fetched if driver is not None else (None, (None, {}))
+        # rank 0's batch, collated and packed for the scatter on the prefetch thread
+        batch, (outgoing, filter_counts) = (fetched if driver is not None
+                                            else (None, (None, {})))
         # The step may outlast buffer.reclaim_idle_s: rank 0 renews the batch's lease
         # meanwhile, so it is not redelivered to another learner and trained twice.
         lease = (keep_leased(ctx.client, ctx.member, batch, cfg.buffer.reclaim_idle_s)
                  if driver is not None else contextlib.nullcontext())
         with timers("compute"), lease:
-            share = scatter_batch(whole, ctx.rank, ctx.world)
+            with timers("scatter"):   # part of compute: the balanced split and its transfer
+                share = scatter_batch(outgoing, ctx.rank, ctx.world, header)
             if driver is not None and trainer.version + 1 < cfg.learner.total_steps:
                 # the next batch, while this one trains (after the scatter: not competing
                 # with it for rank 0's interpreter)
@@ -156,8 +160,19 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if driver is not None:
             should_stop = driver.after_step(trainer.version, state, metrics, stats, timers.pop())
         checkpointer.after_step(trainer, _counters(cfg, trainer.version, stats))
-        if _agree(should_stop or stop.is_set(), ctx.world):
+        stopping, header = _end_of_step(ctx, driver, trainer.version,
+                                        should_stop or stop.is_set())
+        if stopping:
             break
+
+
+def _prepare(cfg: Config, world: int, batch):
+    """Rank 0, on the prefetch thread: the step's batch collated (:func:`_collate`) and, with
+    several ranks, already split and packed for the scatter (none of it is collective)."""
+    from learners.balance import pack_shares
+
+    whole, filter_counts = _collate(cfg, batch)
+    return (pack_shares(whole, world) if world > 1 else whole), filter_counts
 
 
 def _collate(cfg: Config, batch):
@@ -176,13 +191,23 @@ def _collate(cfg: Config, batch):
                    step_gamma=loss.step_gamma), filter_counts
 
 
-def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event):
+def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
+                ready: bool = False):
     """Rank 0 waits for ``groups_per_step`` fresh groups, heartbeating and re-syncing late
     joiners; after every poll all ranks agree whether a batch came or a stop. Returns
     ``(batch, collated)`` on rank 0 (fetched and collated ahead, during the previous step:
     :mod:`learners.prefetch`), ``True`` on the others, ``None`` on every rank to stop. The
     other ranks wait in that agreement rather than in the batch's scatter, so an empty buffer
-    never runs into the process group's timeout."""
+    never runs into the process group's timeout. ``ready``: every rank already agreed that
+    rank 0 holds the batch (:func:`_end_of_step`): it is handed over, no agreement."""
+    if ready:
+        if driver is None:
+            return True
+        batch = driver.prefetcher.take(trainer.version, 0.0)
+        if batch is None:
+            raise RuntimeError(f"the batch of version {trainer.version} was agreed ready "
+                               f"and is not")
+        return batch
     while True:
         batch = None
         if driver is not None and not stop.is_set():
@@ -227,21 +252,45 @@ def _consumed_versions(groups, version: int, max_staleness: int) -> dict[str, An
             "staleness/hist": hist}
 
 
-def _agree(flag: bool, world: int) -> bool:
-    """Every rank stops together: rank 0 decides (eval target), any rank may be told to stop."""
-    return _agree_any([flag], world)[0]
+def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopping: bool
+                 ) -> tuple[bool, Any]:
+    """ONE all-reduce at the end of a step: whether to stop (rank 0 decides on an eval
+    target, any rank may be told to stop), and whether rank 0 already holds the batch of
+    ``version`` (prefetched during the step) together with its shares' sizes. When it does,
+    the next step starts with no agreement of its own and its scatter with no broadcast:
+    two collectives fewer per step, each costing the slowest rank's scheduling delay
+    (5-20 ms for 8 ranks on 2 busy cores in bench/pipeline.py). Returns ``(stop,
+    header)``; ``header`` is None when the batch is not there yet (``_next_batch`` waits)."""
+    import torch
+
+    from learners.dist import gather_rows
+
+    if ctx.world == 1:
+        return stopping, None
+    shares = torch.zeros(ctx.world, 2, dtype=torch.float64)
+    ready = False
+    if driver is not None and not stopping:
+        prepared = driver.prefetcher.prepared(version)
+        if prepared is not None:
+            ready, shares = True, prepared[0].header.to(torch.float64)
+    flags = torch.cat([torch.tensor([float(stopping), float(ready)], dtype=torch.float64),
+                       shares.reshape(-1)])
+    flags = gather_rows(flags).max(0).values   # the others' zeros leave rank 0's values
+    if flags[0]:
+        return True, None
+    return False, (flags[2:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None)
 
 
 def _agree_any(flags: list[bool], world: int) -> list[bool]:
-    """Each flag OR-ed over the ranks (one all-reduce). COLLECTIVE."""
+    """Each flag OR-ed over the ranks (one all-gather). COLLECTIVE."""
     import torch
-    import torch.distributed as dist
+
+    from learners.dist import gather_rows
 
     if world == 1:
         return flags
-    t = torch.tensor([float(f) for f in flags])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    rows = gather_rows(torch.tensor([float(f) for f in flags]))
+    return [bool(v) for v in rows.max(0).values.tolist()]
 
 
 class _RankZero:
@@ -260,7 +309,8 @@ class _RankZero:
         # The next batch is fetched and collated on a thread of its own, with its own client.
         self.prefetcher = BatchPrefetcher(
             connect_buffer(self.cfg, ctx.address), ctx.member, self.cfg.learner.groups_per_step,
-            lambda batch: _collate(self.cfg, batch), BATCH_POLL_S, self.cfg.buffer.reclaim_idle_s)
+            lambda batch: _prepare(self.cfg, ctx.world, batch), BATCH_POLL_S,
+            self.cfg.buffer.reclaim_idle_s)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         self.weights_client = connect_buffer(self.cfg, ctx.address)
         self.publisher = WeightPublisher(

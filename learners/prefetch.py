@@ -75,6 +75,14 @@ class BatchPrefetcher:
             raise RuntimeError(f"fetching the batch of version {version} failed") from error
         return result
 
+    def prepared(self, version: int) -> Any | None:
+        """``prepare(batch)`` of ``version`` if it is fetched already, else None (at once;
+        nothing is handed over: :meth:`take` still must be called, and then returns it)."""
+        with self._ready:
+            if self._version == version and self._result is not None:
+                return self._result[1]
+        return None
+
     def close(self) -> None:
         """Stop fetching (within one long-poll) and close the client (idempotent)."""
         if self._stop.is_set():

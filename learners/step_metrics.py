@@ -2,17 +2,17 @@
 
 Every rank holds only its shard of the batch, so every figure is reduced across ranks: sums
 (then divided: token means over the GLOBAL trained tokens, sample means over the global
-samples) in one all-reduce, extremes in one MAX all-reduce. COLLECTIVE; the result is identical
-on every rank.
+samples) and extremes (max), from ONE all-gather of both (``learners.dist.gather_rows``).
+COLLECTIVE; the result is identical on every rank.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from learners.batching import TrainBatch
+from learners.dist import gather_rows
 
 # Objective / trainer stats that are means over trained tokens, and their reported names.
 TOKEN_MEANS = {"clip_frac": "actor/clipfrac", "is_capped_frac": "actor/is_capped_frac",
@@ -36,8 +36,8 @@ def step_metrics(loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor
     extremes = torch.stack([stats.get("advantage_max", -inf), -stats.get("advantage_min", inf),
                             lengths.max() if lengths.numel() else -inf,
                             -lengths.min() if lengths.numel() else -inf])
-    dist.all_reduce(sums)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    rows = gather_rows(torch.cat([sums.float(), extremes.float()]))
+    sums, extremes = rows[:, :len(sums)].sum(0), rows[:, len(sums):].max(0).values
     values, (adv_max, neg_adv_min, len_max, neg_len_min) = sums.tolist(), extremes.tolist()
     total_tokens, samples = max(values[1], 1.0), max(values[-1], 1.0)
     score = values[-4] / samples

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from asyncrl.config.schema import LearnerConfig, SimConfig
 from learners.batching import TrainBatch
+from learners.dist import gather_rows
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,7 @@ class SimTrainer:
         (``learners.step_metrics``, with a zero loss). COLLECTIVE."""
         start = time.perf_counter()
         tokens = batch.loss_mask.sum().to(torch.float32)
-        largest = tokens.clone()
-        if self.world > 1:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        largest = gather_rows(tokens.reshape(1)).max()
         wait = float(largest) * self.world * self.sim.train_token_s - (time.perf_counter() - start)
         if wait > 0:
             time.sleep(wait)

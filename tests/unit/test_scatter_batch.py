@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from learners.balance import scatter_batch, split_batch
+from learners.balance import pack_shares, scatter_batch, split_batch
 from learners.batching import collate
 from learners.dist import free_port
 from tests.unit.test_zmq_buffer import make_group
@@ -23,12 +23,17 @@ def _check_share(rank: int, world: int, port: int, groups: int) -> None:
     try:
         batch = collate([make_group(f"g{i}", version=i, generated=2 + 3 * i)
                          for i in range(groups)], True, 0)
-        got = scatter_batch(batch if rank == 0 else None, rank, world)
         want = split_batch(batch, world)[rank]  # a pad row where a rank has no sample
-        for f in fields(want):
-            mine, expected = getattr(got, f.name), getattr(want, f.name)
-            assert mine.dtype == expected.dtype, f.name
-            assert torch.equal(mine, expected), (rank, f.name, mine, expected)
+        # the batch itself, then packed beforehand (as the learner's prefetch thread does)
+        for outgoing in (batch, pack_shares(batch, world)):
+            got = scatter_batch(outgoing if rank == 0 else None, rank, world)
+            for f in fields(want):
+                mine, expected = getattr(got, f.name), getattr(want, f.name)
+                assert mine.dtype == expected.dtype, f.name
+                assert torch.equal(mine, expected), (rank, f.name, mine, expected)
+        if rank == 0:
+            with pytest.raises(ValueError, match="shares packed for 2 ranks, the world is 3"):
+                scatter_batch(pack_shares(batch, 2), rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -36,3 +41,42 @@ def _check_share(rank: int, world: int, port: int, groups: int) -> None:
 @pytest.mark.parametrize("groups", [5, 1])  # 1 group = 2 samples for 3 ranks: one pad share
 def test_each_rank_receives_its_share_field_for_field(groups: int) -> None:
     mp.spawn(_check_share, args=(3, free_port(), groups), nprocs=3)
+
+
+class _Prefetched:
+    """What _end_of_step reads of rank 0's prefetcher: the prepared batch, if fetched."""
+
+    def __init__(self, prepared) -> None:
+        self.prefetcher = self
+        self._prepared = prepared
+
+    def prepared(self, version: int):
+        return self._prepared if version == 5 else None
+
+
+def _check_end_of_step(rank: int, world: int, port: int) -> None:
+    from types import SimpleNamespace
+
+    from learners.loop import _end_of_step
+
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        batch = collate([make_group(f"g{i}", version=i, generated=2 + 3 * i)
+                         for i in range(5)], True, 0)
+        packed = pack_shares(batch, world)
+        ctx = SimpleNamespace(world=world)
+        driver = _Prefetched((packed, {})) if rank == 0 else None
+        # fetched during the step: every rank learns the shares' sizes with the stop flag
+        stopping, header = _end_of_step(ctx, driver, 5, False)
+        assert not stopping and torch.equal(header, packed.header)
+        got = scatter_batch(packed if rank == 0 else None, rank, world, header)
+        assert torch.equal(got.input_ids, split_batch(batch, world)[rank].input_ids)
+        assert _end_of_step(ctx, driver, 6, False) == (False, None)   # not fetched yet
+        assert _end_of_step(ctx, driver, 5, rank == world - 1) == (True, None)   # any rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_end_of_step_agrees_on_stop_and_the_next_shares_in_one_collective() -> None:
+    mp.spawn(_check_end_of_step, args=(3, free_port()), nprocs=3)
