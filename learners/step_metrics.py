@@ -24,26 +24,41 @@ def step_metrics(loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor
                  batch: TrainBatch) -> dict[str, float]:
     """``actor/loss``, token means, ``critic/score|rewards/mean``, ``response_length/*``,
     ``critic/advantages/max|min`` and ``perf/trained_tokens`` of the global batch."""
+    return reduce_metric_rows(gather_rows(metric_row(loss_sum, stats, batch)), global_units,
+                              stats)
+
+
+def metric_row(loss_sum: Tensor, stats: dict[str, Tensor], batch: TrainBatch) -> Tensor:
+    """This rank's part of :func:`step_metrics`: its sums, then its extremes, as one row to
+    gather. Separate so a backend that gathers something else in the same step can carry the
+    row in that one collective (``learners.backends.sim``)."""
     tokens = stats["tokens"]
     zero = torch.zeros((), device=tokens.device)
-    present = [k for k in TOKEN_MEANS if k in stats]
     real = batch.sample_mask   # zero-weight pad rows are no samples
     lengths = batch.loss_mask[real].sum(-1).float()
-    sums = torch.stack([loss_sum.float(), tokens, *(stats[k] * tokens for k in present),
+    sums = torch.stack([loss_sum.float(), tokens, *(stats[k] * tokens for k in _present(stats)),
                         batch.rewards[real].sum().float(), stats.get("kl_penalty_sum", zero),
                         lengths.sum(), torch.tensor(float(lengths.numel()), device=tokens.device)])
     inf = torch.tensor(float("inf"), device=tokens.device)
     extremes = torch.stack([stats.get("advantage_max", -inf), -stats.get("advantage_min", inf),
                             lengths.max() if lengths.numel() else -inf,
                             -lengths.min() if lengths.numel() else -inf])
-    rows = gather_rows(torch.cat([sums.float(), extremes.float()]))
-    sums, extremes = rows[:, :len(sums)].sum(0), rows[:, len(sums):].max(0).values
+    return torch.cat([sums.float(), extremes.float()])
+
+
+def reduce_metric_rows(rows: Tensor, global_units: Tensor, stats: dict[str, Tensor]
+                       ) -> dict[str, float]:
+    """Every rank's :func:`metric_row` (``[world, n]``, same ``stats`` keys on every rank)
+    reduced to the global metrics; the same on every rank."""
+    n_sums = 6 + len(_present(stats))
+    sums, extremes = rows[:, :n_sums].sum(0), rows[:, n_sums:].max(0).values
     values, (adv_max, neg_adv_min, len_max, neg_len_min) = sums.tolist(), extremes.tolist()
     total_tokens, samples = max(values[1], 1.0), max(values[-1], 1.0)
     score = values[-4] / samples
     metrics = {"actor/loss": values[0] / max(float(global_units), 1.0),
                "perf/trained_tokens": values[1],
-               **{TOKEN_MEANS[k]: values[2 + i] / total_tokens for i, k in enumerate(present)},
+               **{TOKEN_MEANS[k]: values[2 + i] / total_tokens
+                  for i, k in enumerate(_present(stats))},
                "critic/score/mean": score,
                "critic/rewards/mean": score - values[-3] / samples,
                "critic/advantages/max": _finite(adv_max),
@@ -52,6 +67,11 @@ def step_metrics(loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor
                "response_length/max": _finite(len_max),
                "response_length/min": _finite(-neg_len_min)}
     return metrics
+
+
+def _present(stats: dict[str, Tensor]) -> list[str]:
+    """The token-mean stats this step has, in :data:`TOKEN_MEANS` order (the row's layout)."""
+    return [k for k in TOKEN_MEANS if k in stats]
 
 
 def _finite(value: float) -> float:
@@ -65,4 +85,5 @@ def token_entropy(logprobs: Tensor) -> Tensor:
     return -(logprobs.exp() * logprobs).sum(-1)
 
 
-__all__ = ["TOKEN_MEANS", "step_metrics", "token_entropy"]
+__all__ = ["TOKEN_MEANS", "metric_row", "reduce_metric_rows", "step_metrics",
+           "token_entropy"]

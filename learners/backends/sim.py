@@ -1,8 +1,8 @@
 """A simulated training backend: the :class:`~learners.backends.base.Trainer` contract with a
 wait in place of the forward/backward pass (``learner.backend = "sim"``).
 
-Everything around the step stays real: the learner loop, batch collation, acks, the metric
-all-reduces, the weight broadcast protocol and checkpoints (the model is the run's tiny model,
+Everything around the step stays real: the learner loop, batch collation, acks, the global
+metrics (gathered in the step's one collective), the weight broadcast protocol and checkpoints (the model is the run's tiny model,
 never updated, so the code paths that save or send weights have real tensors to handle).
 
 Timing: ``sim.train_token_s`` is the learner's seconds per trained token with all ranks
@@ -23,7 +23,7 @@ from torch import Tensor
 from asyncrl.config.schema import LearnerConfig, SimConfig
 from learners.batching import TrainBatch
 from learners.dist import gather_rows
-from learners.step_metrics import step_metrics
+from learners.step_metrics import metric_row, reduce_metric_rows
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,23 @@ class SimTrainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Wait for the slowest rank's share of the step; global metrics as a real backend's
-        (``learners.step_metrics``, with a zero loss). COLLECTIVE."""
+        (``learners.step_metrics``, with a zero loss). COLLECTIVE: one all-gather, of the
+        shares' token counts and the metric rows together. The metrics depend on the batch
+        alone here (no loss), so they need not wait for the step: a second collective after
+        the wait would cost the harness a meeting of 8 ranks on 2 cores (bench/pipeline.py:
+        6-56 ms) that NCCL on a real cluster does in microseconds, and bias the measured
+        pipeline against its bound."""
         start = time.perf_counter()
         tokens = batch.loss_mask.sum().to(torch.float32)
-        largest = gather_rows(tokens.reshape(1)).max()
+        stats = {"tokens": tokens}
+        rows = gather_rows(torch.cat([tokens.reshape(1), metric_row(torch.zeros(()), stats,
+                                                                    batch)]))
+        largest = rows[:, 0].max()
+        metrics = reduce_metric_rows(rows[:, 1:], tokens, stats)
         wait = float(largest) * self.world * self.sim.train_token_s - (time.perf_counter() - start)
         if wait > 0:
             time.sleep(wait)
         self.version += 1
-        zero = torch.zeros(())
-        metrics = step_metrics(zero, tokens.clone(), {"tokens": tokens}, batch)
         metrics["actor/lr"] = 0.0
         metrics["timing/train_step"] = time.perf_counter() - start
         return metrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,6 +132,69 @@ def test_sim_trainer_waits_for_its_tokens(tmp_path) -> None:
         assert state and all(isinstance(t, torch.Tensor) for t in state.values())
     finally:
         dist.destroy_process_group()
+
+
+def _sim_rank(rank: int, world: int, port: int, model: str, out: str) -> None:
+    """Rank ``rank`` of a sim learner given an UNEVEN share: groups 0-2 on rank 0, 3 on 1."""
+    import json
+
+    from learners.backends import make_trainer
+    from learners.batching import collate
+    from tests.unit.test_fsdp2 import make_groups
+
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        groups = make_groups()
+        batch = collate(groups[:3] if rank == 0 else groups[3:], True, 0)
+        trainer = make_trainer(model, LearnerConfig(backend="sim"), "cpu",
+                               sim=SimConfig(train_token_s=0.01))
+        start = time.monotonic()
+        metrics = trainer.train_step(batch)
+        took = time.monotonic() - start
+        Path(out, f"{rank}.json").write_text(json.dumps(
+            {"took": took, "tokens": int(batch.loss_mask.sum()), "metrics": metrics}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_path) -> None:
+    """Each rank waits for the LARGEST share (data-parallel ranks finish together), and the
+    metrics, gathered in the same single collective as the share sizes, are the whole
+    batch's: equal to step_metrics of the whole batch on one rank."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from asyncrl.config.schema import TinyModelConfig
+    from asyncrl.models import build_char_tokenizer, build_tiny_model
+    from learners.batching import collate
+    from learners.dist import free_port
+    from learners.step_metrics import step_metrics
+    from tests.unit.test_fsdp2 import make_groups
+
+    model, out = tmp_path / "model", tmp_path / "out"
+    out.mkdir()
+    build_tiny_model(TinyModelConfig(), len(build_char_tokenizer()), 0).save_pretrained(model)
+    mp.spawn(_sim_rank, args=(2, free_port(), str(model), str(out)), nprocs=2)
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    largest = max(r["tokens"] for r in ranks)
+    assert ranks[0]["tokens"] != ranks[1]["tokens"]
+    for r in ranks:
+        assert r["took"] >= largest * 2 * 0.01 * 0.95
+    whole = collate(make_groups(), True, 0)
+    tokens = whole.loss_mask.sum().to(torch.float32)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        want = step_metrics(torch.zeros(()), tokens, {"tokens": tokens}, whole)
+    finally:
+        dist.destroy_process_group()
+    for r in ranks:
+        got = r["metrics"]
+        assert got["perf/trained_tokens"] == int(tokens)
+        for name, value in want.items():
+            if name != "actor/loss":   # 0 either way: the sim has no loss
+                assert got[name] == pytest.approx(value), name
 
 
 def test_config_accepts_sim_and_rejects_bad_values() -> None:
