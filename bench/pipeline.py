@@ -139,9 +139,14 @@ def sim_config(scale: Scale, tail: str) -> SimConfig:
                      length="uniform" if tail == "uniform" else "lognormal", sigma=scale.sigma)
 
 
-def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 400,
+def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 40_000,
               seed: int = 0) -> Calibration:
-    """Expected per-step times of the scenario from the engine's own timing model."""
+    """Expected per-step times of the scenario from the engine's own timing model.
+
+    ``samples`` generate calls: lognormal σ = 1 lengths have a coefficient of variation of
+    1.3, so 400 calls (the default until 2026-11-24) put T_gen 3.9 % and the tokens per step
+    2.5 % below their expectations (seed 0), and with them the bounds every run was compared
+    to; 40,000 calls bring the standard error under 0.3 % (0.6 s per scenario)."""
     sim = sim_config(scale, tail)
     rng = np.random.default_rng(seed)
     batch = scale.groups_per_batch * scale.group_size
@@ -156,7 +161,7 @@ def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 400,
     t_gen = calls_per_step / scale.workers * float(durations_arr.mean())
     # Synchronous: all engines start together; the step waits for the slowest one.
     slowest = []
-    for _ in range(200):
+    for _ in range(2000):
         picks = rng.choice(durations_arr, size=(scale.workers, per_worker))
         slowest.append(picks.sum(axis=1).max())
     t_train = t_gen / ratio
