@@ -16,6 +16,14 @@ Choices worth knowing:
   ``XAUTOCLAIM``: the latter would also re-serve the caller's own slow batches and claim
   before it is known that a full batch can be formed.) Only an entry rejected when decoded
   (a producer that bypassed this client) leaves a partial batch, held here and topped up.
+- Groups are served **earliest deadline first**, as the ZMQ broker serves them: oldest
+  version first, each producer's groups in their order. Groups arrive in the order they
+  finish, so a long answer started at version v arrives behind groups of v + 1; served by
+  arrival it is consumed a step late and dropped as stale (a bias against long answers).
+  ``XREADGROUP`` hands out a stream only in arrival order, so every take moves the unread
+  entries into the pending list of a reserved consumer (``~queued``) and ``XCLAIM`` s the
+  ones it chose from there; that costs the take a scan of the index (at most
+  ``max_groups`` entries of a few bytes).
 - A served batch must be acked within ``reclaim_idle_s``, or another learner takes it over.
   ``get_batch(ack=batch)`` acks inside the take script: one round trip for both.
 - Consumer names are made unique per client (``name-pid-random``), so a restarted learner

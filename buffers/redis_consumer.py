@@ -24,7 +24,7 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError
 from buffers.protocol import Batch
-from buffers.redis_entries import decode_entry, entry_fields, entry_order
+from buffers.redis_entries import decode_entry, entry_fields
 from buffers.redis_scripts import GROUP, RedisKeys
 from buffers.redis_status import batch_stats
 
@@ -146,8 +146,7 @@ class RedisConsumer:
 
     def _serve(self, consumer: str, count: int, learner_version: int, stats: list) -> Batch:
         held = self._held[consumer]
-        held.sort(key=lambda item: entry_order(item[0]))  # oldest first: FIFO per producer
-        served, held[:] = held[:count], held[count:]
+        served, held[:] = held[:count], held[count:]  # in the order the take chose them
         for entry_id, group in served:
             self._served[entry_id] = group.staleness(learner_version)
         return Batch(groups=[g for _, g in served], dropped_stale=self._dropped.pop(consumer, 0),

@@ -96,21 +96,23 @@ return results
 TAKE = """
 -- ARGV: consumer, need, learner_version, reclaim_idle_ms, n held, then the n ids this
 -- consumer holds, then (id, staleness) pairs to ack first (a get_batch carrying the previous
--- batch's ack). All or nothing: claims/reads only when `need` fresh groups can be had right
--- now, so consumers never strand partial batches. Works on the index alone: entries are a
--- few bytes, the client reads the payloads they name afterwards (MGET), outside Lua.
--- Returns {lost held ids, dropped, entries, tail id, stats, acked}.
+-- batch's ack). All or nothing: claims only when `need` fresh groups can be had right now,
+-- so consumers never strand partial batches. Works on the index alone: entries are a few
+-- bytes, the client reads the payloads they name afterwards (MGET), outside Lua.
+--
+-- Unread entries wait in the pending list of the reserved consumer QUEUE: XREADGROUP can
+-- only hand out a stream's entries in arrival order, XCLAIM any of them. The candidates are
+-- QUEUE's entries and those idle on another consumer for reclaim_idle_ms (presumed dead);
+-- stale ones are dropped, and the `need` with the earliest deadline are claimed, in that
+-- order: oldest version first, then arrival, each producer's groups in their order (a
+-- group's key is the newest version among its producer's candidates up to it), exactly as
+-- the ZMQ broker serves. Returns {lost held ids, dropped, entries, tail id, stats, acked}.
 local consumer, need = ARGV[5], tonumber(ARGV[6])
 local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_held = tonumber(ARGV[9])
 ensure_group()
 local acked = ack_entries(10 + n_held)
 local function stale(minv) return minv >= 0 and learner_version - minv > S end
-local function index_minv(id)
-  local e = redis.call('XRANGE', K_INDEX, id, id)
-  if #e == 0 then return -1 end
-  return tonumber(e[1][2][2]) or -1
-end
 
 local lost = {}
 for i = 10, 9 + n_held do  -- held ids stay ours only if nobody reclaimed them; keep them fresh
@@ -119,49 +121,92 @@ for i = 10, 9 + n_held do  -- held ids stay ours only if nobody reclaimed them; 
   else redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, ARGV[i], 'JUSTID') end
 end
 
-local dropped, claim, start = 0, {}, '-'
-while #claim < need do  -- pending on other consumers for too long: theirs is presumed dead
-  local page = redis.call('XPENDING', K_INDEX, GROUP, 'IDLE', reclaim_ms, start, '+', need)
-  if #page == 0 then break end
-  for _, e in ipairs(page) do
-    if e[2] ~= consumer and #claim < need then
-      if stale(index_minv(e[1])) then dropped = dropped + remove(e[1])
-      else table.insert(claim, e[1]) end
+redis.call('XREADGROUP', 'GROUP', GROUP, QUEUE, 'STREAMS', K_INDEX, '>')
+-- Every entry now waits in QUEUE's pending list or is delivered to a learner (a few batches
+-- each): read the learners' lists, and take the rest of the index to be QUEUE's when the
+-- counts agree (an entry acked elsewhere but not deleted is in no list; then ask QUEUE's).
+local delivered, reclaimable, n_queued, n_delivered = {}, {}, 0, 0
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', K_INDEX, GROUP)) do
+  local f = {}
+  for i = 1, #c - 1, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] == QUEUE then n_queued = f['pending']
+  elseif f['pending'] > 0 then
+    for _, p in ipairs(redis.call('XPENDING', K_INDEX, GROUP, '-', '+', f['pending'],
+                                  f['name'])) do
+      delivered[p[1]], n_delivered = true, n_delivered + 1
+      if f['name'] ~= consumer and p[3] >= reclaim_ms then reclaimable[p[1]] = true end
     end
   end
-  start = '(' .. page[#page][1]
+end
+local queued = nil  -- nil: every entry not delivered is QUEUE's
+if n_queued + n_delivered ~= redis.call('XLEN', K_INDEX) then
+  queued = {}
+  if n_queued > 0 then
+    for _, p in ipairs(redis.call('XPENDING', K_INDEX, GROUP, '-', '+', n_queued, QUEUE)) do
+      queued[p[1]] = true
+    end
+  end
 end
 
-local ldi = '0-0'
-for _, g in ipairs(redis.call('XINFO', 'GROUPS', K_INDEX)) do
-  local f = {}
-  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-  if f['name'] == GROUP then ldi = f['last-delivered-id'] end
+-- One pass in arrival order: drop the stale candidates, key the fresh ones (the newest
+-- version among their producer's fresh candidates so far) and keep the `need` best.
+local function better(a, b)
+  if a.key ~= b.key then return a.key < b.key end
+  return a.place < b.place
 end
-local unread, cursor = 0, '(' .. ldi
-while #claim + unread < need do
-  local page = redis.call('XRANGE', K_INDEX, cursor, '+', 'COUNT', need - #claim - unread)
-  if #page == 0 then break end
-  for _, e in ipairs(page) do
-    if stale(tonumber(e[2][2]) or -1) then dropped = dropped + remove(e[1])
-    else unread = unread + 1 end
+local dropped, n_fresh, newest, best = 0, 0, {}, {}
+if n_queued > 0 or next(reclaimable) then
+  for _, e in ipairs(redis.call('XRANGE', K_INDEX, '-', '+')) do
+    local id, f = e[1], e[2]
+    if reclaimable[id] or not (delivered[id] or (queued and not queued[id])) then
+      local minv, p = nil, nil
+      if f[1] == 'minv' and f[3] == 'p' then minv, p = f[2], f[4]  -- as the put script writes
+      else
+        for i = 1, #f - 1, 2 do
+          if f[i] == 'minv' then minv = f[i + 1] elseif f[i] == 'p' then p = f[i + 1] end
+        end
+      end
+      minv, p = tonumber(minv or '') or -1, p or ''
+      if stale(minv) then dropped = dropped + remove(id)
+      else
+        n_fresh = n_fresh + 1
+        local key = newest[p]
+        if key == nil or minv > key then key = minv end
+        newest[p] = key
+        local c = {id = id, key = key, place = n_fresh}
+        if #best < need or better(c, best[#best]) then
+          local i = #best + 1
+          while i > 1 and better(c, best[i - 1]) do best[i] = best[i - 1]; i = i - 1 end
+          best[i] = c
+          if #best > need then best[#best] = nil end
+        end
+      end
+    end
   end
-  cursor = '(' .. page[#page][1]
 end
 redis.call('HINCRBY', K_STATE, 'dropped_stale', dropped)
 
 local entries = {}
-if #claim + unread >= need then
-  for i = 1, #claim, 500 do
-    local ids = {unpack(claim, i, math.min(i + 499, #claim))}
-    for _, e in ipairs(redis.call('XCLAIM', K_INDEX, GROUP, consumer, reclaim_ms,
-                                  unpack(ids))) do table.insert(entries, e) end
+if n_fresh >= need and need > 0 then
+  local first, again = {}, {}  -- from QUEUE (a first delivery) / from a presumed-dead consumer
+  for i = 1, need do
+    if reclaimable[best[i].id] then table.insert(again, best[i].id)
+    else table.insert(first, best[i].id) end
   end
-  redis.call('HINCRBY', K_STATE, 'redelivered', #entries)
-  if unread > 0 then
-    local r = redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', unread,
-                         'STREAMS', K_INDEX, '>')
-    if r then for _, e in ipairs(r[1][2]) do table.insert(entries, e) end end
+  local claimed = {}
+  local function claim(ids, options)
+    for i = 1, #ids, 500 do
+      local call = {'XCLAIM', K_INDEX, GROUP, consumer, 0}
+      for j = i, math.min(i + 499, #ids) do table.insert(call, ids[j]) end
+      for _, o in ipairs(options) do table.insert(call, o) end
+      for _, e in ipairs(redis.call(unpack(call))) do claimed[e[1]] = e end
+    end
+  end
+  claim(first, {'RETRYCOUNT', '1'})  -- QUEUE's delivery was not one: the count stays 1
+  claim(again, {})
+  redis.call('HINCRBY', K_STATE, 'redelivered', #again)
+  for i = 1, need do
+    if claimed[best[i].id] then table.insert(entries, claimed[best[i].id]) end
   end
 end
 local tail = redis.call('XREVRANGE', K_INDEX, '+', '-', 'COUNT', 1)

@@ -84,8 +84,3 @@ def decode_entry(fields: dict[bytes, bytes], payload: bytes | None,
         raise WireError("version", f"minv {minv} but oldest token version {group.min_version()}")
     return group
 
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    """Sort key of a stream entry id ``ms-seq``: the order entries were added in."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq)

@@ -17,9 +17,11 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 ``ns:roles``       hash     member → role
 ``ns:info``        hash     member → orjson of its last heartbeat info
 ``ns:index``       stream   one entry per accepted group: minv (oldest token version), p
-                            (producer), k (its payload key); consumer group ``learners``.
-                            Acked, dropped and rejected entries are deleted, so XLEN is the
-                            depth (unread + pending)
+                            (producer), k (its payload key); consumer group ``learners``,
+                            whose consumer ``~queued`` holds the entries no learner has
+                            taken yet (the take chooses among them by deadline). Acked,
+                            dropped and rejected entries are deleted, so XLEN is the depth
+                            (queued + delivered)
 ``ns:g:<hex>``     string   one group's payload: the 5 wire frames packed
                             (:func:`buffers.packing.pack_group`). Staged by the producer
                             with an expiry (gone if it dies before the put script), kept
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, RENEW, TAKE
 
 GROUP = "learners"
+QUEUE = "~queued"  # the consumer whose pending list holds the unread entries (see TAKE)
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "index", "rejected",
              "hist", "kv", "kvseq", "notify")
 PAYLOAD_INFIX = ":g:"  # payload keys are f"{namespace}{PAYLOAD_INFIX}{hex}"
@@ -86,7 +89,7 @@ local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_INDEX, K_REJECTED, K_HIST,
 local PAYLOAD_PREFIX = string.sub(K_STATE, 1, -#'state' - 2) .. '""" + PAYLOAD_INFIX + """'
 local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
-local GROUP = 'learners'
+local GROUP, QUEUE = '""" + GROUP + """', '""" + QUEUE + """'
 
 local function fmt(n) return string.format('%d', n) end
 local function now_ms()

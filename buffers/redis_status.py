@@ -17,6 +17,7 @@ import orjson
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from buffers.protocol import RUNNING
+from buffers.redis_scripts import QUEUE
 
 
 def _text(raw: dict[bytes, bytes]) -> dict[str, str]:
@@ -42,6 +43,16 @@ def _members(seen: dict[str, int], roles: dict[str, str], info: dict[bytes, byte
                    "last_seen_s_ago": (now_ms - last) / 1000, "in_flight": in_flight.get(name, 0),
                    "info": infos.get(name, {})}
             for name, last in sorted(seen.items())}
+
+
+def _delivered(pending: dict[str, Any] | None) -> int:
+    """Entries delivered to a learner and not yet acked: the XPENDING summary without the
+    unread entries that wait in the pending list of :data:`~buffers.redis_scripts.QUEUE`."""
+    if not pending:
+        return 0
+    waiting = sum(int(c["pending"]) for c in pending.get("consumers") or ()
+                  if c["name"] in (QUEUE, QUEUE.encode()))
+    return int(pending["pending"]) - waiting
 
 
 def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: BufferConfig,
@@ -73,7 +84,7 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
                             config.heartbeat_timeout_s * 1000),
         "uptime_s": (now_ms - int(state.get("started", now_ms))) / 1000,
         "keys": sorted(k.decode() for k in keys),
-        "pending": int(pending["pending"]) if pending else 0,
+        "pending": _delivered(pending),
         "redelivered": int(state.get("redelivered", 0)), "reaped": int(state.get("reaped", 0)),
         "put_full": int(state.get("put_full", 0)), "namespace": namespace,
     }

@@ -61,6 +61,38 @@ def test_fifo_per_producer_and_oldest_first(backend):
     assert (status["depth"], status["consumed"], status["accepted"]) == (0, 12, 12)
 
 
+def served(client: BufferClient, count: int, version: int) -> list[str]:
+    batch = client.get_batch("learner", count, version, timeout_s=5.0)
+    client.ack("learner", batch)
+    return ids(batch)
+
+
+def test_a_late_old_group_is_served_before_fresher_ones_and_not_dropped(backend):
+    """Earliest deadline first: groups arrive in the order they finish, not the order the
+    gate admitted them. A long-tailed group started at version 0 arrives behind groups of
+    version 1 that overtook it; served by arrival it would be consumed a step later and
+    dropped as stale, served by version it is consumed while still fresh."""
+    c = backend.start(groups_per_step=2, max_staleness=1).client()
+    for name in ("a", "b"):
+        assert c.put("w1", make_group(name, version=1)).accepted
+    assert c.put("w0", make_group("long", version=0)).accepted  # finished last
+    assert served(c, 2, version=1) == ["long", "a"]  # staleness 1: still fresh
+    assert served(c, 1, version=2) == ["b"]
+    assert c.status()["dropped_stale"] == 0  # by arrival, "long" would be: 2 - 0 > 1
+
+
+def test_equal_versions_keep_arrival_order_and_each_producer_its_own(backend):
+    c = backend.start(groups_per_step=2, max_staleness=1).client()
+    for name in ("a", "b", "c"):
+        assert c.put("w", make_group(name, version=1)).accepted
+    assert served(c, 3, version=1) == ["a", "b", "c"]
+    assert c.put("x", make_group("x-new", version=2)).accepted
+    assert c.put("x", make_group("x-old", version=1)).accepted  # after x-new: x's order
+    assert c.put("y", make_group("y-mid", versions=[1, 2])).accepted  # oldest token: v1
+    assert served(c, 2, version=2) == ["y-mid", "x-new"]
+    assert served(c, 1, version=2) == ["x-old"]
+
+
 def test_batch_waits_until_count_groups_exist(backend):
     d = backend.start(groups_per_step=4)
     producer, consumer = d.client(), d.client()

@@ -27,7 +27,7 @@ from buffers.redis_buffer import RedisBufferClient, reset_run
 from buffers.redis_entries import put_results, stage_put
 from buffers.redis_connect import connect, connection_kwargs
 from buffers.packing import pack_group
-from buffers.redis_scripts import GROUP
+from buffers.redis_scripts import GROUP, QUEUE
 from tests.buffers import eventually, make_group
 from tests.buffers.conftest import RedisServer
 
@@ -99,6 +99,40 @@ def test_reclaim_moves_a_dead_consumers_entries_and_counts_the_redelivery(redis_
     assert (status["redelivered"], status["consumed"], status["pending"]) == (2, 2, 0)
 
 
+def test_reclaimed_groups_compete_by_deadline_with_the_queued_ones(redis_server, open_client):
+    """A dead learner's batch of version 0 comes back ahead of version-1 groups that arrived
+    after it, and groups still queued wait in the pending list of the reserved consumer."""
+    dead, alive = open_client(reclaim_idle_s=0.3), open_client(reclaim_idle_s=0.3)
+    dead.put("w", make_group("old", version=0))
+    assert dead.get_batch("learner", 1, 0, timeout_s=5.0) is not None  # then it dies
+    for name in ("new1", "new2"):
+        alive.put("w", make_group(name, version=1))
+    assert alive.get_batch("learner", 1, 1, timeout_s=0.1) is not None  # new1: "old" not idle
+    time.sleep(0.4)
+    queued = admin(redis_server).xpending_range("asyncrl:t:index", GROUP, "-", "+", 10, QUEUE)
+    assert len(queued) == 1  # new2 waits there
+    assert alive.status()["pending"] == 2  # delivered: old and new1, not the queued new2
+    batch = alive.get_batch("learner", 2, 1, timeout_s=5.0)
+    assert [g.group_id for g in batch.groups] == ["old", "new2"]
+    assert alive.status()["redelivered"] == 1
+
+
+def test_an_entry_acked_behind_the_clients_back_is_never_served(redis_server, open_client):
+    """An entry in no pending list (acked by someone else, not deleted) breaks the take's
+    count of where entries wait: it then asks the queue's list, and serves the rest."""
+    c = open_client(groups_per_step=4)
+    for name in ("a", "b", "c"):
+        c.put("w", make_group(name))
+    assert c.get_batch("learner", 4, 0, timeout_s=0.1) is None  # moves all three to the queue
+    raw = admin(redis_server)
+    first = raw.xrange("asyncrl:t:index", count=1)[0][0]
+    raw.xack("asyncrl:t:index", GROUP, first)
+    batch = c.get_batch("learner", 2, 0, timeout_s=5.0)
+    assert [g.group_id for g in batch.groups] == ["b", "c"]
+    c.ack("learner", batch)
+    assert c.status()["pending"] == 0
+
+
 def test_a_consumer_never_reclaims_its_own_slow_batch(open_client):
     c = open_client(reclaim_idle_s=0.2)
     c.put("w", make_group("a"))
@@ -143,6 +177,10 @@ def test_consumers_reject_entries_that_bypassed_the_client(redis_server, open_cl
     batch = c.get_batch("learner", 3, 0, timeout_s=5.0)
     assert [g.group_id for g in batch.groups] == ["g0", "g1", "g2"]
     c.ack("learner", batch)
+    # The "version" entry claims minv 5, and so the precious one after it from the same
+    # producer is keyed 5 too: both are due after every group of version 0 (earliest
+    # deadline first), so the next take meets them.
+    assert c.get_batch("learner", 1, 0, timeout_s=0.5) is None  # nothing valid was left
     status = c.status()
     assert status["rejected"] == {**{reason: 1 for reason in bad}, "frames": 2}
     assert (status["depth"], status["pending"], status["consumed"]) == (0, 0, 3)

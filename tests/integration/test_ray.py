@@ -56,7 +56,7 @@ def ray_cluster() -> Iterator[str]:
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # --block: ray start stops what it started
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=10)  # it often takes longer, then the group is killed (below)
         except subprocess.TimeoutExpired:
             pass
         try:
