@@ -174,7 +174,7 @@ if n_queued > 0 or next(reclaimable) then
         if key == nil or minv > key then key = minv end
         newest[p] = key
         local c = {id = id, key = key, place = n_fresh}
-        if #best < need or better(c, best[#best]) then
+        if need > 0 and (#best < need or better(c, best[#best])) then
           local i = #best + 1
           while i > 1 and better(c, best[i - 1]) do best[i] = best[i - 1]; i = i - 1 end
           best[i] = c

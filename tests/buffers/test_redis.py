@@ -188,6 +188,24 @@ def test_consumers_reject_entries_that_bypassed_the_client(redis_server, open_cl
     assert list(raw.scan_iter(match="asyncrl:t:g:*")) == []  # no payload outlives its entry
 
 
+def test_a_partial_batch_left_from_a_larger_request_serves_a_smaller_one(redis_server,
+                                                                          open_client):
+    """A bad entry leaves a partial batch held by the client; when the next request wants no
+    more than it holds, the take has nothing to claim (need 0) and the held groups serve."""
+    c = open_client(groups_per_step=4)
+    c.put("w", make_group("g0"))
+    _raw_entry(admin(redis_server), "bad", minv=b"5")
+    c.put("w", make_group("g1"))
+    assert c.get_batch("learner", 3, 0, timeout_s=0.3) is None  # g0, g1 held; bad rejected
+    c.put("w", make_group("g2"))  # queued while the client holds more than it will ask for
+    batches = [c.get_batch("learner", 1, 0, timeout_s=1.0) for _ in range(3)]
+    assert [g.group_id for b in batches for g in b.groups] == ["g0", "g1", "g2"]
+    for batch in batches:
+        c.ack("learner", batch)
+    status = c.status()
+    assert (status["consumed"], status["rejected"], status["depth"]) == (3, {"version": 1}, 0)
+
+
 def _payload_ttls(server: RedisServer) -> list[int]:
     raw = admin(server)
     return sorted(raw.pttl(key) for key in raw.scan_iter(match="asyncrl:t:g:*"))
