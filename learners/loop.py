@@ -65,7 +65,8 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     # publish a directory without weights.
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     device = init_learner_group(rank, world, master_port=master_port,
-                                master_addr=cfg.learner.master_addr, device=cfg.learner.device)
+                                master_addr=cfg.learner.master_addr, device=cfg.learner.device,
+                                timeout_s=cfg.learner.collective_timeout_s)
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address), f"learner-{rank}",
                       address)
     driver = None

@@ -356,6 +356,11 @@ class LearnerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cuda uses NCCL.")
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port (CLI "
                              "--master-port); 0 = a free one, single node only.")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="How long a rank waits in a collective of the learners' group "
+        "before the run fails: a crashed peer process is noticed at once, a silent host or a "
+        "hung NCCL peer only after this. Must exceed the longest time rank 0 spends between "
+        "steps while the others wait (the eval every eval.every_steps, a checkpoint export).")
     micro_batch_tokens: int = Field(16384, ge=0, description="Tokens per forward/backward; a "
                                     "rank's share runs as micro-batches with gradient "
                                     "accumulation (0 = one micro-batch). Padding counts unless "

@@ -1,0 +1,78 @@
+"""How the learners' process group fails when a rank goes away (real gloo, two processes).
+
+A rank whose peer process died must fail at its next collective rather than wait: gloo sees
+the connection close. A peer that stays alive but never joins (a silent host, a rank 0 busy
+for too long between steps) is only noticed after ``learner.collective_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from asyncrl.config.schema import LearnerConfig
+from learners.dist import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _rank(rank: int, port: int, timeout_s: float, peer: str, results) -> None:
+    """Rank 1 dies (``peer="dies"``) or sleeps (``"silent"``) after the barrier; rank 0
+    reports how its next all-reduce ended and how long it took."""
+    import torch
+    import torch.distributed as dist
+
+    from learners.dist import init_learner_group
+
+    init_learner_group(rank, 2, master_port=port, timeout_s=timeout_s)
+    dist.barrier()
+    if rank == 1:
+        if peer == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        return
+    time.sleep(0.5)  # rank 1 has died or gone to sleep by now
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        results.put(("completed", time.monotonic() - start))
+    except Exception as exc:  # noqa: BLE001 - the failure is what is measured
+        results.put((type(exc).__name__, time.monotonic() - start))
+
+
+def _run(timeout_s: float, peer: str) -> tuple[str, float]:
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, peer, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+
+
+def test_a_dead_peer_fails_the_next_collective_at_once() -> None:
+    outcome, waited = _run(timeout_s=60.0, peer="dies")
+    assert outcome != "completed"
+    assert waited < 10.0  # far below the 60 s timeout: the closed connection was seen
+
+
+def test_a_silent_peer_fails_the_collective_after_the_configured_timeout() -> None:
+    outcome, waited = _run(timeout_s=2.0, peer="silent")
+    assert outcome != "completed"
+    assert 2.0 <= waited < 30.0
+
+
+def test_collective_timeout_is_a_learner_key_with_a_safe_default() -> None:
+    assert LearnerConfig().collective_timeout_s == 300.0
+    with pytest.raises(ValidationError, match="collective_timeout_s"):
+        LearnerConfig(collective_timeout_s=0)
