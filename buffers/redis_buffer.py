@@ -21,8 +21,8 @@ Choices worth knowing:
   finish, so a long answer started at version v arrives behind groups of v + 1; served by
   arrival it is consumed a step late and dropped as stale (a bias against long answers).
   ``XREADGROUP`` hands out a stream only in arrival order, so every take moves the unread
-  entries into the pending list of a reserved consumer (``~queued``) and ``XCLAIM`` s the
-  ones it chose from there; that costs the take a scan of the index (at most
+  entries into the pending list of a reserved consumer (``~queued``) and claims the ones
+  it chose from there (``XCLAIM``); that costs the take a scan of the index (at most
   ``max_groups`` entries of a few bytes).
 - A served batch must be acked within ``reclaim_idle_s``, or another learner takes it over.
   ``get_batch(ack=batch)`` acks inside the take script: one round trip for both.
