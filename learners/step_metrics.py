@@ -28,6 +28,9 @@ def step_metrics(loss_sum: Tensor, global_units: Tensor, stats: dict[str, Tensor
                               stats)
 
 
+N_EXTREMES = 4  # the row ends with advantage max, -advantage min, length max, -length min
+
+
 def metric_row(loss_sum: Tensor, stats: dict[str, Tensor], batch: TrainBatch) -> Tensor:
     """This rank's part of :func:`step_metrics`: its sums, then its extremes, as one row to
     gather. Separate so a backend that gathers something else in the same step can carry the
@@ -50,8 +53,7 @@ def reduce_metric_rows(rows: Tensor, global_units: Tensor, stats: dict[str, Tens
                        ) -> dict[str, float]:
     """Every rank's :func:`metric_row` (``[world, n]``, same ``stats`` keys on every rank)
     reduced to the global metrics; the same on every rank."""
-    n_sums = 6 + len(_present(stats))
-    sums, extremes = rows[:, :n_sums].sum(0), rows[:, n_sums:].max(0).values
+    sums, extremes = rows[:, :-N_EXTREMES].sum(0), rows[:, -N_EXTREMES:].max(0).values
     values, (adv_max, neg_adv_min, len_max, neg_len_min) = sums.tolist(), extremes.tolist()
     total_tokens, samples = max(values[1], 1.0), max(values[-1], 1.0)
     score = values[-4] / samples

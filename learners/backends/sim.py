@@ -2,8 +2,9 @@
 wait in place of the forward/backward pass (``learner.backend = "sim"``).
 
 Everything around the step stays real: the learner loop, batch collation, acks, the global
-metrics (gathered in the step's one collective), the weight broadcast protocol and checkpoints (the model is the run's tiny model,
-never updated, so the code paths that save or send weights have real tensors to handle).
+metrics (gathered in the step's one collective), the weight broadcast protocol and
+checkpoints (the model is the run's tiny model, never updated, so the code paths that save
+or send weights have real tensors to handle).
 
 Timing: ``sim.train_token_s`` is the learner's seconds per trained token with all ranks
 together. Data-parallel ranks finish together, so each rank waits for the *largest* share:
