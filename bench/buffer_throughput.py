@@ -30,7 +30,11 @@ times (interleaved with the other rows) and the median is printed, as a shared m
 noisy. ``vs raw`` is backend / the fastest raw transport of the same size and producer count
 (zmq: the better of ``zmq-raw`` and ``zmq-raw-packed``, one hop; redis: ``redis-raw``);
 ``vs 2-hop / kv`` is a zmq row / ``zmq-raw-2hop`` (the raw transport with the broker's
-topology) and a redis row / ``redis-raw-kv`` (the raw commands the backend uses).
+topology) and a redis row / ``redis-raw-kv`` (the raw commands the backend uses). The last
+column is the CPU each role used over the counted window, in cores (medians; all producers
+together; ``server`` is the broker, ``zmq.proxy`` or ``redis-server``, ``–`` where there is
+none or it is not on this machine): a Python process near 1.0 is bound by its interpreter,
+all of them together near the machine's core count by the machine.
 
     python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
                                       [--producers 1 4] [--only zmq zmq-raw ...]
@@ -212,7 +216,44 @@ def _zmq_proxy(front: str, back: str) -> None:
 
 # --- one row -------------------------------------------------------------------------------
 
-def measure(take: Callable[[], int], seconds: float) -> tuple[float, float]:
+Row = tuple[float, dict[str, float]]  # groups/s, and the CPU each role used (cores)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid``, all its threads (``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # gone, or no procfs: counts as nothing
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """The CPU each role's processes used over the counted window, in cores (1.0 = one
+    core busy all the time): tells which process limits a row (a Python process near 1.0
+    is bound by its interpreter; all of them together near ``os.cpu_count()``, by the
+    machine)."""
+
+    def __init__(self, roles: dict[str, list[int]]) -> None:
+        self.roles = roles
+        self._start: dict[str, float] = {}
+        self._t0 = 0.0
+
+    def _now(self) -> dict[str, float]:
+        return {role: sum(_cpu_seconds(pid) for pid in pids) for role, pids in self.roles.items()}
+
+    def start(self) -> None:
+        self._start, self._t0 = self._now(), time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self._t0
+        return {role: (used - self._start[role]) / elapsed
+                for role, used in self._now().items()}
+
+
+def measure(take: Callable[[], int], seconds: float, meter: CpuMeter | None = None
+            ) -> tuple[float, float]:
     """Groups per second the consumer received over ``seconds``, after a warm-up that lasts
     until data flows (spawned processes start slowly on a busy machine) plus WARMUP_S."""
     start, flowing = time.perf_counter(), 0
@@ -224,20 +265,28 @@ def measure(take: Callable[[], int], seconds: float) -> tuple[float, float]:
             if start > give_up:
                 raise RuntimeError(f"no data within {START_TIMEOUT_S:.0f}s: producers failed")
     count, start = 0, time.perf_counter()
+    if meter is not None:
+        meter.start()
     while (elapsed := time.perf_counter() - start) < seconds:
         count += take()
     return count / elapsed, elapsed
 
 
 def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tuple],
-            producers: int, take: Callable[[], int], seconds: float) -> float:
+            producers: int, take: Callable[[], int], seconds: float,
+            server: int | None = None) -> Row:
+    """One measurement; ``server``: the pid of the broker, proxy or redis-server between
+    the producers and this process (the consumer), for the CPU column."""
     stop = ctx.Event()
     procs = [ctx.Process(target=target, args=(*args_of(i), stop), daemon=True)
              for i in range(producers)]
     for p in procs:
         p.start()
+    meter = CpuMeter({"producers": [p.pid for p in procs],
+                      "server": [server] if server else [], "consumer": [os.getpid()]})
     try:
-        rate, _ = measure(take, seconds)
+        rate, _ = measure(take, seconds, meter)
+        cpu = meter.stop()
     finally:
         stop.set()
         deadline = time.monotonic() + 5.0
@@ -248,7 +297,7 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
             if p.is_alive():
                 p.terminate()
                 p.join()
-    return rate
+    return rate, cpu
 
 
 def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
@@ -265,7 +314,7 @@ def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
     return take
 
 
-def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> Row:
     from buffers.zmq_client import ZmqBufferClient
 
     queue, stop = ctx.Queue(), ctx.Event()
@@ -275,7 +324,7 @@ def bench_zmq(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
     consumer = ZmqBufferClient(address, timeout_s=30)
     try:
         return run_row(ctx, _backend_producer, lambda i: (spec, _BoundClient(address), i),
-                       producers, _backend_take(consumer, spec), seconds)
+                       producers, _backend_take(consumer, spec), seconds, broker.pid)
     finally:
         consumer.close()
         stop.set()
@@ -295,7 +344,7 @@ class _BoundClient:
 
 
 def bench_zmq_raw(ctx: Any, spec: Spec, producers: int, seconds: float, hops: int,
-                  packed: bool) -> float:
+                  packed: bool) -> Row:
     import zmq
 
     context = zmq.Context()
@@ -312,7 +361,7 @@ def bench_zmq_raw(ctx: Any, spec: Spec, producers: int, seconds: float, hops: in
 
     try:
         return run_row(ctx, _zmq_raw_producer, lambda i: (spec, front, packed, i), producers,
-                       take, seconds)
+                       take, seconds, proxy.pid if proxy is not None else None)
     finally:
         pull.close(linger=0)
         context.term()
@@ -340,7 +389,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+def _redis_pid(spec: Spec) -> int | None:
+    """redis-server's pid where it runs on this machine (its CPU column), else None."""
+    import redis
+
+    r = redis.Redis.from_url(spec.redis_url)
+    try:
+        pid = int(r.info("server")["process_id"])
+    finally:
+        r.close()
+    return pid if Path(f"/proc/{pid}").exists() else None
+
+
+def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> Row:
     import redis
 
     namespace = f"asyncrl-bench:{uuid.uuid4().hex[:8]}"
@@ -348,7 +409,7 @@ def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
     try:
         return run_row(ctx, _backend_producer,
                        lambda i: (spec, _BoundClient("", namespace, spec), i), producers,
-                       _backend_take(consumer, spec), seconds)
+                       _backend_take(consumer, spec), seconds, _redis_pid(spec))
     finally:
         consumer.close()
         r = redis.Redis.from_url(spec.redis_url)
@@ -358,7 +419,7 @@ def bench_redis(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
         r.close()
 
 
-def bench_redis_raw(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+def bench_redis_raw(ctx: Any, spec: Spec, producers: int, seconds: float) -> Row:
     import redis
 
     r = redis.Redis.from_url(spec.redis_url)
@@ -378,7 +439,7 @@ def bench_redis_raw(ctx: Any, spec: Spec, producers: int, seconds: float) -> flo
 
     try:
         return run_row(ctx, _redis_raw_producer, lambda i: (spec, stream, i), producers, take,
-                       seconds)
+                       seconds, _redis_pid(spec))
     finally:
         r.delete(stream)
         r.close()
@@ -402,7 +463,7 @@ def _redis_raw_kv_producer(spec: Spec, queue: str, index: int, stop: Any) -> Non
     r.close()
 
 
-def bench_redis_raw_kv(ctx: Any, spec: Spec, producers: int, seconds: float) -> float:
+def bench_redis_raw_kv(ctx: Any, spec: Spec, producers: int, seconds: float) -> Row:
     import redis
 
     r = redis.Redis.from_url(spec.redis_url)
@@ -420,7 +481,7 @@ def bench_redis_raw_kv(ctx: Any, spec: Spec, producers: int, seconds: float) -> 
 
     try:
         return run_row(ctx, _redis_raw_kv_producer, lambda i: (spec, queue, i), producers, take,
-                       seconds)
+                       seconds, _redis_pid(spec))
     finally:
         r.delete(queue, *r.scan_iter(match=f"{queue}:*"))
         r.close()
@@ -457,7 +518,7 @@ PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
 
 
 def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Namespace
-           ) -> Callable[[], float]:
+           ) -> Callable[[], Row]:
     seconds = args.seconds
     return {
         "zmq-raw": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 1, packed=False),
@@ -487,9 +548,12 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
                "zmq-spill": not args.spill_dir}
     names = [n for n in ROWS if (not args.only or n in args.only) and not missing.get(n)]
     samples: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for name in names:
-            samples[name].append(runner(name, ctx, spec, producers, args)())
+            rate, cpu = runner(name, ctx, spec, producers, args)()
+            samples[name].append(rate)
+            cpus[name].append(cpu)
     rates = {n: statistics.median(v) for n, v in samples.items()}
     for name in ROWS:
         if args.only and name not in args.only:
@@ -499,7 +563,7 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
                     "redis-raw": "redis server", "redis-raw-kv": "redis server"}.get(name)
             if what is None:
                 continue  # zmq-spill without --spill-dir: not asked for
-            print(f"| {label} | {producers} | {name} | {what} not available | | | |")
+            print(f"| {label} | {producers} | {name} | {what} not available | | | | |")
             continue
         raws = [rates[r] for r in RAW_OF.get(name, ()) if r in rates]
         ratio = f"{rates[name] / max(raws):.2f}" if raws else ""
@@ -507,8 +571,11 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
             rates.get("redis-raw-kv") if name in KV_RATIO else None
         ratio_2hop = f"{rates[name] / second:.2f}" if second else ""
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
+        cpu = " / ".join(f"{statistics.median(c[role] for c in cpus[name]):.2f}"
+                         if any(c[role] for c in cpus[name]) else "–"
+                         for role in ("producers", "server", "consumer"))
         print(f"| {label} | {producers} | {name} | {rates[name]:,.0f} ({spread}) | "
-              f"{rates[name] * size / 1e6:,.0f} | {ratio} | {ratio_2hop} |", flush=True)
+              f"{rates[name] * size / 1e6:,.0f} | {ratio} | {ratio_2hop} | {cpu} |", flush=True)
 
 
 def main() -> int:
@@ -537,8 +604,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = mp.get_context("spawn")
     print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | "
-          "vs 2-hop / kv |")
-    print("|---|---|---|---:|---:|---:|---:|")
+          "vs 2-hop / kv | CPU cores: producers / server / consumer |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
     for tokens in args.tokens:
         for producers in args.producers:
             spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url)
