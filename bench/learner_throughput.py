@@ -15,7 +15,9 @@ time / packed time. ``tokens/s`` counts real tokens (prompt + completion) per se
 MFU (CUDA only): ``6 · N · tokens / time / peak``, N = parameters without the input
 embedding (a lookup, no FLOPs; with tied embeddings the LM head's matmul still counts once),
 attention's ``T²`` term ignored; peak = the device's dense bf16 TFLOP/s (``--peak-tflops``, or
-989 for H100/H200, 312 for A100).
+989 for H100/H200, 312 for A100). Also on CUDA: ``peak GiB``, the most memory allocated during
+that layout's steps, which includes both trainers' resident weights and AdamW state when both
+layouts run (``--layout`` one of them to read a single trainer's need).
 
     python bench/learner_throughput.py --small              # CPU
     python bench/learner_throughput.py --layout padded --groups 2 --group-size 4 --max-len 256
@@ -127,14 +129,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                                     activation_checkpointing=args.activation_checkpointing)
                 trainers[packing] = Fsdp2Trainer(tmp, cfg, device)
             times: dict[bool, list[float]] = {packing: [] for packing in layouts}
+            peak_mem = {packing: 0 for packing in layouts}
             for step in range(args.warmup + args.steps):
                 for packing, trainer in trainers.items():
                     if device.type == "cuda":
                         torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
                     start = time.perf_counter()
                     trainer.train_step(batch)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
+                        peak_mem[packing] = max(peak_mem[packing],
+                                                torch.cuda.max_memory_allocated())
                     if step >= args.warmup:
                         times[packing].append(time.perf_counter() - start)
             peak = peak_flops(args)
@@ -152,6 +158,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                  if len(layouts) == 2 else None)}
                 if peak is not None:
                     row["mfu"] = 6 * params * tokens / median / peak
+                if device.type == "cuda":
+                    row["peak_gib"] = peak_mem[packing] / 2**30
                 rows.append(row)
     finally:
         shutdown_learner_group()
@@ -182,13 +190,14 @@ def main() -> None:
           f"{rows[0]['sequences']} sequences, {rows[0]['tokens']} tokens per step, "
           f"micro_batch_tokens {args.micro_batch_tokens}")
     print("| layout | micro-batches | computed tokens | step s | tokens/s | speed-up vs padded "
-          "| MFU |")
-    print("|---|---|---|---|---|---|---|")
+          "| MFU | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a (CPU)"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "n/a (one layout)"
+        mem = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "n/a"
         print(f"| {r['layout']} | {r['micro_batches']} | {r['computed_tokens']} | "
-              f"{r['step_s']:.3f} | {r['tokens_per_s']:.1f} | {ratio} | {mfu} |")
+              f"{r['step_s']:.3f} | {r['tokens_per_s']:.1f} | {ratio} | {mfu} | {mem} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

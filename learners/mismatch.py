@@ -91,7 +91,10 @@ def mismatch_metrics(sums: Tensor) -> dict[str, float]:
     for i, name in enumerate(_SCALARS[1:], start=1):
         metrics[f"mismatch/{name}"] = values[i] / denom
     metrics["mismatch/is_max"] = math.exp(values[5]) if tokens else 1.0
-    cumulative = torch.cumsum(sums[6:], 0)
+    # On the host: the histogram is a few hundred numbers (``tolist`` above already waited for
+    # the device), and the quantiles' searchsorted takes a host scalar, which a CUDA
+    # histogram refuses (every learner step on a GPU raised here).
+    cumulative = torch.cumsum(sums[6:].cpu(), 0)
     for q in QUANTILES:
         metrics[f"mismatch/is_q{round(q * 100):02d}"] = _quantile(cumulative, q, tokens)
     return metrics

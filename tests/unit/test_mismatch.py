@@ -50,6 +50,13 @@ def test_sums_of_two_shards_equal_the_whole() -> None:
     assert mismatch_metrics(combined) == pytest.approx(mismatch_metrics(_sums()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_metrics_of_sums_on_cuda() -> None:
+    """The learner's sums live on its device: the metrics must not mix CUDA and host tensors."""
+    assert mismatch_metrics(_sums().cuda()) == pytest.approx(mismatch_metrics(_sums()))
+
+
 def test_no_tokens() -> None:
     metrics = mismatch_metrics(_sums([[0, 0, 0, 0, 0]]))
     assert metrics["mismatch/tokens"] == 0 and metrics["mismatch/abs_logp"] == 0.0
