@@ -38,6 +38,7 @@ all of them together near the machine's core count by the machine.
 
     python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
                                       [--producers 1 4] [--only zmq zmq-raw ...]
+                                      [--io-threads 2] [--spill-dir DIR]
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Spec:
     redis_url: str
     put_many: int = 0  # producers use put_many(chunk) where the backend has it
     spill_dir: str = ""  # the ZMQ broker journals to a spill file there
+    io_threads: int = BufferConfig.model_fields["io_threads"].default  # broker's, and the proxy's
 
 
 def make_group(spec: Spec, name: str) -> TrajectoryGroup:
@@ -190,7 +192,7 @@ def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
 
     spill = f"{spec.spill_dir}/bench-{uuid.uuid4().hex[:8]}.spill" if spec.spill_dir else ""
     config = BufferConfig(port=0, max_staleness=10**9, max_groups=spec.max_groups,
-                          reclaim_idle_s=600.0, spill_path=spill)
+                          reclaim_idle_s=600.0, spill_path=spill, io_threads=spec.io_threads)
     broker = ZmqBroker(config, groups_per_step=1, run_id="")
     address_queue.put(broker.bind())
     try:
@@ -201,10 +203,10 @@ def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
             Path(spill).unlink()
 
 
-def _zmq_proxy(front: str, back: str) -> None:
+def _zmq_proxy(front: str, back: str, io_threads: int) -> None:
     import zmq
 
-    context = zmq.Context()
+    context = zmq.Context(io_threads)
     pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     for sock in (pull, push):
         sock.setsockopt(zmq.SNDHWM, HWM)
@@ -350,7 +352,7 @@ def bench_zmq_raw(ctx: Any, spec: Spec, producers: int, seconds: float, hops: in
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, HWM)
-    front, proxy = _raw_endpoints(ctx, pull, hops)
+    front, proxy = _raw_endpoints(ctx, pull, hops, spec.io_threads)
 
     def take() -> int:
         count = 0
@@ -370,12 +372,12 @@ def bench_zmq_raw(ctx: Any, spec: Spec, producers: int, seconds: float, hops: in
             proxy.join()
 
 
-def _raw_endpoints(ctx: Any, pull: Any, hops: int) -> tuple[str, Any]:
+def _raw_endpoints(ctx: Any, pull: Any, hops: int, io_threads: int) -> tuple[str, Any]:
     """Where raw producers push: ``pull`` itself (1 hop), or a zmq.proxy process (2 hops)."""
     if hops == 1:
         return f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}", None
     front, back = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
-    proxy = ctx.Process(target=_zmq_proxy, args=(front, back), daemon=True)
+    proxy = ctx.Process(target=_zmq_proxy, args=(front, back, io_threads), daemon=True)
     proxy.start()
     pull.connect(back)
     return front, proxy
@@ -596,6 +598,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",
                         help="also run zmq-spill: put_many with the broker's spill file here")
+    parser.add_argument("--io-threads", type=int, default=Spec.io_threads,
+                        help="ZMQ I/O threads of the broker (buffer.io_threads) and of the "
+                             "raw 2-hop proxy")
     parser.add_argument("--default-malloc", action="store_true",
                         help="do not keep large buffers in the heap (glibc defaults)")
     args = parser.parse_args()
@@ -612,7 +617,8 @@ def main() -> int:
     print("|---|---|---|---:|---:|---:|---:|---|")
     for tokens in args.tokens:
         for producers in args.producers:
-            spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url)
+            spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url,
+                        io_threads=args.io_threads)
             run_config(ctx, spec, producers, args)
     return 0
 

@@ -60,7 +60,7 @@ class ZmqBroker:
         self.state = BrokerState(config, groups_per_step, run_id, journal=journal,
                                  recovered=recovered)
         self.bad_requests: Counter[str] = Counter()
-        self._context = zmq.Context()
+        self._context = zmq.Context(config.io_threads)
         self._curve: CurveServer | None = None
         self._socket: zmq.Socket | None = None
         self._waits = Waits()

@@ -112,6 +112,28 @@ def test_put_many_pipelines_puts_and_keeps_their_order(broker, client):
     assert learner.status()["backpressure"]["waits"] >= 1
 
 
+def test_io_threads_sets_the_brokers_zmq_context_and_it_serves(broker, client):
+    config = BufferConfig(port=0, io_threads=2)
+    owned = ZmqBroker(config, groups_per_step=1)
+    try:
+        assert owned._context.get(zmq.IO_THREADS) == 2
+    finally:
+        owned.close()
+    with pytest.raises(ValueError, match="io_threads"):
+        BufferConfig(io_threads=0)
+    address = broker(groups_per_step=4, io_threads=2)
+    producers, learner = [client(address) for _ in range(2)], client(address)
+    for p, producer in enumerate(producers):
+        assert producer.acquire(f"w{p}", 4, 0).granted == 4
+        groups = [make_group(f"w{p}-g{i}") for i in range(4)]
+        assert all(r.accepted for r in producer.put_many(f"w{p}", groups))
+    batch = learner.get_batch("l", 8, 0, timeout_s=5.0)
+    names = [g.group_id for g in batch.groups]
+    assert sorted(names) == sorted(f"w{p}-g{i}" for p in range(2) for i in range(4))
+    for p in range(2):  # each producer's groups in its order
+        assert [n for n in names if n.startswith(f"w{p}-")] == [f"w{p}-g{i}" for i in range(4)]
+
+
 def test_malformed_packing_is_rejected_as_frames(broker, client):
     c = client(broker())
     packed = pack_group(encode_group(make_group("x")))
