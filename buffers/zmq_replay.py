@@ -2,7 +2,7 @@
 
 The last STATE record gives the counters; every later PUT with a new seq counts one accepted,
 every ACKED/DROP one consumed/dropped, and the live groups (PUT minus ACKED/DROP) come back
-queued in seq order. A torn or corrupt tail (a crash mid-write) fails its length or CRC check:
+queued in seq order. A torn or corrupt tail (a crash mid-write) fails its length or checksum:
 replay stops there and truncates the file to the last good record, so appends continue from a
 clean point.
 """
@@ -23,6 +23,7 @@ from buffers.zmq_spill import (
     COMPACT_MIN_BYTES,
     DROP,
     FRAME_LEN,
+    CHECKSUMS,
     HEADER,
     KEY,
     MAGIC,
@@ -32,8 +33,8 @@ from buffers.zmq_spill import (
     STATE,
     Recovered,
     SpillError,
+    Checksum,
     SpillLog,
-    crc_of,
     open_locked,
     write_all,
 )
@@ -51,10 +52,10 @@ def open_spill(path: str | Path, compact_min_bytes: int = COMPACT_MIN_BYTES
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = open_locked(path, os.O_CREAT)
     try:
-        recovered = None
+        recovered, magic = None, MAGIC
         if os.fstat(fd).st_size > len(MAGIC):
-            recovered = _replay(path)
-        elif not MAGIC.startswith(path.read_bytes()):  # short: maybe our own torn creation
+            recovered, magic = _replay(path)
+        elif not any(m.startswith(path.read_bytes()) for m in CHECKSUMS):  # our torn creation?
             raise SpillError(f"{path} exists and is not an asyncrl spill file")
         else:
             os.ftruncate(fd, 0)
@@ -62,7 +63,7 @@ def open_spill(path: str | Path, compact_min_bytes: int = COMPACT_MIN_BYTES
     except BaseException:
         os.close(fd)
         raise
-    log = SpillLog(path, fd, compact_min_bytes)
+    log = SpillLog(path, fd, compact_min_bytes, checksum=CHECKSUMS[magic])
     if recovered is not None:
         log.account(recovered)
     return log, recovered
@@ -103,13 +104,16 @@ def restore(state: BrokerState, recovered: Recovered) -> None:
                 len(state.queue), state.version, state.accepted, state.consumed)
 
 
-def _replay(path: Path) -> Recovered:
+def _replay(path: Path) -> tuple[Recovered, bytes]:
+    """The records of ``path`` and its MAGIC (which says how its records are checksummed)."""
     with path.open("rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
+        magic = f.read(len(MAGIC))
+        checksum = CHECKSUMS.get(magic)
+        if checksum is None:
             raise SpillError(f"{path} exists and is not an asyncrl spill file")
         recovered = Recovered(state={})
         size, good = path.stat().st_size, len(MAGIC)
-        while (record := _read_record(f, size - good)) is not None:
+        while (record := _read_record(f, size - good, checksum)) is not None:
             kind, body = record
             try:
                 _apply(recovered, kind, body)
@@ -124,10 +128,11 @@ def _replay(path: Path) -> Recovered:
         os.truncate(path, good)
     logger.info("spill %s replayed: %d live groups, %d keys", path, len(recovered.groups),
                 len(recovered.keys))
-    return recovered
+    return recovered, magic
 
 
-def _read_record(f: BinaryIO, remaining: int) -> tuple[int, memoryview] | None:
+def _read_record(f: BinaryIO, remaining: int, checksum: Checksum
+                 ) -> tuple[int, memoryview] | None:
     header = f.read(HEADER.size)
     if len(header) < HEADER.size:
         return None
@@ -135,7 +140,7 @@ def _read_record(f: BinaryIO, remaining: int) -> tuple[int, memoryview] | None:
     if length > remaining - HEADER.size:  # never allocate what a garbage length says
         return None
     body = memoryview(f.read(length))
-    if len(body) < length or crc_of(kind, [body]) != crc:
+    if len(body) < length or checksum(kind, [body]) != crc:
         return None
     return kind, body
 

@@ -4,7 +4,12 @@ Why a log and not a snapshot: a put must be durable *before* the producer hears 
 and appending the frames it arrived in is the cheapest write that achieves it (one
 ``writev``, no re-encoding). Acks and drops append a few bytes; the broker state is the replay.
 
-File layout: ``MAGIC``, then records ``[u32 body length][u32 crc32(type + body)][u8 type][body]``:
+File layout: ``MAGIC``, then records ``[u32 body length][u32 checksum(type + body)][u8 type]
+[body]``. The checksum is the low 32 bits of XXH3-64 (``v2`` files): every byte of every put is
+hashed on the broker's thread before the producer hears "accepted", and CRC-32 (``v1`` files,
+still read and appended to until their first compaction rewrites them as ``v2``) ran at ~4
+GB/s, 200 µs for an 8k-token group, against XXH3's ~60 GB/s. It guards against torn and
+corrupt tails, not adversaries: 32 bits of either are plenty for that.
 
 =====  ======================================================================================
 PUT    ``<u64 seq><i64 min_version><u16 n>`` + ``n × <u32 frame length>`` + the raw frames
@@ -35,16 +40,18 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"asyncrl-spill\x00v1"
+MAGIC = b"asyncrl-spill\x00v2"  # what new files (and compactions) are written as
+MAGIC_V1 = b"asyncrl-spill\x00v1"  # CRC-32 records: still read, and appended to
 PUT, ACKED, DROP, STATE, KEY = 1, 2, 3, 4, 5
 FSYNC_INTERVAL_S = 0.2
 COMPACT_MIN_BYTES = 64 << 20
@@ -69,16 +76,31 @@ class Recovered:
     groups: dict[int, tuple[int, list[memoryview]]] = field(default_factory=dict)
 
 
+Checksum = Callable[[int, Sequence[Buf]], int]  # (record type, body parts) -> u32
+
+
 def crc_of(kind: int, parts: Sequence[Buf]) -> int:
+    """A ``v1`` record's checksum: CRC-32 of the type byte and the body."""
     crc = zlib.crc32(bytes((kind,)))
     for part in parts:
         crc = zlib.crc32(part, crc)
     return crc
 
 
-def _record(kind: int, parts: Sequence[Buf]) -> list[Buf]:
+def xxh_of(kind: int, parts: Sequence[Buf]) -> int:
+    """A ``v2`` record's checksum: XXH3-64 of the type byte and the body, low 32 bits."""
+    digest = xxhash.xxh3_64(bytes((kind,)))
+    for part in parts:
+        digest.update(part)
+    return digest.intdigest() & 0xFFFFFFFF
+
+
+CHECKSUMS: dict[bytes, Checksum] = {MAGIC: xxh_of, MAGIC_V1: crc_of}
+
+
+def _record(kind: int, parts: Sequence[Buf], checksum: Checksum = xxh_of) -> list[Buf]:
     size = sum(memoryview(p).nbytes for p in parts)
-    return [HEADER.pack(size, crc_of(kind, parts), kind), *parts]
+    return [HEADER.pack(size, checksum(kind, parts), kind), *parts]
 
 
 def _put_parts(seq: int, min_version: int, frames: Sequence[Buf]) -> list[Buf]:
@@ -109,8 +131,10 @@ def write_all(fd: int, parts: list[Buf]) -> int:
 class SpillLog:
     """The append side; :func:`buffers.zmq_replay.open_spill` creates it (after a replay)."""
 
-    def __init__(self, path: Path, fd: int, compact_min_bytes: int = COMPACT_MIN_BYTES) -> None:
+    def __init__(self, path: Path, fd: int, compact_min_bytes: int = COMPACT_MIN_BYTES,
+                 checksum: Checksum = xxh_of) -> None:
         self.path = path
+        self.checksum = checksum  # the file's own (its MAGIC's): records appended match it
         self.compact_min_bytes = compact_min_bytes
         self.file_bytes = os.fstat(fd).st_size
         self.compactions = 0
@@ -137,7 +161,7 @@ class SpillLog:
         """Append one record; a failed write (disk full) is cut back off, so that the file
         never holds a torn record in its middle (replay would stop there)."""
         try:
-            size = write_all(self._fd, _record(kind, parts))
+            size = write_all(self._fd, _record(kind, parts, self.checksum))
         except OSError:
             os.ftruncate(self._fd, self.file_bytes)
             raise
@@ -190,7 +214,7 @@ class SpillLog:
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = open_locked(tmp, os.O_CREAT | os.O_TRUNC)
         try:
-            size = write_all(fd, [MAGIC])
+            size = write_all(fd, [MAGIC])  # a v1 file becomes v2 here
             size += write_all(fd, _record(STATE, [orjson.dumps(snapshot)]))
             for key, seq, value in keys:
                 size += write_all(fd, _record(KEY, [_key_body(key, seq, value)]))
@@ -207,7 +231,7 @@ class SpillLog:
         _fsync_dir(self.path.parent)
         os.close(self._fd)
         self._fd = fd
-        self.file_bytes, self._dirty = size, False
+        self.file_bytes, self._dirty, self.checksum = size, False, xxh_of
         self.compactions += 1
         logger.info("spill %s compacted: %d -> %d bytes", self.path, before, size)
 

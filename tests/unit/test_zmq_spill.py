@@ -17,8 +17,8 @@ from asyncrl.wire import encode_group
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
 from buffers.zmq_protocol import pack_group
-from buffers.zmq_replay import open_spill
-from buffers.zmq_spill import MAGIC, SpillError
+from buffers.zmq_replay import open_spill, snapshot_of
+from buffers.zmq_spill import MAGIC, MAGIC_V1, SpillError, SpillLog, crc_of, open_locked, write_all
 from buffers.zmq_state import BrokerState
 from tests.unit.test_zmq_buffer import eventually, make_group
 
@@ -165,7 +165,7 @@ def test_corrupt_record_stops_replay_there(tmp_path):
         _put(state, name)
     state.journal.close()
     data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF  # a flipped bit in b's record: its CRC no longer matches
+    data[-3] ^= 0xFF  # flipped bits in b's record: its checksum no longer matches
     path.write_bytes(bytes(data))
     state = _state(path)
     assert [g.seq for g in state.queue] == [1]
@@ -219,3 +219,31 @@ def test_a_foreign_or_busy_file_is_refused(tmp_path):
         open_spill(path)
     log.close()
     assert path.read_bytes().startswith(MAGIC)
+
+
+def test_a_v1_file_is_replayed_appended_as_v1_and_compacted_to_v2(tmp_path):
+    """Files of the CRC-32 format still restore; appends keep the file's own checksum (a mixed
+    file would stop replay at the first new record); compaction rewrites it as v2."""
+    path = tmp_path / "spill.log"
+    fd = open_locked(path, os.O_CREAT)  # written exactly as the v1 code wrote it
+    write_all(fd, [MAGIC_V1])
+    state = BrokerState(BufferConfig(max_staleness=1), 4,
+                        journal=SpillLog(path, fd, checksum=crc_of))
+    for name in "ab":
+        _put(state, name)
+    state.journal.close()
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1, 2] and state.journal.checksum is crc_of
+    _put(state, "c")
+    state.journal.close()
+    assert path.read_bytes().startswith(MAGIC_V1)
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1, 2, 3]
+    state.journal.compact(snapshot_of(state), [],
+                          [(g.seq, g.min_version, g.frames) for g in state.queue])
+    _put(state, "d")
+    state.journal.close()
+    assert path.read_bytes().startswith(MAGIC)
+    state = _state(path)
+    assert [g.seq for g in state.queue] == [1, 2, 3, 4] and state.accepted == 4
+    state.journal.close()
