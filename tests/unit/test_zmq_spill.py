@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,3 +248,33 @@ def test_a_v1_file_is_replayed_appended_as_v1_and_compacted_to_v2(tmp_path):
     state = _state(path)
     assert [g.seq for g in state.queue] == [1, 2, 3, 4] and state.accepted == 4
     state.journal.close()
+
+
+def test_fsync_runs_on_its_own_thread_and_its_errors_reach_the_broker(tmp_path, monkeypatch):
+    """The broker's thread only asks for the batched fsync; a failed one is raised on the
+    broker's next call; close syncs on the caller's thread."""
+    real_fsync, synced, fail = os.fsync, [], threading.Event()
+
+    def fsync(fd: int) -> None:
+        synced.append(threading.current_thread().name)
+        if fail.is_set() and threading.current_thread().name == "spill-fsync":
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    state = _state(tmp_path / "spill.log")
+    monkeypatch.setattr(os, "fsync", fsync)
+    log = state.journal
+    _put(state, "a")
+    log._synced_at -= 1.0  # due
+    log.sync_if_due()
+    eventually(lambda: synced == ["spill-fsync"])
+    fail.set()
+    _put(state, "b")
+    log._synced_at -= 1.0
+    log.sync_if_due()
+    eventually(lambda: log._sync_error is not None)
+    with pytest.raises(OSError, match="Input/output"):
+        log.sync_if_due()
+    log.sync_if_due()  # raised once, not forever
+    log.close()
+    assert synced[-1] == threading.current_thread().name
