@@ -20,10 +20,10 @@ import orjson
 
 from buffers.zmq_spill import (
     ACKED,
+    CHECKSUMS,
     COMPACT_MIN_BYTES,
     DROP,
     FRAME_LEN,
-    CHECKSUMS,
     HEADER,
     KEY,
     MAGIC,
@@ -31,9 +31,9 @@ from buffers.zmq_spill import (
     PUT_HEAD,
     REMOVED,
     STATE,
+    Checksum,
     Recovered,
     SpillError,
-    Checksum,
     SpillLog,
     open_locked,
     write_all,

@@ -20,7 +20,7 @@ KEY    orjson ``{"key", "seq", "value"}``
 =====  ======================================================================================
 
 Replay (:mod:`buffers.zmq_replay`) rebuilds the state from these records; a torn or corrupt
-tail (crash mid-write) fails its length or CRC check and is cut off.
+tail (crash mid-write) fails its length or checksum and is cut off.
 
 Durability: every record is written with ``os.writev`` straight to the kernel before the
 broker replies, so a crash of the broker process (SIGKILL included) loses nothing it
