@@ -206,21 +206,17 @@ class SpillLog:
     def live_bytes(self) -> int:
         return len(MAGIC) + self._live_bytes + self._state_bytes + sum(self._keys.values())
 
-    def sync_if_due(self, force: bool = False) -> None:
+    def sync_if_due(self) -> None:
         """Ask the fsync thread for a sync at most every :data:`FSYNC_INTERVAL_S` (the broker
-        loop calls this often); ``force``: fsync now, on this thread."""
+        loop calls this often); raises the error of a sync that failed since the last call."""
         if self._sync_error is not None:
             error, self._sync_error = self._sync_error, None
             raise error
         now = time.monotonic()
-        if self._dirty and (force or now - self._synced_at >= FSYNC_INTERVAL_S):
+        if self._dirty and now - self._synced_at >= FSYNC_INTERVAL_S:
             self._dirty = False
             self._synced_at = now
-            if force:
-                with self._lock:
-                    os.fsync(self._fd)
-            else:
-                self._sync_wanted.set()
+            self._sync_wanted.set()
 
     def _sync_loop(self) -> None:
         while True:
