@@ -39,15 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.qwen_shapes import FULL, SMALL  # noqa: E402
 from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
 
 logger = logging.getLogger("bench.engine_throughput")
 
-FULL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-            tie_word_embeddings=True)
-SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=1024, vocab_size=8192, tie_word_embeddings=True)
 PAD_ID = 0
 
 

@@ -44,17 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.config.schema import LearnerConfig  # noqa: E402
 from asyncrl.wire import TrajectoryGroup  # noqa: E402
+from bench.qwen_shapes import FULL, SMALL  # noqa: E402
 from learners.batching import collate  # noqa: E402
 from learners.dist import free_port, init_learner_group, shutdown_learner_group  # noqa: E402
 from learners.packing import plan_micro_batches  # noqa: E402
 
 logger = logging.getLogger("bench.learner_throughput")
 
-FULL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
-            tie_word_embeddings=True)
-SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=1024, vocab_size=8192, tie_word_embeddings=True)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 # --layout: packing on/off. One layout halves the memory (one trainer and its AdamW state),
 # which is what lets the 0.5B model train on a 24 GiB CPU machine.
