@@ -105,29 +105,32 @@ def group_bytes(spec: Spec) -> int:
 
 def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
                       stop: Any) -> None:
-    """acquire + put, as a rollout worker does; ``put_many`` (8 at a time, one engine
-    batch) when the spec asks for it and the backend has it."""
+    """acquire + put, as a rollout worker does; ``put_many`` (up to 8 at a time, one engine
+    batch) when the spec asks for it and the backend has it. Grants are asked for in bulk
+    (fewer round trips than a worker, so the rows measure puts), and whatever was granted is
+    put, as a worker puts what it generated: a producer that waited for a whole chunk's
+    grant would starve when producers × chunk exceeds ``max_groups``."""
     client = make_client()
     name, sent, granted = f"p{index}", 0, 0
     chunk = spec.put_many if hasattr(client, "put_many") else 0
     groups = [make_group(spec, "g") for _ in range(max(1, chunk))]
     while not stop.is_set():
-        if granted < len(groups):
-            grant = client.acquire(name, 256, 0).granted
-            granted += grant
-            if not grant:  # full: re-ask after a pause, as a worker does (not a busy loop)
+        if not granted:
+            granted = client.acquire(name, 256, 0).granted
+            if not granted:  # full: re-ask after a pause, as a worker does (not a busy loop)
                 stop.wait(GATE_POLL_S)
             continue
-        for group in groups:
+        batch = groups[:granted]
+        for group in batch:
             group.group_id, sent = f"{name}-{sent}", sent + 1
         try:
             if chunk:
-                client.put_many(name, groups)
+                client.put_many(name, batch)
             else:
-                client.put(name, groups[0])
+                client.put(name, batch[0])
         except TimeoutError:
             continue  # the consumer stopped: the run is over
-        granted -= len(groups)
+        granted -= len(batch)
     client.close()
 
 
