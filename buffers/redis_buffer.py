@@ -61,7 +61,7 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
 from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
-from buffers.redis_connect import connect
+from buffers.redis_connect import connect, is_cluster, run_namespace
 from buffers.redis_consumer import RedisConsumer
 from buffers.redis_entries import StagedPut, put_results, stage_put
 from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
@@ -89,9 +89,10 @@ class RedisBufferClient:
     def __init__(self, config: BufferConfig, run_id: str = "", groups_per_step: int = 1) -> None:
         self.config = config
         self.gate = StalenessGate(config.max_staleness, groups_per_step)
-        self.keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}")
-        self._all_keys = self.keys.all()
         self._redis = connect(config)
+        self._cluster = is_cluster(self._redis)
+        self.keys = RedisKeys(run_namespace(config, run_id, self._cluster))
+        self._all_keys = self.keys.all()
         self._scripts = {name: self._redis.register_script(PRELUDE + body)
                          for name, body in SCRIPTS.items()}
         self._params = [config.max_staleness, groups_per_step, config.max_groups,
@@ -179,7 +180,8 @@ class RedisBufferClient:
 
     def _put_window(self, producer: str, items: list[StagedPut]) -> Any:
         """One pipeline: ``SET`` (with an expiry) of the payloads not staged yet, then the
-        put script with their keys. Returns the script's answers."""
+        put script with their keys (on a cluster, the script after the pipeline). Returns
+        the script's answers."""
         keys: list[str] = []
         args: list[Any] = [producer, self._stage_ttl_ms]
         for item in items:
@@ -188,11 +190,13 @@ class RedisBufferClient:
             if item.key:
                 keys.append(item.key)
             args += [item.reason, item.min_version, item.run_id, len(keys) if item.key else 0]
+        if self._cluster:  # redis-py's cluster pipelines refuse scripts: two round trips
+            self._stage(items)
+            return self._scripts["put_many"](keys=[*self._all_keys, *keys],
+                                             args=[*self._params, *args])
         for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
-            for item in items:  # NX: a pipeline re-sent after a lost connection leaves a
-                if item.payload is not None and not item.staged:  # payload filed as it is
-                    pipe.set(item.key, item.payload, px=self._stage_ttl_ms, nx=True)
+            self._stage(items, pipe)
             script = self._scripts["put_many"]
             pipe.evalsha(script.sha, len(self._all_keys) + len(keys), *self._all_keys, *keys,
                          *self._params, *args)
@@ -206,6 +210,20 @@ class RedisBufferClient:
         for item in items:
             item.staged = item.staged or item.payload is not None
         return answers
+
+    def _stage(self, items: list[StagedPut], pipe: Any = None) -> None:
+        """``SET`` with an expiry each payload not staged yet, in ``pipe`` (or in a pipeline
+        of its own, executed here). NX: a pipeline re-sent after a lost connection leaves a
+        payload filed as it is."""
+        own = pipe is None
+        pipe = self._redis.pipeline(transaction=False) if own else pipe
+        for item in items:
+            if item.payload is not None and not item.staged:
+                pipe.set(item.key, item.payload, px=self._stage_ttl_ms, nx=True)
+        if own:
+            pipe.execute()
+            for item in items:
+                item.staged = item.staged or item.payload is not None
 
     # --- learners -------------------------------------------------------------------------
 
@@ -277,8 +295,13 @@ class RedisBufferClient:
         for name in ("state", "inflight", "seen", "roles", "info", "rejected", "hist"):
             pipe.hgetall(getattr(self.keys, name))
         pipe.hkeys(self.keys.kvseq).xlen(self.keys.index)
-        pipe.xpending(self.keys.index, GROUP).time()
-        return assemble_status(pipe.execute(), self.gate, self.config, self.keys.namespace)
+        pipe.xpending(self.keys.index, GROUP)
+        if self._cluster:  # a keyless command cannot join a cluster transaction: the clock
+            node = self._redis.get_node_from_key(self.keys.state)  # of the run's node, after
+            snapshot = [*pipe.execute(), self._redis.time(target_nodes=node)]
+        else:
+            snapshot = pipe.time().execute()
+        return assemble_status(snapshot, self.gate, self.config, self.keys.namespace)
 
 
 def _dumps(value: dict[str, Any]) -> bytes:
@@ -292,9 +315,9 @@ def reset_run(config: BufferConfig, run_id: str) -> int:
     the first one's version, gate counters and leftover groups from Redis. Payload keys are
     found by ``SCAN`` (a reset is rare; their names are random).
     """
-    keys = RedisKeys(config.namespace or f"asyncrl:{run_id or 'default'}")
-    names = [*keys.all(), *(f"{keys.namespace}:{name}" for name in LEGACY_KEY_NAMES)]
     client = connect(config)
+    keys = RedisKeys(run_namespace(config, run_id, is_cluster(client)))
+    names = [*keys.all(), *(f"{keys.namespace}:{name}" for name in LEGACY_KEY_NAMES)]
     try:
         names += client.scan_iter(match=_glob_escape(keys.namespace) + PAYLOAD_INFIX + "*",
                                   count=1000)

@@ -1,11 +1,19 @@
-"""How the Redis buffer connects: auth, TLS and reconnects, from :class:`BufferConfig` alone.
+"""How the Redis buffer connects: auth, TLS, reconnects and Redis Cluster, from
+:class:`BufferConfig` alone.
 
 Kept apart from the client so the mapping from config to redis-py arguments is one pure
 function that tests can check without a server (and without TLS certificates).
+
+A ``buffer.url`` that names a node of a Redis Cluster is detected (``INFO cluster``, unless
+``buffer.cluster`` says yes or no) and served by redis-py's cluster client, so switching to a
+cluster is that one line too. Every key of a run must then live in one hash slot (the scripts
+touch them together), so the run's namespace is wrapped in a hash tag, ``{asyncrl:run}``,
+unless it carries one already.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,13 +21,16 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.cluster import RedisCluster
+from redis.connection import parse_url
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from asyncrl.config.schema import BufferConfig
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
@@ -83,6 +94,56 @@ def connection_kwargs(config: BufferConfig) -> dict[str, Any]:
     return kwargs
 
 
-def connect(config: BufferConfig) -> redis.Redis:
-    """A client for ``config.url``; nothing is sent until the first command."""
-    return redis.Redis.from_url(config.url, **connection_kwargs(config))
+Client = redis.Redis | RedisCluster
+
+
+def connect(config: BufferConfig) -> Client:
+    """A client for ``config.url``: the cluster client for a Redis Cluster node
+    (``buffer.cluster``; "auto" sends one ``INFO cluster`` to find out, and a unix socket is
+    never a cluster node). Nothing else is sent."""
+    kwargs = connection_kwargs(config)
+    cluster = config.cluster == "yes"
+    if config.cluster == "auto" and urlsplit(config.url).scheme != "unix":
+        with redis.Redis.from_url(config.url, **kwargs) as probe:
+            cluster = _cluster_enabled(probe, config.url)
+    if not cluster:
+        return redis.Redis.from_url(config.url, **kwargs)
+    if parse_url(config.url).get("db", 0):
+        raise ValueError(f"buffer.url {config.url!r}: a Redis Cluster has only database 0")
+    retry = kwargs.pop("retry")  # the cluster client takes it as an argument of its own
+    return RedisCluster.from_url(config.url, retry=retry, **kwargs)
+
+
+def _cluster_enabled(probe: redis.Redis, url: str) -> bool:
+    try:
+        return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
+    except NoPermissionError:
+        logger.info("redis at %s: this user may not run INFO, taken as a single server "
+                    "(set buffer.cluster = \"yes\" for a cluster)", url)
+        return False
+    except ResponseError as exc:
+        if "not allowed in cluster mode" in str(exc):  # the URL's database, selected first
+            raise ValueError(f"buffer.url {url!r}: a Redis Cluster has only database 0"
+                             ) from None
+        raise
+
+
+def is_cluster(client: Client) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def run_namespace(config: BufferConfig, run_id: str, cluster: bool) -> str:
+    """The key prefix of run ``run_id``: ``buffer.namespace``, or ``asyncrl:<run>``; in a
+    cluster wrapped in a hash tag unless it has one, so that every key is in one slot."""
+    namespace = config.namespace or f"asyncrl:{run_id or 'default'}"
+    if cluster and not _hash_tag(namespace):
+        namespace = f"{{{namespace}}}"
+    return namespace
+
+
+def _hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: the text between the first ``{`` and the next
+    ``}``, when not empty (else the whole key, shown here as "")."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else ""

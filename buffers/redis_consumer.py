@@ -18,12 +18,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError
 from buffers.protocol import Batch
+from buffers.redis_connect import Client
 from buffers.redis_entries import decode_entry, entry_fields
 from buffers.redis_scripts import GROUP, RedisKeys
 from buffers.redis_status import batch_stats
@@ -36,7 +35,7 @@ Run = Callable[..., Any]  # runs a named script with the client's keys and param
 class RedisConsumer:
     """Per-consumer state of one client: held entries, drops to report, served stalenesses."""
 
-    def __init__(self, client: redis.Redis, run: Run, keys: RedisKeys, config: BufferConfig,
+    def __init__(self, client: Client, run: Run, keys: RedisKeys, config: BufferConfig,
                  gate: StalenessGate, rejections: Rejections) -> None:
         self._redis, self._run, self._keys = client, run, keys
         self._config, self._gate, self._rejections = config, gate, rejections

@@ -36,9 +36,10 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order; the put script also
 the payload keys it files, after them) and the gate parameters
 as ``ARGV[1..4]`` = max_staleness, groups_per_step, max_groups, heartbeat_timeout_ms; its own
-arguments start at ``ARGV[5]``. Give ``namespace`` a ``{hash tag}`` to use Redis Cluster:
-payload keys carry it too, so the keys that scripts delete by the name an index entry gives
-(acks, drops) are in the same slot as the declared ones (not tested on a cluster here).
+arguments start at ``ARGV[5]``. On a Redis Cluster the namespace carries a ``{hash tag}``
+(:func:`buffers.redis_connect.run_namespace` adds one): payload keys carry it too, so the
+keys that scripts delete by the name an index entry gives (acks, drops) are in the same slot
+as the declared ones (the contract suite runs on a three-node cluster).
 The data-plane scripts (gate, put, take, ack) live in :mod:`buffers.redis_data_scripts`;
 the shared Lua helpers (:data:`PRELUDE`) and the control-plane scripts here.
 """

@@ -45,14 +45,20 @@ def _members(seen: dict[str, int], roles: dict[str, str], info: dict[bytes, byte
             for name, last in sorted(seen.items())}
 
 
-def _delivered(pending: dict[str, Any] | None) -> int:
+def _delivered(pending: dict[str, Any] | list[Any] | None) -> int:
     """Entries delivered to a learner and not yet acked: the XPENDING summary without the
-    unread entries that wait in the pending list of :data:`~buffers.redis_scripts.QUEUE`."""
+    unread entries that wait in the pending list of :data:`~buffers.redis_scripts.QUEUE`.
+    The summary is parsed by redis-py, or (in a cluster transaction, which skips its reply
+    parsers) Redis' own reply: ``[count, min, max, [[consumer, count], ...]]``."""
     if not pending:
         return 0
-    waiting = sum(int(c["pending"]) for c in pending.get("consumers") or ()
-                  if c["name"] in (QUEUE, QUEUE.encode()))
-    return int(pending["pending"]) - waiting
+    if isinstance(pending, list):
+        total, consumers = pending[0], [(name, n) for name, n in pending[3] or ()]
+    else:
+        total, consumers = pending["pending"], [(c["name"], c["pending"])
+                                                for c in pending.get("consumers") or ()]
+    waiting = sum(int(n) for name, n in consumers if name in (QUEUE, QUEUE.encode()))
+    return int(total) - waiting
 
 
 def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: BufferConfig,

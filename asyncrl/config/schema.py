@@ -193,7 +193,11 @@ class BufferConfig(Section):
     port: int = Field(5555, ge=0, le=65535, description="ZMQ broker port; 0 picks a free one.")
     url: str = Field("redis://127.0.0.1:6379/0",
                      description="Redis URL (redis:// or rediss:// for TLS), buffer.type=redis.")
-    namespace: str = Field("", description="Redis key prefix; empty uses asyncrl:<run.name>.")
+    namespace: str = Field("", description="Redis key prefix; empty uses asyncrl:<run.name> "
+                                           "(on a cluster wrapped in a {hash tag}).")
+    cluster: Literal["auto", "yes", "no"] = Field(
+        "auto", description="Is buffer.url a Redis Cluster node? auto asks it (INFO cluster; "
+                            "an ACL user refused INFO is taken as a single server).")
     username: str = Field("", description="Redis ACL user (empty: default user).")
     password: str = Field("", description="Redis password (or ACL user's password).")
     tls_ca_file: str = Field("", description="CA bundle to verify the Redis server (TLS).")

@@ -3,9 +3,14 @@
 - :class:`RedisServer`: a private ``redis-server`` on a free port, AOF on with
   ``appendfsync always`` (so a SIGKILL loses no acknowledged write), in the test's directory;
   restarting reuses port and directory, so the AOF is replayed.
+- :class:`RedisClusterServer`: three such servers (cluster mode) joined into one Redis Cluster,
+  each master of a third of the slots; the URL names the first node, which does not hold the
+  contract runs' slot (checked), so clients must follow redirects. Restarting restarts every
+  node. A cluster takes ~2 s to form, so one serves a whole session, each deployment in a
+  namespace of its own (same hash tag, so the same slot).
 - :class:`BrokerProcess`: the ZMQ broker as ``python -m asyncrl.cli buffer`` on a fixed port
   with a ``buffer.spill_path``, so it can be killed and started again at the same address.
-- ``backend``: parametrized over "zmq" and "redis"; ``backend.start(**config)`` returns a
+- ``backend``: parametrized over "zmq", "redis" and "redis-cluster"; ``backend.start(**config)`` returns a
   :class:`Deployment` that makes clients through the real factory and restarts its server.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 import signal
 import socket
 import subprocess
@@ -23,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from redis.crc import key_slot
 
 from asyncrl.config.load import to_toml
 from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
@@ -102,6 +110,68 @@ class RedisServer(ServerProcess):
         return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
 
+class RedisClusterServer:
+    """A Redis Cluster of ``nodes`` masters on loopback, joined with ``CLUSTER ADDSLOTSRANGE``
+    and ``CLUSTER MEET`` (what ``redis-cli --cluster create`` sends)."""
+
+    SLOTS = 16384
+
+    def __init__(self, directory: Path, nodes: int = 3) -> None:
+        extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", "2000"]
+        # The bus port defaults to port + 10000, which may be taken or past 65535.
+        self.bus_ports = [free_port() for _ in range(nodes)]
+        self.nodes = [RedisServer(directory / f"node{i}", [*extra, "--cluster-port", str(bus)])
+                      for i, bus in enumerate(self.bus_ports)]
+        self._joined = False
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def owner(self, key: str) -> int:
+        """Which node is master of ``key``'s slot (by the even split of :meth:`_join`)."""
+        return key_slot(key.encode()) // -(-self.SLOTS // len(self.nodes))
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        if not self._joined:  # nodes.conf remembers the cluster across restarts
+            self._join()
+        eventually(self._ready, START_TIMEOUT_S, "the Redis Cluster's state ok on every node")
+
+    def _admin(self, node: RedisServer) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=node.port, decode_responses=True)
+
+    def _join(self) -> None:
+        share = -(-self.SLOTS // len(self.nodes))
+        for i, node in enumerate(self.nodes):
+            with self._admin(node) as client:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share,
+                                       min(self.SLOTS, (i + 1) * share) - 1)
+        with self._admin(self.nodes[0]) as first:
+            for node, bus in zip(self.nodes[1:], self.bus_ports[1:]):
+                first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus)
+        self._joined = True
+
+    def _ready(self) -> bool:
+        for node in self.nodes:
+            with self._admin(node) as client:
+                info = client.cluster("info")
+            if info.get("cluster_state") != "ok" or \
+                    int(info.get("cluster_known_nodes", 0)) != len(self.nodes):
+                return False
+        return True
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        for node in self.nodes:
+            node.stop(sig)
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(signal.SIGKILL if kill else signal.SIGTERM)
+        self.start()
+
+
 class BrokerProcess(ServerProcess):
     """The ZMQ broker through the CLI, on a fixed port, spilling to ``directory/spill``."""
 
@@ -138,9 +208,10 @@ class Deployment:
     name: str
     config: BufferConfig
     groups_per_step: int
-    server: RedisServer | BrokerProcess
+    server: RedisServer | RedisClusterServer | BrokerProcess
     address: str | None = None
     clients: list[BufferClient] = field(default_factory=list)
+    owns_server: bool = True  # False: a shared server outlives this deployment
 
     def client(self, **overrides: Any) -> BufferClient:
         """A client through the real factory; ``overrides`` change client-side config."""
@@ -167,15 +238,19 @@ class Deployment:
     def close(self) -> None:
         for client in self.clients:
             client.close()
-        self.server.stop(signal.SIGKILL)
+        if self.owns_server:
+            self.server.stop(signal.SIGKILL)
 
 
 class Backend:
-    """Starts deployments of one backend; stops all of them at teardown."""
+    """Starts deployments of one backend; stops all of them at teardown. "redis-cluster"
+    deployments share ``cluster``."""
 
-    def __init__(self, name: str, directory: Path) -> None:
+    def __init__(self, name: str, directory: Path,
+                 cluster: RedisClusterServer | None = None) -> None:
         self.name = name
         self.directory = directory
+        self.cluster = cluster
         self.deployments: list[Deployment] = []
 
     def start(self, groups_per_step: int = 2, **overrides: Any) -> Deployment:
@@ -187,6 +262,14 @@ class Backend:
             config = BufferConfig(type="redis", url=server.url, **fields)
             server.start()
             deployment = Deployment(self.name, config, groups_per_step, server)
+        elif self.name == "redis-cluster":
+            assert self.cluster is not None
+            tag = f"asyncrl:{RUN_ID}"
+            assert self.cluster.owner(tag) != 0  # the URL's node must redirect
+            config = BufferConfig(type="redis", url=self.cluster.url,
+                                  namespace=f"{{{tag}}}:{uuid.uuid4().hex[:8]}", **fields)
+            deployment = Deployment(self.name, config, groups_per_step, self.cluster,
+                                    owns_server=False)
         else:
             config = BufferConfig(port=free_port(), spill_path=str(directory / "spill"), **fields)
             broker = BrokerProcess(directory, config, groups_per_step)
@@ -201,9 +284,21 @@ class Backend:
             deployment.close()
 
 
-@pytest.fixture(params=["zmq", "redis"])
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServer]:
+    cluster = RedisClusterServer(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop(signal.SIGKILL)
+
+
+@pytest.fixture(params=["zmq", "redis", "redis-cluster"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    backend = Backend(request.param, tmp_path)
+    cluster = request.getfixturevalue("redis_cluster") if request.param == "redis-cluster" \
+        else None
+    backend = Backend(request.param, tmp_path, cluster)
     try:
         yield backend
     finally:

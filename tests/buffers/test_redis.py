@@ -25,7 +25,7 @@ from buffers import make_buffer_client
 from buffers.protocol import PutResult
 from buffers.redis_buffer import RedisBufferClient, reset_run
 from buffers.redis_entries import put_results, stage_put
-from buffers.redis_connect import connect, connection_kwargs
+from buffers.redis_connect import connect, connection_kwargs, run_namespace
 from buffers.packing import pack_group
 from buffers.redis_scripts import GROUP, QUEUE
 from tests.buffers import eventually, make_group
@@ -328,7 +328,7 @@ def test_acl_user_is_passed_through_and_confined_to_its_namespace(redis_server):
 def test_tls_options_reach_redis_py():
     config = BufferConfig(type="redis", url="rediss://127.0.0.1:6390/0", username="u",
                           password="p", tls_ca_file="ca.crt", tls_cert_file="c.crt",
-                          tls_key_file="c.key")
+                          tls_key_file="c.key", cluster="no")  # "auto" would ask the server
     kwargs = connection_kwargs(config)
     assert {k: kwargs[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "username",
                                    "password")} == \
@@ -387,3 +387,18 @@ def test_mutual_tls_against_a_real_tls_server(tmp_path):
 def test_factory_needs_groups_per_step_for_redis():
     with pytest.raises(ValueError, match="groups_per_step"):
         make_buffer_client(BufferConfig(type="redis"))
+
+
+def test_a_run_namespace_is_wrapped_in_a_hash_tag_on_a_cluster_only() -> None:
+    """Every key of a run must hash to one slot of a cluster (the scripts touch them together):
+    a namespace without a hash tag is wrapped in one there, and left as it is elsewhere."""
+    default, named = BufferConfig(type="redis"), BufferConfig(type="redis", namespace="team:x")
+    assert run_namespace(default, "r1", cluster=False) == "asyncrl:r1"
+    assert run_namespace(default, "r1", cluster=True) == "{asyncrl:r1}"
+    assert run_namespace(named, "r1", cluster=True) == "{team:x}"
+    for tagged in ("{team}:x", "a{b}c", "x{y}{z}"):  # Redis hashes the first {...} only
+        assert run_namespace(BufferConfig(type="redis", namespace=tagged), "r1",
+                             cluster=True) == tagged
+    for untagged in ("a{}b", "a}b{c", "a{b"):  # an empty or unclosed tag hashes the whole key
+        assert run_namespace(BufferConfig(type="redis", namespace=untagged), "r1",
+                             cluster=True) == f"{{{untagged}}}"

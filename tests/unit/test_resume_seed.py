@@ -11,7 +11,7 @@ import pytest
 from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
 from learners import loop
 from learners.checkpoint import Checkpointer
-from tests.buffers.conftest import backend  # noqa: F401 (fixture: real broker / redis-server)
+from tests.buffers.conftest import backend, redis_cluster  # noqa: F401 (fixtures: real servers)
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import tiny_model_dir  # noqa: F401 (fixture)
 
