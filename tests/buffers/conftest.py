@@ -10,19 +10,20 @@
   namespace of its own (same hash tag, so the same slot).
 - :class:`BrokerProcess`: the ZMQ broker as ``python -m asyncrl.cli buffer`` on a fixed port
   with a ``buffer.spill_path``, so it can be killed and started again at the same address.
-- ``backend``: parametrized over "zmq", "redis" and "redis-cluster"; ``backend.start(**config)`` returns a
-  :class:`Deployment` that makes clients through the real factory and restarts its server.
+- ``backend``: parametrized over "zmq", "redis" and "redis-cluster";
+  ``backend.start(**config)`` returns a :class:`Deployment` that makes clients through the
+  real factory and restarts its server.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
 import signal
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
