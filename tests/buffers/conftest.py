@@ -135,11 +135,15 @@ class RedisClusterServer:
         return key_slot(key.encode()) // -(-self.SLOTS // len(self.nodes))
 
     def start(self) -> None:
-        for node in self.nodes:
-            node.start()
-        if not self._joined:  # nodes.conf remembers the cluster across restarts
-            self._join()
-        eventually(self._ready, START_TIMEOUT_S, "the Redis Cluster's state ok on every node")
+        try:
+            for node in self.nodes:
+                node.start()
+            if not self._joined:  # nodes.conf remembers the cluster across restarts
+                self._join()
+            eventually(self._ready, START_TIMEOUT_S, "the Redis Cluster's state ok on every node")
+        except BaseException:
+            self.stop(signal.SIGKILL)  # no node outlives a cluster that failed to form
+            raise
 
     def _admin(self, node: RedisServer) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=node.port, decode_responses=True)
@@ -288,7 +292,7 @@ class Backend:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServer]:
     cluster = RedisClusterServer(tmp_path_factory.mktemp("redis-cluster"))
-    cluster.start()
+    cluster.start()  # stops what it started if it fails
     try:
         yield cluster
     finally:
