@@ -191,39 +191,40 @@ class RedisBufferClient:
                 keys.append(item.key)
             args += [item.reason, item.min_version, item.run_id, len(keys) if item.key else 0]
         if self._cluster:  # redis-py's cluster pipelines refuse scripts: two round trips
-            self._stage(items)
-            return self._scripts["put_many"](keys=[*self._all_keys, *keys],
-                                             args=[*self._params, *args])
-        for attempt in (1, 2):
             pipe = self._redis.pipeline(transaction=False)
             self._stage(items, pipe)
-            script = self._scripts["put_many"]
-            pipe.evalsha(script.sha, len(self._all_keys) + len(keys), *self._all_keys, *keys,
-                         *self._params, *args)
-            try:
-                answers = pipe.execute()[-1]
-                break
-            except NoScriptError:  # a restarted Redis forgot the scripts: load, send again
-                if attempt == 2:
-                    raise
-                self._redis.script_load(script.script)
+            pipe.execute()
+            answers = self._scripts["put_many"](keys=[*self._all_keys, *keys],
+                                                args=[*self._params, *args])
+        else:
+            answers = self._stage_and_file(items, keys, args)
         for item in items:
             item.staged = item.staged or item.payload is not None
         return answers
 
-    def _stage(self, items: list[StagedPut], pipe: Any = None) -> None:
-        """``SET`` with an expiry each payload not staged yet, in ``pipe`` (or in a pipeline
-        of its own, executed here). NX: a pipeline re-sent after a lost connection leaves a
-        payload filed as it is."""
-        own = pipe is None
-        pipe = self._redis.pipeline(transaction=False) if own else pipe
+    def _stage_and_file(self, items: list[StagedPut], keys: list[str], args: list[Any]) -> Any:
+        """The staging ``SET``s and the put script in one pipeline (one round trip)."""
+        script = self._scripts["put_many"]
+
+        def send() -> Any:
+            pipe = self._redis.pipeline(transaction=False)
+            self._stage(items, pipe)
+            pipe.evalsha(script.sha, len(self._all_keys) + len(keys), *self._all_keys, *keys,
+                         *self._params, *args)
+            return pipe.execute()[-1]
+
+        try:
+            return send()
+        except NoScriptError:  # a restarted Redis forgot the scripts: load, send again
+            self._redis.script_load(script.script)
+            return send()
+
+    def _stage(self, items: list[StagedPut], pipe: Any) -> None:
+        """Queue in ``pipe`` a ``SET`` with an expiry of each payload not staged yet. NX: a
+        pipeline re-sent after a lost connection leaves a payload filed as it is."""
         for item in items:
             if item.payload is not None and not item.staged:
                 pipe.set(item.key, item.payload, px=self._stage_ttl_ms, nx=True)
-        if own:
-            pipe.execute()
-            for item in items:
-                item.staged = item.staged or item.payload is not None
 
     # --- learners -------------------------------------------------------------------------
 

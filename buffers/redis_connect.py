@@ -102,29 +102,34 @@ def connect(config: BufferConfig) -> Client:
     (``buffer.cluster``; "auto" sends one ``INFO cluster`` to find out, and a unix socket is
     never a cluster node). Nothing else is sent."""
     kwargs = connection_kwargs(config)
-    cluster = config.cluster == "yes"
-    if config.cluster == "auto" and urlsplit(config.url).scheme != "unix":
-        with redis.Redis.from_url(config.url, **kwargs) as probe:
-            cluster = _cluster_enabled(probe, config.url)
-    if not cluster:
-        return redis.Redis.from_url(config.url, **kwargs)
+    if config.cluster != "yes":
+        client = redis.Redis.from_url(config.url, **kwargs)
+        if config.cluster == "no" or urlsplit(config.url).scheme == "unix" or \
+                not _cluster_enabled(client, config.url):
+            return client  # the probe's connection serves the first command
+        client.close()
     if parse_url(config.url).get("db", 0):
         raise ValueError(f"buffer.url {config.url!r}: a Redis Cluster has only database 0")
     retry = kwargs.pop("retry")  # the cluster client takes it as an argument of its own
     return RedisCluster.from_url(config.url, retry=retry, **kwargs)
 
 
-def _cluster_enabled(probe: redis.Redis, url: str) -> bool:
+def _cluster_enabled(client: redis.Redis, url: str) -> bool:
+    """Whether the node is in cluster mode; ``client`` is closed when this raises."""
     try:
-        return bool(int(probe.info("cluster").get("cluster_enabled", 0)))
+        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
     except NoPermissionError:
         logger.info("redis at %s: this user may not run INFO, taken as a single server "
                     "(set buffer.cluster = \"yes\" for a cluster)", url)
         return False
     except ResponseError as exc:
+        client.close()
         if "not allowed in cluster mode" in str(exc):  # the URL's database, selected first
             raise ValueError(f"buffer.url {url!r}: a Redis Cluster has only database 0"
                              ) from None
+        raise
+    except BaseException:
+        client.close()
         raise
 
 

@@ -130,9 +130,14 @@ class RedisClusterServer:
     def url(self) -> str:
         return self.nodes[0].url
 
+    @property
+    def _share(self) -> int:
+        """Slots per node: :meth:`_join` gives node i the i-th run of this many."""
+        return -(-self.SLOTS // len(self.nodes))
+
     def owner(self, key: str) -> int:
-        """Which node is master of ``key``'s slot (by the even split of :meth:`_join`)."""
-        return key_slot(key.encode()) // -(-self.SLOTS // len(self.nodes))
+        """Which node is master of ``key``'s slot."""
+        return key_slot(key.encode()) // self._share
 
     def start(self) -> None:
         try:
@@ -149,7 +154,7 @@ class RedisClusterServer:
         return redis.Redis(host="127.0.0.1", port=node.port, decode_responses=True)
 
     def _join(self) -> None:
-        share = -(-self.SLOTS // len(self.nodes))
+        share = self._share
         for i, node in enumerate(self.nodes):
             with self._admin(node) as client:
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share,
