@@ -113,7 +113,10 @@ class ControlPlane(Protocol):
         (``version``, ``run_status``)."""
 
     def set_key(self, key: str, value: dict[str, Any]) -> int:
-        """Store a small JSON value (rendezvous, announcements); returns its sequence number."""
+        """Store a small JSON value (rendezvous, announcements); returns its sequence number:
+        above every number the key had before, also from a buffer that lost it (restarted
+        without its spill file, or a Redis without persistence), so that a waiter's
+        ``newer_than`` never outlives the buffer it came from."""
 
     def get_key(self, key: str, newer_than: int = 0,
                 timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:

@@ -29,7 +29,7 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 ``ns:rejected``    hash     reason → count
 ``ns:hist``        hash     staleness at consumption → count
 ``ns:kv``          hash     key → orjson value (rendezvous, announcements, run/status)
-``ns:kvseq``       hash     key → sequence number (starts at 1)
+``ns:kvseq``       hash     key → sequence number (starts above the clock in µs)
 ``ns:notify``      stream   one entry per set_key (field k), capped: wakes get_key long-polls
 =================  =======  ==================================================================
 
@@ -227,7 +227,13 @@ return {num(K_STATE, 'version'), run_status()}
 """
 
 SET_KEY = """
--- ARGV: key, orjson value, new run status ('' unless key is run/status).
+-- ARGV: key, orjson value, new run status ('' unless key is run/status). A key's first
+-- number is above the clock in microseconds: above any number a Redis that lost the key
+-- (restarted without persistence) had issued, so a waiter's newer_than stays meaningful.
+if redis.call('HEXISTS', K_KVSEQ, ARGV[5]) == 0 then
+  local t = redis.call('TIME')
+  redis.call('HSET', K_KVSEQ, ARGV[5], fmt(tonumber(t[1]) * 1000000 + tonumber(t[2])))
+end
 local seq = redis.call('HINCRBY', K_KVSEQ, ARGV[5], 1)
 redis.call('HSET', K_KV, ARGV[5], ARGV[6])
 if ARGV[7] ~= '' then

@@ -90,13 +90,24 @@ class GateClock:
 
 
 class KeyStore:
-    """Small JSON values with per-key sequence numbers that only go up."""
+    """Small JSON values with per-key sequence numbers that only go up, also from one broker
+    to the next.
 
-    def __init__(self) -> None:
+    Why across brokers: clients wait for news with ``get_key(key, newer_than=seq)``. A broker
+    restarted without a spill file has lost its keys; had it counted from 1 again, a rollout
+    worker waiting for weight announcements newer than the 36th would have waited forever
+    while the learner announced the 1st, 2nd, ... (the run stalled for good). So a key's first
+    number is above ``floor``, which the broker takes from the wall clock in microseconds:
+    above every number an earlier broker issued (one set per microsecond of its life at
+    most), unless the clock stepped back by more than the time between the two brokers.
+    """
+
+    def __init__(self, floor: int = 0) -> None:
         self.values: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.floor = floor
 
     def set(self, key: str, value: dict[str, Any]) -> int:
-        seq = self.values.get(key, (0, {}))[0] + 1
+        seq = max(self.values.get(key, (0, {}))[0], self.floor) + 1
         self.values[key] = (seq, value)
         return seq
 

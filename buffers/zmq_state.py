@@ -87,7 +87,7 @@ class BrokerState:
         self.rejections = Rejections()
         self.staleness_hist: Counter[int] = Counter()
         self.members = Members(config.heartbeat_timeout_s, clock)
-        self.keys = KeyStore()
+        self.keys = KeyStore(floor=time.time_ns() // 1_000)  # above any earlier broker's
         self.gate_clock = GateClock()
         self.journal = journal
         self.requeued: set[int] = set()  # queued seqs that may have been delivered: ackable

@@ -58,7 +58,7 @@ def test_sigkill_of_redis_with_aof_loses_nothing_and_clients_reconnect(redis_ser
                                                                         open_client):
     c = open_client(reclaim_idle_s=0.5)
     c.publish_version(2)
-    c.set_key("rdzv", {"epoch": 7})
+    seq = c.set_key("rdzv", {"epoch": 7})
     c.heartbeat("worker-0", "rollout", {"engine_version": 2})
     for i in range(4):
         assert c.put("w", make_group(f"g{i}", version=2)).accepted
@@ -72,12 +72,23 @@ def test_sigkill_of_redis_with_aof_loses_nothing_and_clients_reconnect(redis_ser
                 "keys", "run_id", "pending"):
         assert after[key] == before[key], key
     assert after["members"]["worker-0"]["info"] == {"engine_version": 2}
-    assert c.get_key("rdzv") == (1, {"epoch": 7})
-    assert c.set_key("rdzv", {"epoch": 8}) == 2
+    assert c.get_key("rdzv") == (seq, {"epoch": 7})
+    assert c.set_key("rdzv", {"epoch": 8}) == seq + 1
     batch = c.get_batch("other-learner", 3, 2, timeout_s=10.0)  # g1 once reclaimable
     assert sorted(g.group_id for g in batch.groups) == ["g1", "g2", "g3"]
     c.ack("other-learner", batch)
     assert c.status()["consumed"] == 4
+
+
+def test_key_numbers_go_up_even_after_redis_lost_its_data(redis_server, open_client):
+    """A Redis without persistence that restarted has lost the keys; a waiter still holds a
+    number from before, and what is set next must be newer than it (see the ZMQ twin in
+    tests/unit/test_zmq_buffer.py)."""
+    c = open_client()
+    seen = max(c.set_key("weights/announce", {"epoch": e}) for e in range(3))
+    admin(redis_server).flushall()  # what a restart without persistence leaves
+    new = c.set_key("weights/announce", {"epoch": 0})
+    assert new > seen and c.get_key("weights/announce", newer_than=seen) == (new, {"epoch": 0})
 
 
 def test_reclaim_moves_a_dead_consumers_entries_and_counts_the_redelivery(redis_server,

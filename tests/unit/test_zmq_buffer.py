@@ -354,6 +354,32 @@ def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
                 stop_new()
 
 
+def test_a_waiter_of_a_lost_broker_sees_the_keys_its_successor_sets():
+    """A broker restarted without a spill file has lost its keys; what it sets next must
+    still be news to a client that waits for keys newer than the old broker's (a rollout
+    worker waiting for the next weight announcement). Numbering again from 1 left such a
+    waiter parked for good, and the run stalled."""
+    from learners.dist import free_port
+
+    config = BufferConfig(port=free_port())
+    address, stop = start_broker_thread(config, groups_per_step=1)
+    with ZmqBufferClient(address, timeout_s=5) as c:
+        seen = max(c.set_key("weights/announce", {"epoch": e}) for e in range(3))
+    stop()
+    address, stop = start_broker_thread(config, groups_per_step=1)  # memory only: no keys
+    try:
+        with ZmqBufferClient(address, timeout_s=5) as waiter, \
+                ZmqBufferClient(address, timeout_s=5) as setter:
+            with ThreadPoolExecutor(1) as pool:
+                parked = pool.submit(waiter.get_key, "weights/announce", seen, 10.0)
+                time.sleep(0.2)
+                new = setter.set_key("weights/announce", {"epoch": 0})
+                assert new > seen
+                assert parked.result(timeout=10) == (new, {"epoch": 0})
+    finally:
+        stop()
+
+
 def test_oversized_groups_are_rejected_and_huge_frames_disconnect_the_peer(broker, client):
     address = broker(groups_per_step=8, max_message_bytes=1024)
     c = client(address)

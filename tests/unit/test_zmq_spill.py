@@ -28,23 +28,23 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _fill_and_half_consume(c: ZmqBufferClient) -> list[str]:
-    """Put g0..g5; g0, g1 delivered and never acked; g2, g3 acked; returns the unacked."""
+def _fill_and_half_consume(c: ZmqBufferClient) -> tuple[list[str], int]:
+    """Put g0..g5; g0, g1 delivered and never acked; g2, g3 acked; set key ``rdzv``.
+    Returns the unacked and the key's sequence number."""
     for i in range(6):
         assert c.put("w", make_group(f"g{i}")).accepted
     assert c.get_batch("dying", 2, 0, timeout_s=1.0) is not None  # never acked
     done = c.get_batch("learner", 2, 0, timeout_s=1.0)
     c.ack("learner", done)
     c.publish_version(1)
-    c.set_key("rdzv", {"epoch": 3})
-    return ["g0", "g1", "g4", "g5"]
+    return ["g0", "g1", "g4", "g5"], c.set_key("rdzv", {"epoch": 3})
 
 
-def _assert_restored(c: ZmqBufferClient, unacked: list[str]) -> None:
+def _assert_restored(c: ZmqBufferClient, unacked: list[str], key_seq: int) -> None:
     status = c.status()
     assert (status["version"], status["accepted"], status["consumed"]) == (1, 6, 2)
     assert status["staleness_hist"] == {"0": 2} and status["depth"] == len(unacked)
-    assert c.get_key("rdzv") == (1, {"epoch": 3})
+    assert c.get_key("rdzv") == (key_seq, {"epoch": 3})  # a waiter's newer_than stays valid
     batch = c.get_batch("learner", len(unacked), 1, timeout_s=1.0)
     assert [g.group_id for g in batch.groups] == unacked  # each exactly once, in order
     c.ack("learner", batch)
@@ -56,14 +56,14 @@ def test_clean_restart_restores_unacked_groups_version_counters_and_keys(tmp_pat
     config = BufferConfig(port=0, max_staleness=1, spill_path=str(tmp_path / "spill.log"))
     address, stop = start_broker_thread(config, groups_per_step=8)
     with ZmqBufferClient(address, timeout_s=5) as c:
-        unacked = _fill_and_half_consume(c)
+        unacked, key_seq = _fill_and_half_consume(c)
         keys_before = c.status()["keys"]
     stop()
     address, stop = start_broker_thread(config, groups_per_step=8)
     try:
         with ZmqBufferClient(address, timeout_s=5) as c:
             assert c.status()["keys"] == keys_before
-            _assert_restored(c, unacked)
+            _assert_restored(c, unacked, key_seq)
     finally:
         stop()
 
@@ -123,13 +123,13 @@ def broker_process(tmp_path) -> Iterator:
 def test_sigkilled_broker_process_loses_nothing_acknowledged(broker_process):
     address, first = broker_process()
     with ZmqBufferClient(address, timeout_s=5) as c:
-        unacked = _fill_and_half_consume(c)
+        unacked, key_seq = _fill_and_half_consume(c)
         assert c.status()["depth"] == 4  # every request was answered: all is in the spill
     first.send_signal(signal.SIGKILL)
     assert first.wait(timeout=10) == -signal.SIGKILL
     assert broker_process()[0] == address  # same port: the clients just reconnect
     with ZmqBufferClient(address, timeout_s=10) as c:
-        _assert_restored(c, unacked)
+        _assert_restored(c, unacked, key_seq)
 
 
 def _state(path: Path, **kwargs) -> BrokerState:
@@ -176,7 +176,7 @@ def test_corrupt_record_stops_replay_there(tmp_path):
 def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
     path = tmp_path / "spill.log"
     state = _state(path, compact_min_bytes=4096)
-    state.set_key("rdzv", {"n": 1})
+    key_seq = state.set_key("rdzv", {"n": 1})
     state.publish_version(2)
     for i in range(40):
         _put(state, f"g{i}", version=2)
@@ -191,7 +191,7 @@ def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
     state = _state(path)
     assert [g.seq for g in state.queue] == list(range(36, 41))
     assert (state.version, state.accepted, state.consumed) == (3, 40, 35)
-    assert state.keys.get("rdzv") == (1, {"n": 1}) and state.staleness_hist == {0: 35}
+    assert state.keys.get("rdzv") == (key_seq, {"n": 1}) and state.staleness_hist == {0: 35}
     assert state.take("l", 5, 3) is not None
     state.journal.close()
 
