@@ -10,6 +10,8 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
+from asyncrl.preflight import NotRunning
+from asyncrl.supervise import report_config_error
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +159,16 @@ def _resume_override(args: argparse.Namespace) -> list[str]:
 
 def _observe(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.monitor import make_view, print_status, watch
+    from asyncrl.preflight import check_broker, check_redis
     from asyncrl.roles import stop_on_signals
     from buffers import connect_buffer
 
-    client = connect_buffer(cfg, buffer_address(cfg, args.buffer))
+    address = buffer_address(cfg, args.buffer)
+    if address is None:
+        check_redis(cfg.buffer)
+    else:
+        check_broker(address, cfg.run.name)
+    client = connect_buffer(cfg, address)
     try:
         if args.command == "monitor":
             view = make_view(cfg.monitor, sys.stdout, cfg.run_dir, lines=False)
@@ -181,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except ConfigError as exc:
+        return report_config_error(exc)
+    except NotRunning as exc:
         sys.stderr.write(f"asyncrl: {exc}\n")
-        return 2
+        return 1
     except TimeoutError as exc:
         sys.stderr.write(f"asyncrl: {exc}\n")
         return 3

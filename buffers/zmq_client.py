@@ -21,7 +21,10 @@ and keys (last write wins), ``acquire``
 (a restarted broker starts with no grants in flight) and ``get_batch`` (a batch whose reply was
 lost is redelivered after ``reclaim_idle_s``; an ack it carries is idempotent). Puts are never
 re-sent: a lost put is in doubt and the producer's to handle (a rollout worker exits and its
-supervisor restarts it). A group travels as one packed frame
+supervisor restarts it). The client watches its connection (a ZMQ socket monitor): a request
+whose connection dropped while it waited gives up at once instead of after the whole
+``request_timeout_s`` (default 30 s), so a restarted broker is asked again as soon as it
+listens. A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
 consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
 them per request.
@@ -35,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.wire import TrajectoryGroup, decode_group, encode_group_views
@@ -79,7 +83,7 @@ class ZmqBufferClient:
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._next_id = 0
-        self._socket = self._connect()
+        self._socket, self._monitor = self._connect()
 
     @classmethod
     def from_config(cls, config: BufferConfig, address: str | None = None
@@ -92,17 +96,24 @@ class ZmqBufferClient:
                    timeout_s=config.request_timeout_s, curve_keys_dir=keys,
                    reconnect_s=config.reconnect_s)
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER to the broker, and a monitor that hears when its connection drops."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self._curve is not None:
             apply_curve_client(socket, *self._curve)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.address)
-        return socket
+        return socket, monitor
+
+    def _disconnect(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        self._disconnect()
         if self._own_context:
             self._context.term()
 
@@ -144,9 +155,18 @@ class ZmqBufferClient:
         reply to a request given up on is discarded."""
         replies: dict[bytes, Reply] = {}
         deadline = time.monotonic() + self.timeout_s + wait_s
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while len(replies) < (want or len(request_ids)):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000))):
+            ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if self._socket not in ready:
+                if self._monitor in ready:
+                    recv_monitor_message(self._monitor)  # the only event asked for
+                    self._timed_out(command, "reply", "the connection dropped while waiting")
+                if time.monotonic() < deadline:
+                    continue
                 self._timed_out(command, "reply")
             reply_id, reply = decode_reply(self._socket.recv_multipart(copy=False))
             if reply_id not in request_ids:
@@ -164,11 +184,11 @@ class ZmqBufferClient:
                               f"{reply.body.get('error', reply.body)}")
         return reply
 
-    def _timed_out(self, command: str, stage: str) -> NoReturn:
-        self._socket.close(linger=0)
-        self._socket = self._connect()
+    def _timed_out(self, command: str, stage: str, why: str = "") -> NoReturn:
+        self._disconnect()
+        self._socket, self._monitor = self._connect()
         raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} "
-                      f"within {self.timeout_s:.1f}s")
+                      f"({why or f'not within {self.timeout_s:.1f}s'})")
 
     # --- Buffer -------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,24 @@ def test_sigkilled_broker_process_loses_nothing_acknowledged(broker_process):
     assert broker_process()[0] == address  # same port: the clients just reconnect
     with ZmqBufferClient(address, timeout_s=10) as c:
         _assert_restored(c, unacked, key_seq)
+
+
+def test_a_request_parked_in_a_sigkilled_broker_is_sent_again_at_once(broker_process):
+    """A broker that dies takes the requests it parked with it; the client hears its
+    connection drop and re-sends at once to the broker restarted at the same address, instead
+    of after its whole timeout (30 s by default: a run stood still that long after every
+    broker restart)."""
+    address, first = broker_process()
+    with ZmqBufferClient(address, timeout_s=30, reconnect_s=60) as waiter, \
+            ThreadPoolExecutor(1) as pool:
+        parked = pool.submit(waiter.get_key, "weights/announce", 0, 60.0)
+        time.sleep(0.3)  # parked in the first broker
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(timeout=10) == -signal.SIGKILL
+        assert broker_process()[0] == address
+        with ZmqBufferClient(address, timeout_s=5) as setter:
+            seq = setter.set_key("weights/announce", {"epoch": 1})
+        assert parked.result(timeout=10) == (seq, {"epoch": 1})
 
 
 def _state(path: Path, **kwargs) -> BrokerState:
