@@ -25,7 +25,8 @@ from asyncrl.config import Config
 from asyncrl.config.load import to_toml
 from asyncrl.metrics import val_score_key
 from asyncrl.monitor import make_view
-from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
+from asyncrl.preflight import check_startup
+from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,12 @@ class Role:
 
 
 class RoleFailed(RuntimeError):
-    """A role that may not be restarted (the learner), or is out of restarts, died."""
+    """A role that may not be restarted (the learner), or is out of restarts, died;
+    ``exit_code`` is what `up` exits with (2 when the role stopped on a config error)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def is_resuming(cfg: Config) -> bool:
@@ -96,7 +102,10 @@ class LocalLauncher:
 
     def up(self) -> int:
         """Run to completion (or until a signal); returns the learner's exit code, or 1 when
-        a role failed for good (the cause in one line, the run directory resumable)."""
+        a role failed for good (the cause in one line, the run directory resumable), 2 when it
+        stopped on a config error. Raises :class:`ConfigError` before starting anything for
+        the paths, imports and Redis URL that :func:`check_startup` can check from here."""
+        check_startup(self.cfg)
         self.resuming = is_resuming(self.cfg)
         config_path = write_run_dir(self.cfg, self.resuming)
         (self.cfg.run_dir / "logs").mkdir(exist_ok=True)
@@ -104,6 +113,7 @@ class LocalLauncher:
         address_file.unlink(missing_ok=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop.set())
+        show_final = True  # not for a run a config error stopped: it never trained
         try:
             self.address = self._start_buffer(config_path, address_file)
             self._prepare_model()
@@ -116,10 +126,12 @@ class LocalLauncher:
         except RoleFailed as exc:
             logger.error("%s", exc)
             self.out.write(f"run stopped: {exc}\n")
-            return 1
+            show_final = exc.exit_code != CONFIG_ERROR_EXIT
+            return exc.exit_code
         finally:
             self.shutdown()
-            self._print_final()
+            if show_final:
+                self._print_final()
 
     def _start_buffer(self, config_path: Path, address_file: Path) -> str | None:
         """ZMQ: start the broker and learn its address. Redis: the server is the broker; clear
@@ -189,8 +201,9 @@ class LocalLauncher:
         finally:
             view.close()
             client.close()
-        if learner.proc.returncode not in (None, 0):
-            raise RoleFailed(self._failure(learner))
+        code = learner.proc.returncode
+        if code not in (None, 0):
+            raise RoleFailed(self._failure(learner), code if code == CONFIG_ERROR_EXIT else 1)
 
     def _tend(self) -> None:
         """Restart the roles whose backoff is over; schedule restarts of crashed ones; raise
@@ -201,6 +214,8 @@ class LocalLauncher:
                 if time.monotonic() >= role.restart_at and not self.stop.is_set():
                     role.proc = self._spawn(role.name, role.log, role.args)
                     role.started, role.restart_at = time.monotonic(), None
+            elif code == CONFIG_ERROR_EXIT:
+                raise RoleFailed(self._failure(role), CONFIG_ERROR_EXIT)
             elif code not in (None, 0) or (code == 0 and role.name == "buffer"):
                 self._schedule_restart(role)
 
@@ -216,6 +231,9 @@ class LocalLauncher:
 
     def _failure(self, role: Role) -> str:
         """The cause in one line, then where to look and how to go on."""
+        if role.proc.returncode == CONFIG_ERROR_EXIT:
+            return (f"{role.name} stopped on a configuration error (not restarted): "
+                    f"{_cause(Path(role.log.name))} [log {role.log.name}]")
         return (f"{role.name} {exit_reason(role.proc.returncode)}: "
                 f"{_cause(Path(role.log.name))} [log {role.log.name}; {run_dir_note(self.cfg)}]")
 
@@ -306,13 +324,17 @@ def _die_with_parent() -> None:
 
 
 def _cause(log: Path) -> str:
-    """The last exception line of a role's log (``ValueError: ...``); a process killed by a
-    signal usually has none."""
+    """The last error line of a role's log: an exception (``ValueError: ...``, also behind
+    torch.distributed's ``[rank0]: ``), or the ``asyncrl: ...`` line of a config error, shown
+    as its message alone (it names the key). A process killed by a signal usually has none."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     for line in reversed(lines[-200:]):
-        if _EXCEPTION_LINE.match(line):
-            return line[:300]
+        match = _ERROR_LINE.match(line)
+        if match:
+            return (match["config"] or match["error"])[:300]
     return "no error in its log"
 
 
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b.*")
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:asyncrl: |(?:[\w.]*\.)?ConfigError: )"
+                         r"(?P<config>.+)|^(?:\[rank\d+\]:\s*)?"
+                         r"(?P<error>[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b.*)")

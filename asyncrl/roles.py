@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
-from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
+from asyncrl.config import Config, ConfigError
+from asyncrl.supervise import (CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason,
+                               report_config_error)
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,10 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
     die_with_parent()
     setup_logging(role)
     keep_large_buffers()  # groups are packed and sent, or received, as large buffers
-    target(*args, stop_on_signals())
+    try:
+        target(*args, stop_on_signals())
+    except ConfigError as exc:  # the exit status tells the parent not to restart this child
+        sys.exit(report_config_error(exc))
 
 
 class _Child:
@@ -164,9 +168,14 @@ class _Child:
         return self.restart_at is None and self.proc.exitcode not in (None, 0)
 
     def schedule_restart(self) -> bool:
-        """After a crash: log why and when it restarts; False when out of restarts."""
+        """After a crash: log why and when it restarts; False when out of restarts or
+        stopped by a config error (which a restart would only repeat)."""
         reason = exit_reason(self.proc.exitcode)
         ran = time.monotonic() - self.started
+        if self.proc.exitcode == CONFIG_ERROR_EXIT:
+            logger.error("%s stopped on a configuration error after %.1fs: stopping the "
+                         "others", self.name, ran)
+            return False
         delay = self.budget.next_delay(ran) if self.budget is not None else None
         if delay is None:
             logger.error("%s %s after %.1fs: stopping the others", self.name, reason, ran)
@@ -181,7 +190,8 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
                   grace_s: float, policy: RestartPolicy | None = None,
                   first_index: int = 0) -> int:
     """Run each args tuple in its own spawned process; restart a crashed one while ``policy``
-    allows (never without one); stop all when one fails for good, or on a signal."""
+    allows (never without one, never after a config error); stop all when one fails for good,
+    or on a signal. Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
     ctx = mp.get_context("spawn")
     stop = stop_on_signals()
     children = [_Child(ctx, target, args, f"{role}[{first_index + i}]",
@@ -212,4 +222,6 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
         if proc.is_alive():
             proc.kill()
             proc.join()
+    if failed is not None and failed.proc.exitcode == CONFIG_ERROR_EXIT:
+        return CONFIG_ERROR_EXIT  # and so this role is not restarted either
     return 0 if failed is None and all(p.exitcode in (0, -signal.SIGTERM) for p in procs) else 1

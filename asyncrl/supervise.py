@@ -5,14 +5,24 @@ restarted rather than ending the run; but a worker that crashes on start (a bad 
 engine that cannot load) would otherwise loop forever, so restarts are bounded: after
 ``launcher.max_restarts`` consecutive crashes the run stops with the reason. A process that ran
 ``launcher.healthy_after_s`` before crashing was healthy: its count starts again.
+
+A process that stops on a configuration error exits :data:`CONFIG_ERROR_EXIT` and is never
+restarted: the same config fails the same way every time, and retrying only hides the message.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 from dataclasses import dataclass
+from typing import IO
 
+from asyncrl.config.load import ConfigError
 from asyncrl.config.schema import LauncherConfig
+
+CONFIG_ERROR_EXIT = 2
+"""Exit status of a process stopped by a :class:`ConfigError` (as argparse's usage errors):
+every supervisor (`asyncrl up`, a role's children) takes it as "do not restart"."""
 
 
 @dataclass(frozen=True)
@@ -58,3 +68,12 @@ def exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def report_config_error(exc: ConfigError, stream: IO[str] | None = None) -> int:
+    """Write a config error as the one line users read (``asyncrl: workflow.env: ...``, no
+    traceback: the message names the key) and return :data:`CONFIG_ERROR_EXIT`."""
+    stream = stream or sys.stderr
+    stream.write(f"asyncrl: {exc}\n")
+    stream.flush()
+    return CONFIG_ERROR_EXIT

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.roles import _run_children
-from asyncrl.supervise import RestartBudget, RestartPolicy, exit_reason
+from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason
 
 
 @pytest.fixture(autouse=True)
@@ -90,3 +90,24 @@ def _finish_when_started(marker: str, starts: int) -> None:
             break
         time.sleep(0.05)
     Path(marker + ".done").write_text("")
+
+
+def config_error_on_start(marker: str, stop: threading.Event) -> None:
+    """Child target: counts its starts, then stops on a config error."""
+    from asyncrl.config import ConfigError
+
+    starts = Path(marker)
+    starts.write_text(starts.read_text() + "x" if starts.exists() else "x")
+    raise ConfigError("data.path: 'nope.jsonl' does not exist")
+
+
+def test_a_config_error_is_not_restarted(tmp_path, caplog, capfd):
+    marker = str(tmp_path / "starts")
+    policy = RestartPolicy(max_restarts=3, backoff_s=0.05, healthy_after_s=60)
+    caplog.set_level("WARNING")
+    assert _run_children(config_error_on_start, [(marker,)], "worker", 5.0,
+                         policy) == CONFIG_ERROR_EXIT
+    assert Path(marker).read_text() == "x"  # one start, no restart
+    assert any("configuration error" in r.getMessage() for r in caplog.records)
+    err = capfd.readouterr().err
+    assert "asyncrl: data.path: 'nope.jsonl' does not exist" in err and "Traceback" not in err

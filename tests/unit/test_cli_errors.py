@@ -1,0 +1,68 @@
+"""User mistakes the CLI reports in one line and at once, as real processes: a bad plugin path
+or model path stops `asyncrl up` before any role starts, an unreachable Redis or a finished run
+stops `asyncrl status` without waiting out the clients' timeouts."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.toml"
+
+
+def asyncrl(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_up_with_a_bad_env_path_exits_2_before_starting_roles(tmp_path: Path) -> None:
+    done, took = asyncrl("up", str(ROOT / "examples" / "agent" / "multi_turn.toml"),
+                         "--set", "workflow.env=examples.agent.env:Env",
+                         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fixa-env")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("asyncrl: workflow.env: module 'examples.agent.env' has no "
+                                  "attribute 'Env'"), done.stderr
+    assert "Traceback" not in done.stderr and "ConfigError" not in done.stderr
+    assert not (tmp_path / "fixa-env").exists()  # nothing started, nothing written
+    assert took < 30
+
+
+def test_up_with_a_missing_local_model_path_names_it(tmp_path: Path) -> None:
+    done, _ = asyncrl("up", str(QUICKSTART), "--set", "model.path=/nonexistent/model",
+                      "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fixa-model")
+    assert done.returncode == 2, done.stderr
+    assert "model.path: '/nonexistent/model' does not exist" in done.stderr
+
+
+def test_status_of_an_unreachable_redis_names_buffer_url(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    done, took = asyncrl("status", str(QUICKSTART), "--set", "buffer.type=redis",
+                         "--set", f"buffer.url={url}", "--set", f"run.output_dir={tmp_path}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"asyncrl: buffer.url: '{url}': ") and \
+        done.stderr.count("\n") == 1, done.stderr
+    assert took < 20  # not the client's 30 s of reconnects
+
+
+def test_status_of_a_finished_run_says_it_is_not_running(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fixa-done"
+    run_dir.mkdir()
+    (run_dir / "buffer.addr").write_text(f"tcp://127.0.0.1:{closed_port()}\n")  # left behind
+    done, took = asyncrl("status", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
+                         "--set", "run.name=fixa-done")
+    assert done.returncode == 1, done.stderr
+    assert "asyncrl: run 'fixa-done' is not running: no buffer broker at tcp://" in done.stderr
+    assert took < 20  # not the broker request's 30 s timeout, twice
+
