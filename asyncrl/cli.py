@@ -87,9 +87,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     from asyncrl import roles
 
     if args.command == "plot":
-        from asyncrl.plot import plot_run
+        from asyncrl.plot import NothingToPlot, plot_run
 
-        for path in plot_run(args.run_dir, args.out):
+        try:
+            paths = plot_run(args.run_dir, args.out)
+        except NothingToPlot as exc:
+            sys.stderr.write(f"asyncrl: plot: {exc}\n")
+            return 1
+        for path in paths:
             sys.stdout.write(f"{path}\n")
         return 0
     if args.command == "config":

@@ -74,6 +74,11 @@ FIGURES: dict[str, tuple[str, str, list[Curve]]] = {
 }
 
 
+class NothingToPlot(FileNotFoundError):
+    """The run directory has no metrics.jsonl, or no learner step in it yet: a user's mistake
+    (or a run that has not trained), reported by `asyncrl plot` in one line."""
+
+
 def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     """Write one PNG per figure that has data; returns their paths."""
     import matplotlib
@@ -81,10 +86,10 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     matplotlib.use("Agg")
     metrics = run_dir / "metrics.jsonl"
     if not metrics.exists():
-        raise FileNotFoundError(f"{metrics} not found: is {run_dir} a run directory?")
+        raise NothingToPlot(f"{metrics} not found: is {run_dir} a run directory?")
     records = [r for r in read_jsonl(metrics) if isinstance(r.get("step"), int)]
     if not records:
-        raise ValueError(f"{metrics} has no learner steps yet")
+        raise NothingToPlot(f"{metrics} has no learner steps yet")
     out_dir = out_dir or run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -7,7 +7,6 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from asyncrl.cli import main
 
@@ -37,6 +36,8 @@ def test_plot_writes_a_png_per_curve(tmp_path: Path, capsys) -> None:
         assert c0.sum() > 200, path
 
 
-def test_plot_of_a_directory_without_metrics_says_so(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl not found"):
-        main(["plot", str(tmp_path)])
+def test_plot_of_a_directory_without_metrics_says_so(tmp_path: Path, capsys) -> None:
+    assert main(["plot", str(tmp_path / "nonexist")]) == 1  # one line, no traceback
+    assert capsys.readouterr().err == (f"asyncrl: plot: {tmp_path / 'nonexist'}/metrics.jsonl "
+                                       f"not found: is {tmp_path / 'nonexist'} a run "
+                                       "directory?\n")
