@@ -8,16 +8,16 @@ One update, as seen on the control plane (``weights/announce``)::
      "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
      "buckets": [{"nbytes", "count"}, ...]}
 
-Members are the alive ``rollout`` members of the control plane, sorted. A *membership epoch* is
-one process group over them (named ``group``, see :func:`learners.weights_group.group_name`,
-with SGLang's store layout so an SGLang server can be a member); it is reused while they stay
-the same. When they change, the new
-epoch starts with a handshake on the control plane so that nobody blocks on a dead peer:
-receivers write ``weights/join/<member>``, the broadcaster waits for all of them (up to
-``timeout_s``) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after ``go`` does
-anyone create the group. Then every bucket is broadcast from rank 0 and each receiver acks with
-``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store make an ack from an
-earlier group, or an earlier learner, count for nothing).
+Members are the alive ``rollout`` members of the control plane that have not said they
+stopped, sorted. A *membership epoch* is one process group over them (named ``group``, see
+:func:`learners.weights_group.group_name`, with SGLang's store layout so an SGLang server can
+be a member); it is reused while they stay the same. When they change, the new epoch starts
+with a handshake on the control plane so that nobody blocks on a dead peer: receivers write
+``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
+one departs: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
+``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
+receiver acks with ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store
+make an ack from an earlier group, or an earlier learner, count for nothing).
 
 Buckets are pipelined: bucket *i+1* is packed into one of two persistent staging buffers while
 bucket *i* is on the wire (at most two in flight). The staging buffers live as long as the
@@ -26,8 +26,13 @@ every byte; a changed plan rebuilds them.
 
 A member that does not join or ack in time is evicted (and the group dropped, so the next
 attempt rebuilds it without that member); a failed collective drops the group and the next
-attempt's handshake finds who is gone. An evicted member is left out until it heartbeats again
-after its eviction. :class:`WeightReceiver` (the rollout side) lives in
+attempt's handshake finds who is gone. Nobody waits for a member that has *departed*: one the
+control plane no longer reports alive (silent past ``buffer.heartbeat_timeout_s``: a SIGKILLed
+engine, whose supervisor may have restarted it under a new name already) or that said it
+stopped. Its departure ends the wait at once: it is evicted and the next attempt goes on
+without it, so a killed engine costs the heartbeat timeout, not ``timeout_s``; a member alive
+but slow is still waited for up to ``timeout_s``. An evicted member is left out until it
+heartbeats again after its eviction. :class:`WeightReceiver` (the rollout side) lives in
 :mod:`learners.weights_receiver`.
 """
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +71,14 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a lost peer: the 1st attempt fails, the 2nd finds who, the 3rd delivers
 ROLLOUT_ROLE = "rollout"
+STOPPED = "stopped"  # the ``state`` a rollout worker's last heartbeat carries
+
+
+def _present(entry: Mapping[str, Any] | None) -> bool:
+    """Is this control-plane member entry a rollout engine that may still take weights: alive
+    (heard from within the heartbeat timeout) and not stopped?"""
+    return (entry is not None and entry.get("role") == ROLLOUT_ROLE and bool(entry.get("alive"))
+            and entry.get("info", {}).get("state") != STOPPED)
 
 
 @dataclass
@@ -122,12 +135,13 @@ class WeightBroadcaster:
     # --- membership ------------------------------------------------------------------------
 
     def members(self) -> list[str]:
-        """Alive rollout members, sorted, minus those not heard from since their eviction
-        (and, during a sync, minus those it evicted: they get the next sync, not a retry)."""
+        """Alive rollout members (not stopped), sorted, minus those not heard from since
+        their eviction (and, during a sync, minus those it evicted: they get the next sync,
+        not a retry)."""
         now = time.monotonic()  # before the request: a silent member can never look fresh
         out = []
         for name, entry in self._control.status().get("members", {}).items():
-            if entry.get("role") != ROLLOUT_ROLE or not entry.get("alive"):
+            if not _present(entry):
                 continue
             if name in self._evicted_now:
                 continue
@@ -143,10 +157,33 @@ class WeightBroadcaster:
         current = self._group.members if self._group is not None else ()
         return tuple(self.members()) != current
 
+    def _departed(self, members: list[str]) -> list[str]:
+        """Those of ``members`` the control plane no longer reports present (dead or
+        stopped): a join or an ack from them will never come."""
+        listed = self._control.status().get("members", {})
+        return [name for name in members if not _present(listed.get(name))]
+
+    def _await(self, key_of: Callable[[str], str], members: list[str],
+               accept: Callable[[dict[str, Any]], bool]) -> tuple[list[str], list[str]]:
+        """Wait up to ``timeout_s`` for every member's key to pass ``accept``, but only while
+        none of those still missing has departed (then this attempt cannot succeed as
+        planned). Returns ``(departed, late)``: the members that departed, and the others
+        still missing when the wait ended."""
+        by_key = {key_of(name): name for name in members}
+        departed: list[str] = []
+
+        def gone(keys: list[str]) -> list[str]:
+            departed.extend(self._departed([by_key[key] for key in keys]))
+            return departed
+
+        missing = [by_key[key] for key in await_keys(
+            self._control, list(by_key), accept, time.monotonic() + self._cfg.timeout_s,
+            gone=gone)]
+        return departed, [name for name in missing if name not in departed]
+
     def _evict(self, members: list[str], why: str) -> None:
         for name in members:
-            logger.warning("weights: evicting %s (%s within %.1fs)", name, why,
-                           self._cfg.timeout_s)
+            logger.warning("weights: evicting %s (%s)", name, why)
             self._evicted_at[name] = time.monotonic()
             self._evicted_now.append(name)
         self._drop()
@@ -218,11 +255,14 @@ class WeightBroadcaster:
         started = time.monotonic()
         self._send(self._group.pg, plan, state)
         sent = time.monotonic()
-        late = self._wait_acks(members, version)
+        departed, late = self._wait_acks(members, version)
         self._phases = {"timing/weight_send": sent - started,
                         "timing/weight_ack": time.monotonic() - sent}
+        if departed:  # the others are re-sent this version in the next attempt's epoch
+            self._evict(departed, "gone before its ack: dead or stopped on the control plane")
+            return []
         if late:
-            self._evict(late, "no ack")
+            self._evict(late, f"no ack within {self._cfg.timeout_s:.1f}s")
             return []
         return members
 
@@ -265,18 +305,22 @@ class WeightBroadcaster:
             "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
 
     def _rendezvous(self, members: list[str]) -> bool:
-        """Wait for every member's join, then say go (and create the group) or no-go."""
-        epoch, deadline = self._epoch, time.monotonic() + self._cfg.timeout_s
+        """Wait for every member's join, then say go (and create the group) or no-go.
+        No-go evicts who departed (the others that had not joined yet get the next
+        attempt's full wait) or, failing that, who did not join in time."""
+        epoch = self._epoch
 
         def joined(value: dict[str, Any]) -> bool:
             return value.get("epoch") == epoch and value.get("store") == self.address
 
-        by_key = {join_key(m): m for m in members}
-        missing = [by_key[k] for k in await_keys(self._control, list(by_key), joined, deadline)]
+        departed, late = self._await(join_key, members, joined)
         self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
-                                          "go": not missing})
-        if missing:
-            self._evict(missing, "did not join")
+                                          "go": not departed and not late})
+        if departed:
+            self._evict(departed, "gone while joining: dead or stopped on the control plane")
+            return False
+        if late:
+            self._evict(late, f"did not join within {self._cfg.timeout_s:.1f}s")
             return False
         pg = new_group(self._cfg.transport, self._store, group_name(self._token, epoch), 0,
                        len(members) + 1, self._cfg.timeout_s, self._host, **self._transport_opts)
@@ -284,16 +328,16 @@ class WeightBroadcaster:
         logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
         return True
 
-    def _wait_acks(self, members: list[str], version: int) -> list[str]:
-        """Members that did not ack ``version`` in this epoch within ``timeout_s``."""
-        epoch, deadline = self._epoch, time.monotonic() + self._cfg.timeout_s
+    def _wait_acks(self, members: list[str], version: int) -> tuple[list[str], list[str]]:
+        """``(departed, late)``: members that departed before acking ``version`` in this
+        epoch, and those that did not ack it within ``timeout_s`` (see :meth:`_await`)."""
+        epoch = self._epoch
 
         def acked(value: dict[str, Any]) -> bool:
             return (value.get("version", -1) >= version and value.get("epoch") == epoch
                     and value.get("store") == self.address)
 
-        by_key = {ack_key(m): m for m in members}
-        return [by_key[k] for k in await_keys(self._control, list(by_key), acked, deadline)]
+        return self._await(ack_key, members, acked)
 
     def close(self) -> None:
         """Tell receivers to leave (an announcement without members), drop the group, stop

@@ -147,21 +147,31 @@ def await_key(control: ControlPlane, key: str, accept: Callable[[dict[str, Any]]
 
 
 def await_keys(control: ControlPlane, keys: list[str], accept: Callable[[dict[str, Any]], bool],
-               deadline: float, poll_s: float = 1.0) -> list[str]:
+               deadline: float, poll_s: float = 1.0,
+               gone: Callable[[list[str]], list[str]] | None = None) -> list[str]:
     """Wait until every key in ``keys`` holds a value that passes ``accept``; returns those
-    that still do not at ``deadline`` (empty: all accepted).
+    that still do not when it returns (empty: all accepted): at ``deadline``, or as soon as
+    ``gone`` names any of them: their writer is known to be gone, waiting on is pointless.
+    ``gone`` is asked with the keys still missing once every ``poll_s`` of waiting, not
+    before the first ``poll_s`` (a wait that ends sooner costs it nothing).
 
     One :meth:`ControlPlane.get_keys` reads every key per round, so a rendezvous over N
     members costs a few round trips, not N. Between rounds it long-polls the first missing
     key (the others usually arrive at about the same time), so it never spins."""
     missing = list(keys)
     seqs: dict[str, int] = {}
+    next_check = time.monotonic() + poll_s
     while True:
         found = control.get_keys(missing)
         seqs.update({key: seq for key, (seq, _) in found.items()})
         missing = [key for key in missing if key not in found or not accept(found[key][1])]
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         if not missing or remaining <= 0:
             return missing
+        if gone is not None and now >= next_check:
+            next_check = now + poll_s
+            if gone(missing):
+                return missing
         control.get_key(missing[0], newer_than=seqs.get(missing[0], 0),
                         timeout_s=max(0.0, min(poll_s, remaining)))

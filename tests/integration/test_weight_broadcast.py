@@ -151,65 +151,112 @@ def dump_logs(out_dir: Path) -> None:
         logger.error("%s:\n%s", log.name, log.read_text(errors="replace")[-4000:])
 
 
-@pytest.mark.timeout(120)
-def test_broadcast_versions_evict_and_rejoin(tmp_path: Path) -> None:
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
-    from buffers.zmq_broker import start_broker_thread
-    from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster
-    from learners.weights_group import await_key
+class LearnerSide:
+    """This process as learner rank 0: a broker thread, a control client, the broadcaster
+    under test and the receiver processes it starts; on exit it stops all of them, after
+    dumping the receivers' logs if the test failed."""
 
-    torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(
-        BufferConfig(port=0, heartbeat_timeout_s=60.0), groups_per_step=1)
-    control = ZmqBufferClient(address, timeout_s=10.0)
-    procs: list[subprocess.Popen] = []
-    broadcaster = None
+    def __init__(self, out_dir: Path, heartbeat_timeout_s: float, weights_timeout_s: float):
+        from asyncrl.config.schema import BufferConfig, WeightsConfig
+        from buffers.zmq_broker import start_broker_thread
+        from buffers.zmq_client import ZmqBufferClient
+        from learners.weights import WeightBroadcaster
 
-    def wait_ready(member: str) -> None:
-        assert await_key(control, f"test/ready/{member}", lambda v: True,
+        torch.set_num_threads(1)
+        self.out_dir = out_dir
+        self.address, self._stop_broker = start_broker_thread(
+            BufferConfig(port=0, heartbeat_timeout_s=heartbeat_timeout_s), groups_per_step=1)
+        self.control = ZmqBufferClient(self.address, timeout_s=10.0)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.broadcaster = WeightBroadcaster(
+            self.control, WeightsConfig(bucket_mb=0.01, timeout_s=weights_timeout_s))
+
+    def start(self, member: str, seed: int, fail_at: int = -1) -> None:
+        self.procs[member] = start_receiver(self.address, member, self.out_dir, seed, fail_at)
+
+    def wait_ready(self, member: str) -> None:
+        from learners.weights_group import await_key
+
+        assert await_key(self.control, f"test/ready/{member}", lambda v: True,
                          time.monotonic() + 60.0), f"{member} never came up"
 
-    try:
-        procs = [start_receiver(address, m, tmp_path, seed=i + 1) for i, m in enumerate(MEMBERS)]
+    def kill(self, member: str) -> None:
+        self.procs[member].send_signal(signal.SIGKILL)
+        self.procs[member].wait()
+
+    def __enter__(self) -> LearnerSide:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            dump_logs(self.out_dir)
+        try:
+            self.broadcaster.close()
+            stop_processes(list(self.procs.values()))
+            self.control.close()
+        finally:
+            self._stop_broker()
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_versions_evict_and_rejoin(tmp_path: Path) -> None:
+    with LearnerSide(tmp_path, heartbeat_timeout_s=60.0, weights_timeout_s=TIMEOUT_S) as side:
+        for seed, member in enumerate(MEMBERS, start=1):
+            side.start(member, seed)
         for member in MEMBERS:
-            wait_ready(member)
-        broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.01,
-                                                               timeout_s=TIMEOUT_S))
+            side.wait_ready(member)
+        broadcaster, model = side.broadcaster, tiny_model(seed=0)
         assert broadcaster.members() == list(MEMBERS)
-        model = tiny_model(seed=0)
         for version in (1, 2):
             metrics = sync_and_check(broadcaster, model, version, list(MEMBERS), tmp_path)
             assert metrics["weights/evicted"] == 0 and metrics["weights/buckets"] > 3
             assert metrics["weights/epoch"] == 1, "the group is reused while members stay"
 
-        procs[1].send_signal(signal.SIGKILL)  # still "alive" on the broker for 60 s
-        procs[1].wait()
+        side.kill(MEMBERS[1])  # still "alive" on the broker for 60 s
         metrics = sync_and_check(broadcaster, model, 3, [MEMBERS[0]], tmp_path)
         assert metrics["weights/evicted"] == 1
         assert metrics["timing/weight_sync"] < 3 * TIMEOUT_S, "the learner must not hang"
         assert broadcaster.members() == [MEMBERS[0]], "the dead engine stays out"
 
-        procs.append(start_receiver(address, LATE, tmp_path, seed=9, fail_at=LATE_FAILS_AT))
-        wait_ready(LATE)
+        side.start(LATE, seed=9, fail_at=LATE_FAILS_AT)
+        side.wait_ready(LATE)
         metrics = sync_and_check(broadcaster, model, 4, [MEMBERS[0], LATE], tmp_path)
         assert metrics["weights/evicted"] == 0 and metrics["weights/epoch"] > 3, "new epoch"
         metrics = sync_and_check(broadcaster, model, 5, [MEMBERS[0]], tmp_path)
         assert metrics["weights/evicted"] == 1, "an engine that never acks is evicted"
         assert broadcaster.members() == [MEMBERS[0]], "out until it heartbeats again"
-        control.set_key(f"test/resume/{LATE}", {"resume": True})
+        side.control.set_key(f"test/resume/{LATE}", {"resume": True})
         wait_for(lambda: broadcaster.members() == [MEMBERS[0], LATE], 10.0, "a heartbeat")
         metrics = sync_and_check(broadcaster, model, 6, [MEMBERS[0], LATE], tmp_path)
         assert metrics["weights/evicted"] == 0, "a live evicted engine is taken back"
-    except BaseException:
-        dump_logs(tmp_path)
-        raise
-    finally:
-        if broadcaster is not None:
-            broadcaster.close()
-        stop_processes(procs)
-        control.close()
-        stop_broker()
+
+
+@pytest.mark.timeout(90)
+def test_killed_engine_costs_the_heartbeat_timeout_not_the_weights_timeout(
+        tmp_path: Path) -> None:
+    """An engine SIGKILLed just before a sync is still listed alive (its heartbeat timeout has
+    not passed), so the sync's new epoch waits for its join: the wait ends as soon as the
+    buffer reports it dead, far within ``weights.timeout_s``, the others get the version, and
+    the engine restarted under a new name (as a supervisor restarts it) joins the next sync."""
+    heartbeat_timeout_s = 3.0
+    survivor, victim, restarted = "engine-a", "engine-b-1", "engine-b-2"
+    with LearnerSide(tmp_path, heartbeat_timeout_s, weights_timeout_s=60.0) as side:
+        for seed, member in enumerate((survivor, victim), start=1):
+            side.start(member, seed)
+            side.wait_ready(member)
+        broadcaster, model = side.broadcaster, tiny_model(seed=0)
+        sync_and_check(broadcaster, model, 1, [survivor, victim], tmp_path)
+
+        side.kill(victim)
+        assert broadcaster.members() == [survivor, victim], "dead, not yet known to be"
+        metrics = sync_and_check(broadcaster, model, 2, [survivor], tmp_path)
+        assert metrics["weights/evicted"] == 1
+        assert metrics["timing/weight_sync"] < heartbeat_timeout_s + 10.0, \
+            "the sync must end at the buffer's verdict, not at weights.timeout_s"
+
+        side.start(restarted, seed=3)
+        side.wait_ready(restarted)
+        sync_and_check(broadcaster, model, 3, [survivor, restarted], tmp_path)
 
 
 @pytest.mark.timeout(60)
