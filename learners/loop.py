@@ -313,6 +313,7 @@ class _RankZero:
             lambda batch: _prepare(self.cfg, ctx.world, batch), BATCH_POLL_S,
             self.cfg.buffer.reclaim_idle_s)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
+        # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
         self.weights_client = connect_buffer(self.cfg, ctx.address)
         self.publisher = WeightPublisher(
             self.weights_client,
@@ -321,7 +322,9 @@ class _RankZero:
                               sim_sync_s=self.cfg.sim.sync_s,
                               align=broadcast_align(self.cfg.rollout.engine),
                               host=broadcast_host(self.cfg, ctx.address)),
-            overlap=self.cfg.weights.overlap)
+            overlap=self.cfg.weights.overlap,
+            beat=lambda: ctx.client.heartbeat(ctx.member, "learner", {
+                **self.last_record, "state": "waiting for engines", "version": self.version}))
         self.writer = make_sinks(self.cfg.monitor, self.cfg.run_dir, self.cfg.run.name,
                                  self.cfg.model_dump(mode="json"))
         self.endpoint = start_endpoint(self.cfg.monitor, "learner", ctx.member)
@@ -332,15 +335,17 @@ class _RankZero:
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
         self.last_record: dict[str, Any] = {}
+        self.version = 0  # the latest version handed to the publisher
 
     def resumed(self, state, version: int) -> None:
         """After a restart from a checkpoint, engines that outlived the learner hold weights it
         lost: send them the restored ones right away, and again to any that join later."""
-        self.last_state = state
+        self.last_state, self.version = state, version
         self.publisher.deliver_now(state, version)  # a fresh buffer learns V; a surviving one has it
 
     def after_step(self, version: int, state, metrics: dict, stats: dict,
                    phase_times: dict) -> bool:
+        self.version = version
         sync = self.publisher.publish(state, version)  # overlap: the previous version's metrics
         self.last_state = state
         now = time.monotonic()

@@ -10,6 +10,11 @@ flight: the next one first waits for it, which is also where its failure surface
 
 ``bench/pipeline.py`` measured the serial sync at 10 % of a step with 64 engines (acks from
 every engine, then the publish); ``weights.overlap = false`` restores the serial order.
+
+A delivery may take up to ``weights.timeout_s`` per attempt (a slow engine is waited for), longer
+than the buffer's heartbeat timeout: every delivery runs on the publisher's thread, and whoever
+waits for it calls ``beat`` (the learner's heartbeat, on its own client) every ``beat_s``, so a
+learner waiting for engines is never declared dead.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -26,19 +31,25 @@ from learners.weights import WeightBroadcaster
 
 logger = logging.getLogger(__name__)
 
+BEAT_S = 2.0  # heartbeat this often while waiting for a delivery (buffer timeout: 15 s)
+
 
 class WeightPublisher:
     """Delivers each version to the engines, then publishes it; one delivery in flight.
 
     ``control`` is used only by this object (from its thread while a delivery runs); the
-    caller closes it after :meth:`close`.
+    caller closes it after :meth:`close`. ``beat`` is called on the caller's thread, every
+    ``beat_s`` while one of its calls waits for a delivery.
     """
 
     def __init__(self, control: ControlPlane, broadcaster: WeightBroadcaster,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, beat: Callable[[], object] | None = None,
+                 beat_s: float = BEAT_S) -> None:
         self._control = control
         self.broadcaster = broadcaster
         self._overlap = overlap
+        self._beat = beat
+        self._beat_s = beat_s
         self._thread: threading.Thread | None = None
         self._metrics: dict[str, float] = {}
         self._error: BaseException | None = None
@@ -50,18 +61,19 @@ class WeightPublisher:
         start = time.monotonic()
         previous = self.wait()
         waited = time.monotonic() - start
+        self._start(state, version)
         if not self._overlap:
-            self._deliver(state, version)
             return {**self.wait(), "timing/weight_wait": waited}
-        self._thread = threading.Thread(target=self._deliver, args=(state, version),
-                                        name=f"weights-v{version}", daemon=True)
-        self._thread.start()
         return {**previous, "timing/weight_wait": waited}
 
     def wait(self) -> dict[str, float]:
-        """Wait for the delivery in flight (if any); its metrics. Re-raises its failure."""
+        """Wait for the delivery in flight (if any), beating meanwhile; its metrics.
+        Re-raises its failure."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self._beat_s)
+            while self._thread.is_alive():
+                self._beat_once()
+                self._thread.join(self._beat_s)
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -69,10 +81,20 @@ class WeightPublisher:
         metrics, self._metrics = self._metrics, {}
         return metrics
 
+    def _beat_once(self) -> None:
+        """A failed beat must not end the wait: the delivery thread still uses the client
+        and the broadcaster, which the caller may close next."""
+        if self._beat is None:
+            return
+        try:
+            self._beat()
+        except Exception as exc:  # noqa: BLE001 - logged; the next beat may get through
+            logger.warning("heartbeat while waiting for the weight delivery failed: %r", exc)
+
     def deliver_now(self, state: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Deliver and publish ``version`` before returning (resume, late joiners)."""
         self.wait()
-        self._deliver(state, version)
+        self._start(state, version)
         return self.wait()
 
     def resync(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
@@ -82,14 +104,24 @@ class WeightPublisher:
         if not self.broadcaster.needs_sync():
             return False
         logger.info("engines changed while waiting for data: re-sending version %d", version)
-        self.broadcaster.sync(state, version)
+        self._start(state, version, publish=False)
+        self.wait()
         return True
 
-    def _deliver(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def _start(self, state: Mapping[str, torch.Tensor], version: int,
+               publish: bool = True) -> None:
+        self._thread = threading.Thread(target=self._deliver, args=(state, version, publish),
+                                        name=f"weights-v{version}", daemon=True)
+        self._thread.start()
+
+    def _deliver(self, state: Mapping[str, torch.Tensor], version: int,
+                 publish: bool = True) -> None:
+        """The publisher thread: sync, then publish ``version`` (unless a re-send)."""
         try:
             metrics = self.broadcaster.sync(state, version)
-            self._control.publish_version(version)
-            self._metrics = {**metrics, "weights/version": float(version)}
+            if publish:
+                self._control.publish_version(version)
+                self._metrics = {**metrics, "weights/version": float(version)}
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
             self._error = exc
 
