@@ -51,7 +51,7 @@ def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Proc
         "--set", "run.name=faults", "--set", "learner.total_steps=100000",
         "--set", "eval.every_steps=0", "--set", f"buffer.spill_path={tmp_path / 'spill'}",
         "--set", "buffer.request_timeout_s=4", "--set", "buffer.heartbeat_timeout_s=3",
-        "--set", "weights.timeout_s=5", "--set", "launcher.restart_backoff_s=0.5")
+        "--set", "launcher.restart_backoff_s=0.5")  # weights.timeout_s: the default, 60 s
     metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
     wait_for(lambda: len(step_records(metrics)) >= 5, 240, "five steps")
 
