@@ -97,7 +97,10 @@ class Buffer(Protocol):
 @runtime_checkable
 class ControlPlane(Protocol):
     def publish_version(self, version: int) -> None:
-        """Publish the learner version (after its weights reached the engines)."""
+        """Publish the learner version (after its weights reached the engines). A buffer with
+        no progress at all (version 0, nothing consumed) told of a version ``v`` > 1 lost its
+        state while the learner trained: it takes the steps over as
+        ``restore_progress(v, v × groups_per_step)`` would, so its gate stays right."""
 
     def restore_progress(self, version: int, consumed: int) -> int:
         """A learner resumed from a checkpoint of ``version``, taken after ``consumed`` groups

@@ -195,6 +195,13 @@ local version, current = tonumber(ARGV[5]), num(K_STATE, 'version')
 if version < current then
   return redis.error_reply('version ' .. ARGV[5] .. ' is behind ' .. fmt(current))
 end
+if current == 0 and version > 1 and num(K_STATE, 'consumed') == 0 then
+  -- No progress here, yet a learner past its first step: this namespace lost its state while
+  -- the learner trained (Redis restarted without persistence, a reset). It takes the steps
+  -- over as a resume would (see the ZMQ twin, BrokerState.publish_version).
+  redis.call('HINCRBY', K_STATE, 'accepted', fmt(version * GPS))
+  redis.call('HINCRBY', K_STATE, 'consumed', fmt(version * GPS))
+end
 redis.call('HSET', K_STATE, 'version', ARGV[5])
 gate_update(now_ms())
 return version

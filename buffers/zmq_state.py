@@ -297,8 +297,22 @@ class BrokerState:
     # --- control plane --------------------------------------------------------------------
 
     def publish_version(self, version: int) -> None:
+        """The learner's new version. A broker with no progress at all (version 0, nothing
+        consumed) told of a version past the first step was restarted without its spill file
+        while the learner trained: it takes those steps over as a resume would
+        (:meth:`restore_progress` with ``version × groups_per_step`` consumed). Without that,
+        its gate counted only what it had accepted itself and admitted ``version ×
+        groups_per_step`` groups too many for the rest of the run: stale groups dropped give
+        their slots back, so rollouts kept generating ahead and the quickstart, its broker
+        SIGKILLed at step 20, dropped 4,000 groups. (In a run that was not interrupted the
+        first step's groups are acked before version 2 exists.)"""
         if version < self.version:
             raise StateError("version", f"version {version} is behind {self.version}")
+        if self.version == 0 and self.consumed == 0 and version > 1:
+            logger.warning("told of version %d with no progress of its own: this broker lost "
+                           "the run's state (restarted without buffer.spill_path?); taking "
+                           "over %d steps", version, version)
+            self.restore_progress(version, version * self.gate.groups_per_step)
         if version != self.version:
             self.version = version
             self._journal_state()

@@ -36,6 +36,34 @@ def test_a_fresh_buffer_is_seeded_from_the_checkpoint(backend):
         c.publish_version(4)
 
 
+def test_a_buffer_that_lost_its_state_is_seeded_by_the_version_it_is_told(backend):
+    """A broker restarted without its spill file (a Redis without persistence) knows nothing
+    of the steps the learner went on training. Without a seed its gate admitted ``V × gps``
+    groups too many for the rest of the run (stale ones give their slots back): the first
+    version it is told, past the first step with nothing consumed here, stands for them."""
+    c = backend.start(groups_per_step=2, max_staleness=1).client()
+    c.publish_version(5)
+    status = c.status()
+    assert (status["version"], status["accepted"], status["consumed"]) == (5, 10, 10)
+    assert c.acquire("w", 100, 5).granted == 4          # (5 + 1 + 1) × 2 − 10, not 14
+    c.publish_version(6)                                 # once: it has a version now
+    assert c.status()["consumed"] == 10
+
+
+def test_a_fresh_run_is_not_seeded_by_its_first_version(backend):
+    """In a run that was not interrupted, version 1 comes before anything is acked, and the
+    first step's groups are acked before version 2 exists."""
+    c = backend.start(groups_per_step=1, max_staleness=0).client()
+    assert c.acquire("w", 1, 0).granted == 1
+    assert c.put("w", make_group("g0", version=0)).accepted
+    batch = c.get_batch("learner", 1, 0, timeout_s=5.0)
+    c.publish_version(1)                                 # before the ack: nothing consumed
+    c.ack("learner", batch)
+    c.publish_version(2)
+    status = c.status()
+    assert (status["version"], status["accepted"], status["consumed"]) == (2, 1, 1)
+
+
 def test_the_seed_survives_a_restart_of_the_server(backend):
     """Journaled (the broker's spill file; Redis' AOF) like every other gate change."""
     d = backend.start(groups_per_step=2, max_staleness=1)
