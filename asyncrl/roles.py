@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
     """K workers, each in its own process (one engine each), restarted when one crashes
     (``launcher.max_restarts``, ``launcher.restart_backoff_s``). Ctrl-C stops them and leaves
     the run: the broker releases their grants; the run goes on with the other workers."""
-    from rollouters.worker import run_rollout_worker
+    from rollouters.worker import report_crashed, run_rollout_worker
 
     if cfg.rollout.engine == "sim":  # simulated engines only wait: threads, a few processes
         from rollouters.worker import SIM_WORKERS_PER_PROCESS, run_worker_threads
@@ -133,7 +134,7 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
     return _run_children(run_rollout_worker, [(cfg, first_index + i, address)
                                               for i in range(workers)], "rollout",
                          cfg.launcher.stop_timeout_s, RestartPolicy.from_config(cfg.launcher),
-                         first_index)
+                         first_index, partial(report_crashed, cfg, address))
 
 
 def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
@@ -152,8 +153,9 @@ class _Child:
     """One spawned child and its restart budget (when it may be restarted at all)."""
 
     def __init__(self, ctx: Any, target: Callable[..., None], args: tuple, name: str,
-                 budget: RestartBudget | None) -> None:
+                 index: int, budget: RestartBudget | None) -> None:
         self.ctx, self.target, self.args, self.name, self.budget = ctx, target, args, name, budget
+        self.index = index
         self.proc: Any = None
         self.started = 0.0
         self.restart_at: float | None = None
@@ -188,13 +190,16 @@ class _Child:
 
 def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
                   grace_s: float, policy: RestartPolicy | None = None,
-                  first_index: int = 0) -> int:
+                  first_index: int = 0,
+                  on_crash: Callable[[int, int, str], None] | None = None) -> int:
     """Run each args tuple in its own spawned process; restart a crashed one while ``policy``
     allows (never without one, never after a config error); stop all when one fails for good,
-    or on a signal. Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
+    or on a signal. ``on_crash(index, pid, reason)`` runs on a thread of its own for each
+    crash (it may talk to a broker that is down: the supervision never waits for it).
+    Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
     ctx = mp.get_context("spawn")
     stop = stop_on_signals()
-    children = [_Child(ctx, target, args, f"{role}[{first_index + i}]",
+    children = [_Child(ctx, target, args, f"{role}[{first_index + i}]", first_index + i,
                        RestartBudget(policy) if policy is not None else None)
                 for i, args in enumerate(arg_list)]
     for child in children:
@@ -204,9 +209,14 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
         for child in children:
             if child.restart_at is not None and time.monotonic() >= child.restart_at:
                 child.start()
-            elif child.crashed() and not child.schedule_restart():
-                failed = child
-                break
+            elif child.crashed():
+                if on_crash is not None:
+                    threading.Thread(target=on_crash, daemon=True, name=f"{child.name}-crash",
+                                     args=(child.index, child.proc.pid,
+                                           exit_reason(child.proc.exitcode))).start()
+                if not child.schedule_restart():
+                    failed = child
+                    break
         if failed is not None or all(c.proc.exitcode == 0 for c in children):
             break
     procs = [c.proc for c in children]

@@ -41,6 +41,24 @@ class WorkerStats:
     generate_s: float = 0.0
 
 
+def member_name(index: int, pid: int) -> str:
+    """A worker's name on the control plane: a restarted worker is a new member."""
+    return f"rollout-{index}-{pid}"
+
+
+def report_crashed(cfg: Config, address: str | None, index: int, pid: int, reason: str) -> None:
+    """Say on the control plane, for worker ``index`` (process ``pid``) that died without its
+    last heartbeat, what that heartbeat would have said: stopped. Its supervisor calls this:
+    the learner then stops waiting for it in a weight update at once, instead of after
+    ``buffer.heartbeat_timeout_s`` of silence (the whole run waits while it does)."""
+    member = member_name(index, pid)
+    try:
+        with connect_buffer(cfg, address) as client:
+            client.heartbeat(member, "rollout", {"state": "stopped", "exit": reason})
+    except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends the wait
+        logger.warning("could not report %s as stopped: %s", member, exc)
+
+
 def run_rollout_worker(cfg: Config, index: int, address: str | None,
                        stop: threading.Event | None = None) -> None:
     """Run worker ``index`` against the buffer at ``address`` until the run is done or stopped."""
@@ -53,7 +71,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.rollout.threads)
-    member = f"rollout-{index}-{os.getpid()}"
+    member = member_name(index, os.getpid())
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     engine = make_engine(cfg, model_dir, index)
     producer = make_producer(cfg, engine, model_dir, index)

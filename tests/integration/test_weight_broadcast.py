@@ -259,6 +259,28 @@ def test_killed_engine_costs_the_heartbeat_timeout_not_the_weights_timeout(
         sync_and_check(broadcaster, model, 3, [survivor, restarted], tmp_path)
 
 
+@pytest.mark.timeout(90)
+def test_an_engine_its_supervisor_reports_dead_is_let_go_at_once(tmp_path: Path) -> None:
+    """The rollout role's supervisor reports a worker that died as stopped (what its last
+    heartbeat would have said, ``rollouters.worker.report_crashed``): the next sync goes on
+    without it at once, with the heartbeat timeout far away."""
+    from asyncrl.config import Config
+    from rollouters.worker import member_name, report_crashed
+
+    survivor, victim = "engine-a", member_name(1, 999_999)
+    with LearnerSide(tmp_path, heartbeat_timeout_s=60.0, weights_timeout_s=60.0) as side:
+        for seed, member in enumerate((survivor, victim), start=1):
+            side.start(member, seed)
+            side.wait_ready(member)
+        broadcaster, model = side.broadcaster, tiny_model(seed=0)
+        sync_and_check(broadcaster, model, 1, [survivor, victim], tmp_path)
+        side.kill(victim)
+        report_crashed(Config(), side.address, 1, 999_999, "killed by SIGKILL")
+        assert broadcaster.members() == [survivor]
+        metrics = sync_and_check(broadcaster, model, 2, [survivor], tmp_path)
+        assert metrics["timing/weight_sync"] < 10.0, "not the heartbeat timeout (60 s)"
+
+
 @pytest.mark.timeout(60)
 def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
     """Both ends in one process: ``wait_for_version``, a prompt ``stop``, mixed dtypes, and a

@@ -111,3 +111,40 @@ def test_a_config_error_is_not_restarted(tmp_path, caplog, capfd):
     assert any("configuration error" in r.getMessage() for r in caplog.records)
     err = capfd.readouterr().err
     assert "asyncrl: data.path: 'nope.jsonl' does not exist" in err and "Traceback" not in err
+
+
+def crash_once_then_wait(marker: str, stop: threading.Event) -> None:
+    """Child target: notes its pid; the first start is SIGKILLed, the second waits."""
+    pids = Path(marker)
+    seen = pids.read_text().split() if pids.exists() else []
+    pids.write_text(" ".join([*seen, str(os.getpid())]))
+    if not seen:
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not stop.is_set() and not Path(marker + ".done").exists():
+        time.sleep(0.05)
+
+
+def test_a_crash_is_reported_with_the_childs_index_and_pid(tmp_path):
+    """The rollout role reports a dead worker by these (its control-plane name is
+    ``rollout-<index>-<pid>``, see ``rollouters.worker.report_crashed``)."""
+    marker = str(tmp_path / "pids")
+    reported: list[tuple[int, int, str]] = []
+    watcher = threading.Thread(target=_finish_when_pids, args=(marker, 2))
+    watcher.start()
+    code = _run_children(crash_once_then_wait, [(marker,)], "worker", 5.0,
+                         RestartPolicy(max_restarts=1, backoff_s=0.05, healthy_after_s=60),
+                         first_index=4, on_crash=lambda *args: reported.append(args))
+    watcher.join()
+    assert code == 0
+    first_pid = int(Path(marker).read_text().split()[0])
+    assert reported == [(4, first_pid, "killed by SIGKILL")]
+
+
+def _finish_when_pids(marker: str, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        path = Path(marker)
+        if path.exists() and len(path.read_text().split()) >= count:
+            break
+        time.sleep(0.05)
+    Path(marker + ".done").write_text("")
