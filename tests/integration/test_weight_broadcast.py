@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -180,6 +181,16 @@ class LearnerSide:
         assert await_key(self.control, f"test/ready/{member}", lambda v: True,
                          time.monotonic() + 60.0), f"{member} never came up"
 
+    def synced_at_version_1(self, members: list[str]) -> tuple[Any, torch.nn.Module]:
+        """Start ``members`` (seeds 1, 2, ...), deliver version 1 to all; the broadcaster and
+        the learner's model."""
+        for seed, member in enumerate(members, start=1):
+            self.start(member, seed)
+            self.wait_ready(member)
+        model = tiny_model(seed=0)
+        sync_and_check(self.broadcaster, model, 1, members, self.out_dir)
+        return self.broadcaster, model
+
     def kill(self, member: str) -> None:
         self.procs[member].send_signal(signal.SIGKILL)
         self.procs[member].wait()
@@ -241,11 +252,7 @@ def test_killed_engine_costs_the_heartbeat_timeout_not_the_weights_timeout(
     heartbeat_timeout_s = 3.0
     survivor, victim, restarted = "engine-a", "engine-b-1", "engine-b-2"
     with LearnerSide(tmp_path, heartbeat_timeout_s, weights_timeout_s=60.0) as side:
-        for seed, member in enumerate((survivor, victim), start=1):
-            side.start(member, seed)
-            side.wait_ready(member)
-        broadcaster, model = side.broadcaster, tiny_model(seed=0)
-        sync_and_check(broadcaster, model, 1, [survivor, victim], tmp_path)
+        broadcaster, model = side.synced_at_version_1([survivor, victim])
 
         side.kill(victim)
         assert broadcaster.members() == [survivor, victim], "dead, not yet known to be"
@@ -269,11 +276,7 @@ def test_an_engine_its_supervisor_reports_dead_is_let_go_at_once(tmp_path: Path)
 
     survivor, victim = "engine-a", member_name(1, 999_999)
     with LearnerSide(tmp_path, heartbeat_timeout_s=60.0, weights_timeout_s=60.0) as side:
-        for seed, member in enumerate((survivor, victim), start=1):
-            side.start(member, seed)
-            side.wait_ready(member)
-        broadcaster, model = side.broadcaster, tiny_model(seed=0)
-        sync_and_check(broadcaster, model, 1, [survivor, victim], tmp_path)
+        broadcaster, model = side.synced_at_version_1([survivor, victim])
         side.kill(victim)
         report_crashed(Config(), side.address, 1, 999_999, "killed by SIGKILL")
         assert broadcaster.members() == [survivor]
