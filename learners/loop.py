@@ -75,7 +75,11 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
         _resume(ctx, checkpointer, trainer, driver)
+        resumed_at = trainer.version
         _train(ctx, trainer, driver, stop, checkpointer)
+        if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
+            logger.info("stopped before training a step: no checkpoint, export or final eval")
+            return
         # A stop (signal) leaves the run resumable; the end of training marks it finished.
         checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}),
                                     "finished": not stop.is_set()})
