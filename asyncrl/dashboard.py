@@ -106,12 +106,19 @@ def _engines(status: Mapping[str, Any], history: History) -> Panel:
         alive = bool(member.get("alive"))
         total += info.get("tokens_per_s", 0.0) if alive else 0.0
         table.add_row(name, Text("yes" if alive else "no", "green" if alive else "red"),
-                      fmt(ev, "d"), fmt(None if ev is None else version - ev, "d"),
+                      fmt(ev, "d"), fmt(None if ev is None else _lag(version, ev), "d"),
                       f"{info.get('tokens_per_s', 0.0):,.0f}", str(info.get("groups", 0)),
                       f"{member.get('last_seen_s_ago', 0.0):.1f}s ago",
                       pct(engine_idle(info, history.engine_window.get(name))))
     title = f"engines · {total:,.0f} tok/s generated · idle {pct(fleet_idle(status, history))}"
     return Panel(table, title=title, title_align="left")
+
+
+def _lag(version: int, engine_version: int) -> int:
+    """Versions an engine is behind the published one. An engine has the learner's next
+    weights a moment before the version is published (after every engine has acked them): it
+    is then up to date, not -1 behind."""
+    return max(0, version - engine_version)
 
 
 def _staleness(status: Mapping[str, Any]) -> Panel:

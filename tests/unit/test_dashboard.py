@@ -60,6 +60,15 @@ def test_header_and_engine_table() -> None:
         assert cells[-1] == f"{engine_idle(member['info']):.0%}"
 
 
+def test_an_engine_ahead_of_the_published_version_shows_no_lag() -> None:
+    """It acked the next weights, which are published once every engine has."""
+    status, history = snapshot()
+    name, member = next((n, m) for n, m in status["members"].items() if m["role"] == "rollout")
+    member["info"]["engine_version"] = status["version"] + 1
+    cells = row(screen(status, history), name).strip("│ ").split()
+    assert cells[1:4] == ["yes", str(status["version"] + 1), "0"]
+
+
 def test_staleness_histogram_bars_scale_with_counts() -> None:
     status, history = snapshot()
     text = screen(status, history)
