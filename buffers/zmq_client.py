@@ -132,12 +132,20 @@ class ZmqBufferClient:
         give_up = time.monotonic() + self.reconnect_s
         while True:
             try:
+                self._forget_drops()
                 request_id = self._send(command, args, payload)
                 return self._receive({request_id}, command, wait_s)[request_id]
             except NoReply as exc:
                 if command not in RETRYABLE or time.monotonic() >= give_up:
                     raise
                 logger.warning("%s; re-sending (is the broker restarting?)", exc)
+
+    def _forget_drops(self) -> None:
+        """Drops heard before a request was sent: the DEALER reconnects by itself, so only a
+        drop while a request waits means its reply is lost (an idle client whose broker was
+        restarted would otherwise fail its next put, in doubt, at once)."""
+        while self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
@@ -224,6 +232,7 @@ class ZmqBufferClient:
         args = {"producer": producer, "timeout_s": self.timeout_s}
         sent: list[tuple[bytes, int]] = []  # request id, groups in it
         replies: dict[bytes, Reply] = {}
+        self._forget_drops()
         for chunk in _packed_chunks(groups, PUT_CHUNK_BYTES):
             if len(sent) - len(replies) >= window:
                 replies.update(self._receive({i for i, _ in sent} - replies.keys(), "put_many",

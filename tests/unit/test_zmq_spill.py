@@ -152,6 +152,20 @@ def test_a_request_parked_in_a_sigkilled_broker_is_sent_again_at_once(broker_pro
         assert parked.result(timeout=10) == (seq, {"epoch": 1})
 
 
+def test_a_connection_dropped_while_idle_does_not_fail_the_next_put(broker_process):
+    """Only a drop while a request waits loses its reply: a client idle while its broker was
+    restarted puts into the new one (the DEALER reconnects by itself)."""
+    address, first = broker_process()
+    with ZmqBufferClient(address, timeout_s=10) as c:
+        c.heartbeat("w", "rollout", {})
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(timeout=10) == -signal.SIGKILL
+        time.sleep(0.5)  # idle while the broker is down: the drop is heard now
+        broker_process()
+        assert c.put("w", make_group("after")).accepted
+        assert c.put_many("w", [make_group("many")])[0].accepted
+
+
 def _state(path: Path, **kwargs) -> BrokerState:
     log, recovered = open_spill(path, **kwargs)
     return BrokerState(BufferConfig(max_staleness=1), 4, journal=log, recovered=recovered)
