@@ -137,6 +137,18 @@ local function gate_update(now)  -- closed time accrues between the calls that s
     redis.call('HDEL', K_STATE, 'gate_closed_since')
   end
 end
+local function take_over(version, consumed)
+  -- A namespace that consumed fewer groups than a learner did (reset, or Redis lost it)
+  -- takes those steps over, so the gate admits what it would have; true if it did.
+  local deficit = consumed - num(K_STATE, 'consumed')
+  if deficit <= 0 then return false end
+  redis.call('HINCRBY', K_STATE, 'accepted', fmt(deficit))
+  redis.call('HINCRBY', K_STATE, 'consumed', fmt(deficit))
+  if version > num(K_STATE, 'version') then
+    redis.call('HSET', K_STATE, 'version', fmt(version))
+  end
+  return true
+end
 local function ensure_group()  -- after a restart without persistence, start empty
   if redis.call('EXISTS', K_INDEX) == 0 then
     redis.call('XGROUP', 'CREATE', K_INDEX, GROUP, '0', 'MKSTREAM')
@@ -199,8 +211,7 @@ if current == 0 and version > 1 and num(K_STATE, 'consumed') == 0 then
   -- No progress here, yet a learner past its first step: this namespace lost its state while
   -- the learner trained (Redis restarted without persistence, a reset). It takes the steps
   -- over as a resume would (see the ZMQ twin, BrokerState.publish_version).
-  redis.call('HINCRBY', K_STATE, 'accepted', fmt(version * GPS))
-  redis.call('HINCRBY', K_STATE, 'consumed', fmt(version * GPS))
+  take_over(version, version * GPS)
 end
 redis.call('HSET', K_STATE, 'version', ARGV[5])
 gate_update(now_ms())
@@ -208,17 +219,8 @@ return version
 """
 
 RESTORE_PROGRESS = """
--- ARGV: version, consumed. A namespace that consumed fewer groups than the resumed learner
--- did (it was reset, or Redis lost it) takes those steps over; otherwise nothing changes.
-local deficit = tonumber(ARGV[6]) - num(K_STATE, 'consumed')
-if deficit > 0 then
-  redis.call('HINCRBY', K_STATE, 'accepted', fmt(deficit))
-  redis.call('HINCRBY', K_STATE, 'consumed', fmt(deficit))
-  if tonumber(ARGV[5]) > num(K_STATE, 'version') then
-    redis.call('HSET', K_STATE, 'version', ARGV[5])
-  end
-  gate_update(now_ms())
-end
+-- ARGV: version, consumed of the resumed learner (see take_over); idempotent.
+if take_over(tonumber(ARGV[5]), tonumber(ARGV[6])) then gate_update(now_ms()) end
 return num(K_STATE, 'version')
 """
 
