@@ -15,6 +15,7 @@ from asyncrl.wire import TrajectoryGroup
 
 RUNNING = "running"
 DONE = "done"
+STOPPED = "stopped"  # the ``state`` in a member's last heartbeat: it will not come back
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,7 @@ class BrokerState:
             self.accepted += deficit
             self.consumed += deficit
             self.version = max(self.version, version)
-            logger.info("seeded from a learner checkpoint: version %d, %d groups consumed",
+            logger.info("took the learner's progress over: version %d, %d groups consumed",
                         self.version, self.consumed)
             self._journal_state()
         return self.version

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.schema import WeightsConfig
-from buffers.protocol import ControlPlane
+from buffers.protocol import STOPPED, ControlPlane
 from learners.weights_group import (
     ANNOUNCE_KEY,
     GROUP_KEY,
@@ -71,7 +71,6 @@ logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a lost peer: the 1st attempt fails, the 2nd finds who, the 3rd delivers
 ROLLOUT_ROLE = "rollout"
-STOPPED = "stopped"  # the ``state`` a rollout worker's last heartbeat carries
 
 
 def _present(entry: Mapping[str, Any] | None) -> bool:

@@ -18,7 +18,7 @@ from asyncrl.config import Config
 from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, connect_buffer
-from buffers.protocol import DONE
+from buffers.protocol import DONE, STOPPED
 
 if TYPE_CHECKING:
     from learners.weights_receiver import WeightReceiver
@@ -54,7 +54,7 @@ def report_crashed(cfg: Config, address: str | None, index: int, pid: int, reaso
     member = member_name(index, pid)
     try:
         with connect_buffer(cfg, address) as client:
-            client.heartbeat(member, "rollout", {"state": "stopped", "exit": reason})
+            client.heartbeat(member, "rollout", {"state": STOPPED, "exit": reason})
     except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends the wait
         logger.warning("could not report %s as stopped: %s", member, exc)
 
@@ -156,7 +156,7 @@ def _loop(cfg: Config, member: str, engine, producer, client: BufferClient,
         if producer.exhausted:
             logger.info("%s: data exhausted (data.epochs = %d)", member, cfg.data.epochs)
             break
-    client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), "state": "stopped"})
+    client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), "state": STOPPED})
 
 
 def _wait_for_gate(buffer_version: int, engine_version: int, receiver: WeightReceiver,
