@@ -82,11 +82,14 @@ def test_run_children_gives_up_after_max_restarts(tmp_path, caplog):
                for r in caplog.records)
 
 
-def _finish_when_started(marker: str, starts: int) -> None:
+def _finish_when_started(marker: str, starts: int, words: bool = False) -> None:
+    """Write ``marker.done`` (the child's cue to end) once the marker holds ``starts`` marks:
+    characters, or with ``words`` whitespace-separated words (pids)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         path = Path(marker)
-        if path.exists() and len(path.read_text()) >= starts:
+        text = path.read_text() if path.exists() else ""
+        if len(text.split() if words else text) >= starts:
             break
         time.sleep(0.05)
     Path(marker + ".done").write_text("")
@@ -129,7 +132,7 @@ def test_a_crash_is_reported_with_the_childs_index_and_pid(tmp_path):
     ``rollout-<index>-<pid>``, see ``rollouters.worker.report_crashed``)."""
     marker = str(tmp_path / "pids")
     reported: list[tuple[int, int, str]] = []
-    watcher = threading.Thread(target=_finish_when_pids, args=(marker, 2))
+    watcher = threading.Thread(target=_finish_when_started, args=(marker, 2, True))
     watcher.start()
     code = _run_children(crash_once_then_wait, [(marker,)], "worker", 5.0,
                          RestartPolicy(max_restarts=1, backoff_s=0.05, healthy_after_s=60),
@@ -139,12 +142,3 @@ def test_a_crash_is_reported_with_the_childs_index_and_pid(tmp_path):
     first_pid = int(Path(marker).read_text().split()[0])
     assert reported == [(4, first_pid, "killed by SIGKILL")]
 
-
-def _finish_when_pids(marker: str, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        path = Path(marker)
-        if path.exists() and len(path.read_text().split()) >= count:
-            break
-        time.sleep(0.05)
-    Path(marker + ".done").write_text("")
