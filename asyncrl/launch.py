@@ -23,6 +23,7 @@ from typing import IO
 
 from asyncrl.config import Config
 from asyncrl.config.load import to_toml
+from asyncrl.config.schema import SPILL_NAME
 from asyncrl.metrics import val_score_key
 from asyncrl.monitor import make_view
 from asyncrl.preflight import check_startup
@@ -76,10 +77,12 @@ def run_dir_note(cfg: Config) -> str:
 def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     """Create ``runs/<name>/`` with the resolved config that every role is started from.
 
-    A new run keeps an earlier run's metrics and checkpoints, renamed, never appended to or
-    resumed from. A resumed run appends to its metrics."""
+    A new run keeps an earlier run's metrics, checkpoints and buffer spill file, renamed, never
+    appended to, resumed from or replayed (its groups are the earlier policy's). A resumed run
+    appends to its metrics, and its broker replays the spill file."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    for name in () if resuming else ("metrics.jsonl", "eval.json", cfg.checkpoint.dir):
+    kept = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME)
+    for name in () if resuming else kept:
         old = cfg.run_dir / name
         if old.exists():
             kept = old.with_name(f"{old.stem}.{int(old.stat().st_mtime)}{old.suffix}")
@@ -154,7 +157,7 @@ class LocalLauncher:
         buffer.args += ("--set", f"buffer.port={address.rsplit(':', 1)[1]}")
         if not self.cfg.buffer.spill_path:
             logger.info("buffer.spill_path is empty: a broker restart would lose the groups "
-                        "it holds (set it to keep them)")
+                        "it holds (the default, 'auto', keeps them in the run directory)")
         return address
 
     def _start(self, role: str, config_path: Path, *args: str,

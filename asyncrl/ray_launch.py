@@ -63,7 +63,8 @@ class RoleActor:
     def bind_buffer(self, cfg: Config) -> str:
         from buffers.zmq_broker import ZmqBroker
 
-        self.broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name)
+        self.broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name,
+                                run_dir=cfg.run_dir)
         address = self.broker.bind()
         if cfg.buffer.host in ("0.0.0.0", "*", ""):  # bound everywhere: dial this node's IP
             address = f"tcp://{self.node_ip()}:{address.rsplit(':', 1)[1]}"

@@ -64,7 +64,8 @@ def serve_buffer(cfg: Config, address_file: Path | None) -> int:
 
     keep_large_buffers()  # the broker forwards every group: no mmap per message
     stop = stop_on_signals()
-    broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name)
+    broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name,
+                       run_dir=cfg.run_dir)
     address = broker.bind()
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -34,7 +35,7 @@ from buffers.zmq_protocol import (
     encode_reply,
     error,
 )
-from buffers.zmq_replay import open_spill, snapshot_of
+from buffers.zmq_replay import open_spill, snapshot_of, spill_file
 from buffers.zmq_state import BrokerState, QueuedGroup, StateError
 from buffers.zmq_puts import PutDesk
 from buffers.zmq_waits import Parked, Waits, park
@@ -53,10 +54,14 @@ CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) lea
 class ZmqBroker:
     """Serves :class:`~buffers.zmq_client.ZmqBufferClient` requests until stopped."""
 
-    def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "") -> None:
+    def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "",
+                 run_dir: Path | None = None) -> None:
+        """``run_dir`` is where ``buffer.spill_path = "auto"`` journals (none: memory only)."""
         self.config = config
-        journal, recovered = (open_spill(config.spill_path) if config.spill_path
-                              else (None, None))
+        self.spill = spill_file(config.spill_path, run_dir)
+        journal, recovered = open_spill(self.spill) if self.spill else (None, None)
+        if self.spill:
+            logger.info("journaling accepted groups to %s", self.spill)
         self.state = BrokerState(config, groups_per_step, run_id, journal=journal,
                                  recovered=recovered)
         self.bad_requests: Counter[str] = Counter()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
 
+from asyncrl.config.schema import SPILL_AUTO, SPILL_NAME
 from buffers.zmq_spill import (
     ACKED,
     CHECKSUMS,
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
     from buffers.zmq_state import BrokerState
 
 logger = logging.getLogger(__name__)
+
+
+def spill_file(setting: str, run_dir: Path | None) -> Path | None:
+    """Where a broker journals (``buffer.spill_path``): ``auto`` is the run directory's
+    ``buffer.spill`` and needs one (a broker built without a run, as tests and benchmarks do,
+    keeps memory only); empty is memory only; anything else is the path."""
+    if setting == SPILL_AUTO:
+        return run_dir / SPILL_NAME if run_dir is not None else None
+    return Path(setting) if setting else None
 
 
 def open_spill(path: str | Path, compact_min_bytes: int = COMPACT_MIN_BYTES

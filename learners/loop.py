@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.metrics import Timers, val_score
 from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
@@ -110,6 +110,7 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     (``restore_progress``), or its gate would let ``V × groups_per_step`` extra groups in."""
     meta = checkpointer.resume(trainer)
     if meta is None:
+        _check_fresh_buffer(ctx)
         return
     consumed = int(meta.counters.get("groups_consumed",
                                      meta.version * ctx.cfg.learner.groups_per_step))
@@ -124,6 +125,32 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     state = engine_state(trainer, ctx.cfg)  # collective
     if driver is not None:
         driver.resumed(state, trainer.version)
+
+
+def _check_fresh_buffer(ctx: RankContext) -> None:
+    """A learner with no checkpoint starts at version 0. A buffer already past that holds
+    an earlier run of this name (a spill file replayed, a Redis namespace kept by a hand-run
+    broker): going on would publish versions the buffer has passed (refused at the first step)
+    and train on that run's groups. Stop at once instead, saying what to do (every rank gets
+    the same answer, so they stop together)."""
+    cfg = ctx.cfg
+    version = int(ctx.client.heartbeat(ctx.member, "learner",
+                                       {"state": "starting", "version": 0})["version"])
+    if version == 0:
+        return
+    if cfg.buffer.type == "redis":
+        where = "clear the run's Redis keys, as a fresh `asyncrl up` does"
+    else:
+        from buffers.zmq_replay import spill_file
+
+        spill = spill_file(cfg.buffer.spill_path, cfg.run_dir)
+        where = f"move its spill file {spill} aside" if spill else "restart the broker"
+    raise ConfigError(
+        f"run.name = {cfg.run.name!r}: the buffer holds this run at version {version}, and "
+        f"this learner has no checkpoint in {cfg.run_dir / cfg.checkpoint.dir} to resume "
+        f"from. Resume with the run's checkpoints (checkpoint.resume, --resume PATH), or "
+        f"start a fresh run: a new run.name, or the buffer restarted without the old run "
+        f"({where})")
 
 
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,

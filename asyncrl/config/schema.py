@@ -40,6 +40,8 @@ class TinyModelConfig(Section):
                                                 "lookup agent env).")
 
 
+SPILL_AUTO = "auto"  # buffer.spill_path: the run directory's buffer.spill
+SPILL_NAME = "buffer.spill"
 LORA_ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -213,8 +215,12 @@ class BufferConfig(Section):
                                   description="Groups delivered but neither acked nor renewed "
                                               "for this long (a dead learner) are redelivered; "
                                               "a live learner renews every reclaim_idle_s / 3.")
-    spill_path: str = Field("", description="ZMQ: append-only file so a broker restart loses "
-                                            "nothing accepted and unacked (empty: memory only).")
+    spill_path: str = Field(SPILL_AUTO,
+                            description="ZMQ: append-only file so a broker restart loses "
+                                        "nothing accepted and unacked. 'auto': "
+                                        "<run_dir>/buffer.spill (a fresh `asyncrl up` sets the "
+                                        "previous run's aside, a resumed one replays it); "
+                                        "empty: memory only.")
     io_threads: int = Field(2, ge=1, le=16,
                             description="ZMQ: the broker's I/O threads (socket reads and "
                                         "writes, beside its one thread of Python). 2 moves "

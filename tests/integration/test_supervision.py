@@ -1,7 +1,7 @@
 """`asyncrl up` keeps a run alive through faults: a SIGKILLed rollout worker is restarted, a
-SIGKILLed ZMQ broker is restarted at the same address and replays its spill file, the clients
-ride out the restart, and the run keeps learning. A learner crash stops the run with the cause
-in one line and leaves it resumable."""
+SIGKILLed ZMQ broker is restarted at the same address and replays its spill file (by default
+in the run directory), the clients ride out the restart, and the run keeps learning. A learner
+crash stops the run with the cause in one line and leaves it resumable."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Proc
     up = processes.start(
         "up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
         "--set", "run.name=faults", "--set", "learner.total_steps=100000",
-        "--set", "eval.every_steps=0", "--set", f"buffer.spill_path={tmp_path / 'spill'}",
+        "--set", "eval.every_steps=0",  # buffer.spill_path: the default, in the run directory
         "--set", "buffer.request_timeout_s=4", "--set", "buffer.heartbeat_timeout_s=3",
         "--set", "launcher.restart_backoff_s=0.5")  # weights.timeout_s: the default, 60 s
     metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"
@@ -74,6 +74,8 @@ def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Proc
     wait_for(lambda: _started_pid(processes.log("up"), "buffer") != buffer_pid, 30,
              "the broker to be restarted")
     wait_for(lambda: "restored" in (logs / "buffer.log").read_text(), 30, "the spill replay")
+    assert f"journaling accepted groups to {run_dir / 'buffer.spill'}" in (
+        logs / "buffer.log").read_text()
     at_broker_kill = len(step_records(metrics))
     wait_for(lambda: len(step_records(metrics)) >= max(at_broker_kill + 15, 60), 400,
              "fifteen more steps after the broker restart")

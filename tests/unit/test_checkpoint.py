@@ -171,9 +171,12 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     assert not is_resuming(cfg)
     step = _fake_checkpoint(cfg.run_dir / "checkpoints", 10)
     (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    spill = cfg.run_dir / "buffer.spill"        # buffer.spill_path = "auto"
+    spill.write_bytes(b"the broker's journal")
     assert is_resuming(cfg)
     write_run_dir(cfg, resuming=True)           # metrics are appended to, checkpoints kept
     assert (cfg.run_dir / "metrics.jsonl").exists() and step.exists()
+    assert spill.exists()                       # and the broker will replay its journal
     assert not is_resuming(load_config(QUICKSTART,
                                        [*overrides, "checkpoint.resume=false"]))
     checkpoint._update_counters(step, {"finished": True})
@@ -183,6 +186,9 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     write_run_dir(cfg, resuming=False)
     assert not (cfg.run_dir / "checkpoints").exists() and not is_resuming(cfg)
     assert not (cfg.run_dir / "metrics.jsonl").exists()
+    assert not spill.exists()                   # a new run does not replay the old groups...
+    kept = list(cfg.run_dir.glob("buffer.*.spill"))
+    assert [k.read_bytes() for k in kept] == [b"the broker's journal"]  # ...nor loses them
 
 
 def test_cli_resume_sets_checkpoint_path(tmp_path: Path) -> None:

@@ -40,3 +40,27 @@ def test_resume_seeds_a_fresh_buffer(backend, tiny_model_dir: Path,  # noqa: F81
     assert (status["accepted"], status["consumed"]) == (VERSION * GPS, VERSION * GPS)
     assert client.acquire("w", 100, VERSION).granted == (STALENESS + 1) * GPS
     assert status["members"]["learner-0"]["info"]["state"] == "resuming"
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_fresh_learner_refuses_a_buffer_already_in_a_run(backend, tiny_model_dir: Path,  # noqa: F811
+                                                         tmp_path: Path) -> None:
+    """No checkpoint, and a buffer past version 0 (a hand-run broker that replayed the spill
+    file of an earlier run of this name): the learner stops before its first step with what
+    to do, instead of failing at its first publish after mixing that run's groups in."""
+    from asyncrl.config import ConfigError
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    cfg = Config(run=RunConfig(name="again", output_dir=tmp_path),
+                 learner=LearnerConfig(groups_per_step=GPS))
+    server = backend.start(groups_per_step=GPS)
+    trainer = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
+    fresh = loop.RankContext(cfg, 0, 1, server.client(), "learner-0")
+    loop._resume(fresh, Checkpointer(cfg), trainer, None)   # a fresh buffer: a fresh run
+    assert trainer.version == 0
+
+    server.client().publish_version(1)
+    with pytest.raises(ConfigError, match=r"run.name = 'again': the buffer holds this run at "
+                                          r"version 1.*no checkpoint") as refused:
+        loop._resume(fresh, Checkpointer(cfg), trainer, None)
+    assert f"move its spill file {cfg.run_dir / 'buffer.spill'} aside" in str(refused.value)
