@@ -11,6 +11,7 @@ render it to text exactly as a terminal shows it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -20,11 +21,14 @@ from rich.text import Text
 
 from asyncrl.metrics import val_score
 from asyncrl.snapshot import (MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, STEP_TIME,
-                              TIME_SPLIT, TRAINED_TOKENS_PER_S, History, engine_idle, fleet_idle,
+                              TRAINED_TOKENS_PER_S, WAIT_DATA, History, engine_idle, fleet_idle,
                               learner_idle, learner_info, rollouts)
 
+COMPUTE, GATHER = "timing/compute", "timing/gather"
+WEIGHT_SYNC, WEIGHT_WAIT = "timing/weight_sync", "timing/weight_wait"
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
-BAR = "█"
+BAR, BAR_BESIDE = "█", "░"  # a part of the step / work that overlapped it
+OVERLAPPED = "∥"  # marks a time split line that ran beside the step, not inside it
 
 
 def sparkline(values: Sequence[float], width: int = 40) -> str:
@@ -38,8 +42,8 @@ def sparkline(values: Sequence[float], width: int = 40) -> str:
                    for v in shown)
 
 
-def bar(fraction: float, width: int) -> str:
-    return BAR * round(max(0.0, min(1.0, fraction)) * width)
+def bar(fraction: float, width: int, char: str = BAR) -> str:
+    return char * round(max(0.0, min(1.0, fraction)) * width)
 
 
 def fmt(value: Any, spec: str = ".3f") -> str:
@@ -162,23 +166,72 @@ def _buffer(status: Mapping[str, Any]) -> Panel:
     return Panel(Group(*lines), title="buffer", title_align="left")
 
 
+@dataclass(frozen=True)
+class TimeSplit:
+    """A learner step's wall time (``timing/step``): ``parts``, disjoint intervals of the
+    learner's main thread that add up to it (``other`` is the rest), and ``beside``, work
+    that ran concurrently with them, shown next to them and never added in."""
+
+    step: float | None
+    parts: list[tuple[str, float | None]]      # in order; None: not in the record
+    beside: list[tuple[str, float | None]] = field(default_factory=list)
+
+    def share(self, seconds: float | None) -> float:
+        """Of the step's wall time; the parts' shares sum to at most 1."""
+        known = sum(v for _, v in self.parts if v)
+        whole = max(self.step or 0.0, known)   # timers rounded past the step stay <= 100 %
+        return seconds / whole if seconds is not None and whole else 0.0
+
+
+def learner_time_split(info: Mapping[str, Any]) -> TimeSplit:
+    """The learner's last step (its metrics record) as disjoint parts plus what overlapped.
+
+    The learner's timers (``learners/loop.py``) are disjoint on its main thread: waiting for
+    data, compute (the scatter and ``train_step`` inside it), the weight gather, and
+    ``timing/weight_wait``, the time ``publish`` blocked on the previous delivery. The
+    delivery itself (``timing/weight_sync``) runs on the publisher's thread with
+    ``weights.overlap`` (the default): the record of step N carries version N-1's sync,
+    which ran during step N beside its data wait and compute. Added to them it would count
+    those seconds twice (a split past 100 %); what it cost the step is the wait. So it is
+    shown beside the parts, marked, with its share of the step. Only a record
+    whose sync is its own version's (``weights/version == step``: ``weights.overlap =
+    false``) ran it inside the step, as a part. ``other`` is the rest of the step (ack,
+    checkpoint, eval, heartbeat and metric writes); a record without ``weights/version``
+    (the first step, older runs) is read as overlapped, the default."""
+    step = info.get(STEP_TIME)
+    sync = ("weight sync", info.get(WEIGHT_SYNC))
+    synced = info.get("weights/version")
+    serial = synced is not None and synced == info.get("step")
+    parts = [("waiting for data", info.get(WAIT_DATA)), ("compute", info.get(COMPUTE)),
+             ("weight gather", info.get(GATHER))]
+    parts.append(sync if serial else ("waiting for sync", info.get(WEIGHT_WAIT)))
+    known = sum(v for _, v in parts if v)
+    if step:
+        parts.append(("other", max(0.0, step - known)))
+    return TimeSplit(step, parts, [] if serial else [(f"{sync[0]} {OVERLAPPED}", sync[1])])
+
+
 def _time_split(status: Mapping[str, Any], history: History) -> Panel:
-    """The learner's last step: where its time went, and the idle ratios."""
+    """The learner's last step: where its time went (:func:`learner_time_split`), and the
+    idle ratios."""
     info = learner_info(status)
-    parts = [(label, info.get(key)) for label, key in TIME_SPLIT]
-    step = info.get(STEP_TIME) or sum(v for _, v in parts if v) or 0.0
+    split = learner_time_split(info)
     table = Table.grid(padding=(0, 1))
     table.add_column()
     table.add_column()
     table.add_column(justify="right")
-    for label, seconds in parts:
-        share = seconds / step if seconds is not None and step else 0.0
-        table.add_row(label, Text(bar(share, 20), "yellow"),
+    for (label, seconds), char in [*((p, BAR) for p in split.parts),
+                                   *((p, BAR_BESIDE) for p in split.beside)]:
+        share = split.share(seconds)
+        table.add_row(label, Text(bar(share, 20, char), "yellow"),
                       "-" if seconds is None else f"{seconds:.3f}s {share:>4.0%}")
-    idle = Text(f"idle: learner {pct(learner_idle(info))} · engines "
-                f"{pct(fleet_idle(status, history))}")
-    return Panel(Group(table, idle), title=f"learner step {fmt(info.get('step'), 'd')} · "
-                              f"{fmt(info.get(STEP_TIME), '.3f')}s", title_align="left")
+    lines: list[RenderableType] = [table]
+    if split.beside:
+        lines.append(Text(f"{OVERLAPPED} overlaps the parts above: not in their 100 %", "dim"))
+    lines.append(Text(f"idle: learner {pct(learner_idle(info))} · engines "
+                      f"{pct(fleet_idle(status, history))}"))
+    return Panel(Group(*lines), title=f"learner step {fmt(info.get('step'), 'd')} · "
+                                      f"{fmt(split.step, '.3f')}s", title_align="left")
 
 
 def _curves(status: Mapping[str, Any], history: History) -> Panel:

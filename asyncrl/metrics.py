@@ -31,9 +31,14 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``timing/step``                wall time of the whole learner step, data wait included
 ``timing/wait_data``           waiting for the buffer; ``timing/compute`` the optimizer step
                                (``timing/train_step``: the slowest rank's; ``timing/scatter``:
-                               rank 0 splitting the batch and sending the shares), ``timing/gather``
-                               the full-state gather, ``timing/weight_sync`` the broadcast to
-                               the engines (``timing/weight_send``, ``timing/weight_ack``)
+                               rank 0 splitting the batch and sending the shares; both inside
+                               compute), ``timing/gather`` the full-state gather,
+                               ``timing/weight_wait`` waiting for the previous delivery: four
+                               disjoint parts of ``timing/step``
+``timing/weight_sync``         the broadcast to the engines (``timing/weight_send``,
+                               ``timing/weight_ack``). With ``weights.overlap`` (the default)
+                               it is the previous version's (``weights/version``), which ran
+                               on its own thread during this step: not a part of the step
 ``weights/*``                  the broadcast: bytes, members, evicted, buckets, epoch
 ``buffer/*``, ``rollout/*``    the buffer's counters; the rollout fleet's totals
 ``filter/*``                   groups dropped by DAPO / finish-reason filters
@@ -95,7 +100,9 @@ def val_score(record: Mapping[str, Any]) -> float | None:
 
 
 class Timers:
-    """Accumulates wall time per phase: ``with timers("wait_data"): ...``; ``pop()`` resets."""
+    """Accumulates wall time per phase: ``with timers("wait_data"): ...``; ``pop()`` resets.
+    Phases may nest (the learner's ``scatter`` inside ``compute``): only phases that do not
+    are disjoint parts of a step, to be added up."""
 
     def __init__(self) -> None:
         self._totals: dict[str, float] = {}

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from asyncrl.dashboard import SPARK_CHARS, dashboard, sparkline
-from asyncrl.snapshot import (REWARD, History, engine_idle, fleet_idle, learner_idle,
-                              learner_info)
+from asyncrl.dashboard import (OVERLAPPED, SPARK_CHARS, dashboard, learner_time_split,
+                               sparkline)
+from asyncrl.snapshot import (REWARD, STEP_TIME, History, engine_idle, fleet_idle,
+                              learner_idle, learner_info)
 from asyncrl.metrics import read_jsonl
 
 DATA = Path(__file__).parent / "data"
@@ -92,6 +93,77 @@ def test_idle_ratios_and_time_split() -> None:
     assert f"{info['timing/wait_data']:.3f}s" in wait
     assert f"{info['timing/compute']:.3f}s" in row(text, "compute")
     assert f"{info['timing/weight_sync']:.3f}s" in row(text, "weight sync")
+
+
+SEQUENTIAL = ("waiting for data", "compute", "weight gather", "waiting for sync", "other")
+
+
+def seconds_and_share(line: str) -> tuple[float, int]:
+    found = re.search(r"([\d.]+)s +(\d+)% *│", line)
+    assert found is not None, line
+    return float(found.group(1)), int(found.group(2))
+
+
+def set_timing(status: dict, synced: int, **seconds: float) -> None:
+    """The snapshot's learner record with these ``timing/*`` seconds, its last weight
+    delivery being version ``synced``'s."""
+    info = learner_info(status)
+    info.update({f"timing/{k}": v for k, v in seconds.items()},
+                **{"weights/version": float(synced)})  # a float, as the learner writes it
+
+
+def test_an_overlapped_weight_sync_is_shown_beside_the_step_not_added_to_it() -> None:
+    """With weights.overlap the record of step N carries version N-1's sync, which ran during
+    step N's data wait and compute (1.2 s of a 2 s step): the disjoint parts make 100 %, and
+    the sync is shown beside them with its own share, marked as overlapping."""
+    status, history = snapshot()
+    step = learner_info(status)["step"]
+    set_timing(status, step - 1, step=2.0, wait_data=0.2, compute=1.5, gather=0.1,
+               weight_wait=0.1, weight_sync=1.2)
+    text = screen(status, history)
+    shares = {label: seconds_and_share(row(text, label)) for label in SEQUENTIAL}
+    assert shares == {"waiting for data": (0.2, 10), "compute": (1.5, 75),
+                      "weight gather": (0.1, 5), "waiting for sync": (0.1, 5),
+                      "other": (0.1, 5)}
+    assert sum(share for _, share in shares.values()) <= 100
+    sync = row(text, "weight sync")
+    assert f"weight sync {OVERLAPPED}" in sync and seconds_and_share(sync) == (1.2, 60)
+    assert f"{OVERLAPPED} overlaps the parts above: not in their 100 %" in text
+    split = learner_time_split(learner_info(status))
+    assert abs(sum(split.share(s) for _, s in split.parts) - 1.0) < 1e-9
+
+
+def test_a_serial_weight_sync_is_a_part_of_the_step() -> None:
+    """weights.overlap = false: the record's sync is its own version's, run inside the step."""
+    status, history = snapshot()
+    step = learner_info(status)["step"]
+    set_timing(status, step, step=2.0, wait_data=0.2, compute=1.0, gather=0.1,
+               weight_wait=0.0, weight_sync=0.6)
+    text = screen(status, history)
+    labels = ("waiting for data", "compute", "weight gather", "weight sync", "other")
+    shares = [seconds_and_share(row(text, label))[1] for label in labels]
+    assert shares == [10, 50, 5, 30, 5] and OVERLAPPED not in text
+    assert "waiting for sync" not in text  # nothing in flight to wait for: in "other"
+
+
+def test_timers_past_the_step_never_make_more_than_100_percent() -> None:
+    """Timers rounded to µs can add up to a hair over the step's wall time."""
+    split = learner_time_split({"step": 3, STEP_TIME: 1.0, "timing/wait_data": 0.5,
+                                "timing/compute": 0.6, "timing/gather": 0.0,
+                                "timing/weight_wait": 0.0, "timing/weight_sync": 0.9})
+    assert dict(split.parts)["other"] == 0.0
+    assert sum(split.share(s) for _, s in split.parts) <= 1.0
+    assert split.beside == [(f"weight sync {OVERLAPPED}", 0.9)]
+
+
+def test_the_recorded_run_splits_its_step_into_at_most_100_percent() -> None:
+    status, history = snapshot()
+    text = screen(status, history)
+    assert re.search(r"waiting for sync +- +│", text)  # the record predates weight_wait
+    shares = [seconds_and_share(row(text, label))[1] for label in SEQUENTIAL
+              if label != "waiting for sync"]
+    assert sum(shares) <= 100
+    assert OVERLAPPED in row(text, "weight sync")
 
 
 def test_sparklines_draw_the_history() -> None:
