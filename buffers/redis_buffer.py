@@ -40,6 +40,10 @@ Choices worth knowing:
   accepted payloads plus ``PUT_WINDOW`` staged ones per waiting producer.
 - ``gate_closed_s`` is accrued by the scripts that change the gate, so a transition caused
   only by time (a producer declared dead) is noticed at the next call of any client.
+- A run marked done keeps its counters, members, keys and histograms (what ``asyncrl
+  status`` reads) but not its data: the status change discards the groups never consumed
+  (entries and payloads, in the same script; counted as ``discarded_at_done``), then the
+  client deletes the payloads still staged. Puts are refused from then on.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
   script ran but before its reply arrived runs it again: a put files each group once (its
   payload key, kept once filed, says so), an acquire holds its slots until the producer
@@ -61,7 +65,7 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
 from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
-from buffers.redis_connect import connect, is_cluster, run_namespace
+from buffers.redis_connect import Client, connect, is_cluster, run_namespace
 from buffers.redis_consumer import RedisConsumer
 from buffers.redis_entries import StagedPut, put_results, stage_put
 from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
@@ -257,12 +261,36 @@ class RedisBufferClient:
         return {"version": int(version), "run_status": status.decode()}
 
     def set_key(self, key: str, value: dict[str, Any]) -> int:
+        """Marking the run done also discards the groups it never consumed: the script drops
+        the filed ones with the status change, then :meth:`_discard_staged` the staged ones."""
         status = ""
         if key == RUN_STATUS_KEY:
             status = value.get("status")
             if status not in (RUNNING, DONE):
                 raise BufferRefused(f"run_status: unknown run status {status!r}")
-        return int(self._run("set_key", key, _dumps(value), status))
+        seq, discarded = self._run("set_key", key, _dumps(value), status)
+        if status == DONE:
+            self._discard_staged(int(discarded))
+        return int(seq)
+
+    def _discard_staged(self, discarded: int) -> None:
+        """After the run was marked done: delete the payloads still staged (set by a producer
+        whose put script has not run, e.g. one waiting for room). The set_key script already
+        deleted every filed group's payload with the status change, atomically, and a put
+        script run after it refuses its groups and deletes their payloads, so what is found
+        here is dead. Only a payload set after this sweep by a producer that dies before its
+        put script runs outlives it, and it expires by itself (staged payloads carry a TTL).
+        A failed sweep is logged, not raised: the run is done either way, and what it missed
+        expires too."""
+        try:
+            staged = _payload_keys(self._redis, self.keys)
+            deleted = int(self._redis.unlink(*staged)) if staged else 0
+        except RedisError as exc:
+            logger.warning("redis buffer %s: run done; staged payloads not deleted (they "
+                           "expire by themselves): %s", self.keys.namespace, exc)
+            return
+        logger.info("redis buffer %s: run done; %d unconsumed groups and %d staged payloads "
+                    "discarded", self.keys.namespace, discarded, deleted)
 
     def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
         if not keys:
@@ -320,11 +348,16 @@ def reset_run(config: BufferConfig, run_id: str) -> int:
     keys = RedisKeys(run_namespace(config, run_id, is_cluster(client)))
     names = [*keys.all(), *(f"{keys.namespace}:{name}" for name in LEGACY_KEY_NAMES)]
     try:
-        names += client.scan_iter(match=_glob_escape(keys.namespace) + PAYLOAD_INFIX + "*",
-                                  count=1000)
-        return int(client.unlink(*names))
+        return int(client.unlink(*names, *_payload_keys(client, keys)))
     finally:
         client.close()
+
+
+def _payload_keys(client: Client, keys: RedisKeys) -> list[str]:
+    """Every payload key of the namespace, filed or staged, by ``SCAN`` (their names are
+    random; used only at a run's reset and end)."""
+    return list(client.scan_iter(match=_glob_escape(keys.namespace) + PAYLOAD_INFIX + "*",
+                                 count=1000))
 
 
 def _glob_escape(text: str) -> str:

@@ -10,7 +10,8 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 =================  =======  ==================================================================
 ``ns:state``       hash     version, accepted, consumed, dropped_stale, run_status, run_id,
                             started (ms), gate_closed_ms, gate_closed_since, redelivered,
-                            reaped, put_full
+                            reaped, put_full, discarded_at_done (groups never consumed,
+                            discarded when the run was marked done)
 ``ns:inflight``    hash     producer → groups granted and not yet put/released (> 0 only)
 ``ns:seen``        hash     member → last seen (Redis ms); alive while within the heartbeat
                             timeout
@@ -25,7 +26,8 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 ``ns:g:<hex>``     string   one group's payload: the 5 wire frames packed
                             (:func:`buffers.packing.pack_group`). Staged by the producer
                             with an expiry (gone if it dies before the put script), kept
-                            (PERSIST) when the group is accepted, deleted with its entry
+                            (PERSIST) when the group is accepted, deleted with its entry;
+                            all of them when the run is marked done (the index too)
 ``ns:rejected``    hash     reason → count
 ``ns:hist``        hash     staleness at consumption → count
 ``ns:kv``          hash     key → orjson value (rendezvous, announcements, run/status)
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from buffers.protocol import DONE
 from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE, RENEW, TAKE
 
 GROUP = "learners"
@@ -164,13 +167,14 @@ end
 local function is_payload_key(key)  -- an entry may name any key: touch only payload keys
   return #key > #PAYLOAD_PREFIX and string.sub(key, 1, #PAYLOAD_PREFIX) == PAYLOAD_PREFIX
 end
-local function drop_payload(id)  -- delete the payload an index entry names, if any
-  local e = redis.call('XRANGE', K_INDEX, id, id)
-  if #e == 0 then return end
-  local f = e[1][2]
+local function drop_payload_of(f)  -- delete the payload an entry's fields name, if any
   for i = 1, #f - 1, 2 do
     if f[i] == 'k' and is_payload_key(f[i + 1]) then redis.call('DEL', f[i + 1]) end
   end
+end
+local function drop_payload(id)  -- delete the payload an index entry names, if any
+  local e = redis.call('XRANGE', K_INDEX, id, id)
+  if #e > 0 then drop_payload_of(e[1][2]) end
 end
 local function remove(id)  -- settled (or never delivered): entry and payload gone; 1 if it was
   drop_payload(id)
@@ -239,18 +243,38 @@ SET_KEY = """
 -- ARGV: key, orjson value, new run status ('' unless key is run/status). A key's first
 -- number is above the clock in microseconds: above any number a Redis that lost the key
 -- (restarted without persistence) had issued, so a waiter's newer_than stays meaningful.
+-- Marking the run done discards its unconsumed groups in the same step (see
+-- discard_unconsumed). Returns {seq, groups discarded}.
+local function discard_unconsumed()
+  -- A finished run trains on nothing more, and from now on the put script refuses every
+  -- group (and deletes its staged payload): the entries left in the index, unread or
+  -- delivered and never acked, are dead weight in a shared Redis. Their payloads go and the
+  -- index starts over empty; the counters, members, keys and histograms stay for
+  -- `asyncrl status`. Bounded by max_groups (the put script never files more).
+  local n = 0
+  for _, e in ipairs(redis.call('XRANGE', K_INDEX, '-', '+')) do
+    drop_payload_of(e[2])
+    n = n + 1
+  end
+  redis.call('DEL', K_INDEX)
+  ensure_group()
+  if n > 0 then redis.call('HINCRBY', K_STATE, 'discarded_at_done', n) end
+  return n
+end
 if redis.call('HEXISTS', K_KVSEQ, ARGV[5]) == 0 then
   local t = redis.call('TIME')
   redis.call('HSET', K_KVSEQ, ARGV[5], fmt(tonumber(t[1]) * 1000000 + tonumber(t[2])))
 end
 local seq = redis.call('HINCRBY', K_KVSEQ, ARGV[5], 1)
 redis.call('HSET', K_KV, ARGV[5], ARGV[6])
+local discarded = 0
 if ARGV[7] ~= '' then
   redis.call('HSET', K_STATE, 'run_status', ARGV[7])
+  if ARGV[7] == '""" + DONE + """' then discarded = discard_unconsumed() end
   gate_update(now_ms())
 end
 redis.call('XADD', K_NOTIFY, 'MAXLEN', '~', '""" + str(NOTIFY_MAXLEN) + """', '*', 'k', ARGV[5])
-return seq
+return {seq, discarded}
 """
 
 REAP = """

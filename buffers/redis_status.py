@@ -3,7 +3,8 @@
 The keys match :meth:`buffers.zmq_state.BrokerState.status`, so the monitor and
 ``asyncrl status`` read both backends alike; Redis adds ``pending`` (delivered, not yet
 acked), ``redelivered``, ``reaped`` (in-flight groups given back for silent producers),
-``put_full`` (puts that found the buffer full) and ``namespace``. Times come from Redis'
+``put_full`` (puts that found the buffer full), ``discarded_at_done`` (groups never consumed,
+discarded when the run was marked done) and ``namespace``. Times come from Redis'
 clock (``TIME``), never from this machine's.
 """
 
@@ -92,5 +93,6 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
         "keys": sorted(k.decode() for k in keys),
         "pending": _delivered(pending),
         "redelivered": int(state.get("redelivered", 0)), "reaped": int(state.get("reaped", 0)),
-        "put_full": int(state.get("put_full", 0)), "namespace": namespace,
+        "put_full": int(state.get("put_full", 0)),
+        "discarded_at_done": int(state.get("discarded_at_done", 0)), "namespace": namespace,
     }
