@@ -23,6 +23,7 @@ from buffers.zmq_spill import (
     ACKED,
     CHECKSUMS,
     COMPACT_MIN_BYTES,
+    DELIVER,
     DROP,
     FRAME_LEN,
     HEADER,
@@ -37,6 +38,7 @@ from buffers.zmq_spill import (
     SpillError,
     SpillLog,
     open_locked,
+    parse_deliver,
     write_all,
 )
 
@@ -104,14 +106,22 @@ def restore(state: BrokerState, recovered: Recovered) -> None:
     state.rejections.counts.update(saved.get("rejected", {}))
     state.staleness_hist.update({int(k): n for k, n in saved.get("staleness_hist", {}).items()})
     state.keys.values.update(recovered.keys)
+    now = state.clock()
     for seq in sorted(recovered.groups):
         min_version, frames = recovered.groups[seq]
-        state.queue.append(QueuedGroup(frames, min_version, sum(f.nbytes for f in frames),
-                                       seq=seq))
-    state.held_bytes = sum(g.nbytes for g in state.queue)
-    state.requeued.update(recovered.groups)  # a learner that outlived the broker may ack them
-    logger.info("restored %d unacked groups at version %d (accepted %d, consumed %d)",
-                len(state.queue), state.version, state.accepted, state.consumed)
+        group = QueuedGroup(frames, min_version, sum(f.nbytes for f in frames), seq=seq)
+        if seq in recovered.delivered:  # its consumer may still train on it: await its ack
+            group.consumer, group.delivered_staleness = recovered.delivered[seq]
+            group.delivered_at = now
+            state.pending[seq] = group
+        else:
+            state.queue.append(group)
+            state.requeued.add(seq)  # a file written before DELIVER records: may be held
+    state.held_bytes = sum(g.nbytes for g in (*state.queue, *state.pending.values()))
+    logger.info("restored %d unacked groups at version %d (accepted %d, consumed %d): %d "
+                "queued, %d delivered and awaiting their acks", len(recovered.groups),
+                state.version, state.accepted, state.consumed, len(state.queue),
+                len(state.pending))
 
 
 def _replay(path: Path) -> tuple[Recovered, bytes]:
@@ -171,6 +181,13 @@ def _apply(recovered: Recovered, kind: int, body: memoryview) -> None:
             state["accepted"] = state.get("accepted", 0) + 1
     elif kind in (ACKED, DROP):
         _apply_removed(recovered, kind, body)
+    elif kind == DELIVER:
+        consumer, items = parse_deliver(body)
+        for seq, staleness in items:
+            if consumer and seq in recovered.groups:
+                recovered.delivered[seq] = (consumer, staleness)
+            else:
+                recovered.delivered.pop(seq, None)
     else:
         raise ValueError(f"unknown record type {kind}")
 
@@ -180,6 +197,7 @@ def _apply_removed(recovered: Recovered, kind: int, body: memoryview) -> None:
     hist: Counter[str] = Counter(state.get("staleness_hist", {}))
     for seq, staleness in REMOVED.iter_unpack(body):
         recovered.groups.pop(seq, None)
+        recovered.delivered.pop(seq, None)
         if kind == ACKED:
             state["consumed"] = state.get("consumed", 0) + 1
             hist[str(staleness)] += 1

@@ -11,13 +11,22 @@ still read and appended to until their first compaction rewrites them as ``v2``)
 GB/s, 200 µs for an 8k-token group, against XXH3's ~60 GB/s. It guards against torn and
 corrupt tails, not adversaries: 32 bits of either are plenty for that.
 
-=====  ======================================================================================
-PUT    ``<u64 seq><i64 min_version><u16 n>`` + ``n × <u32 frame length>`` + the raw frames
-ACKED  ``n × <u64 seq><i32 staleness>`` (acked after the step; staleness feeds the histogram)
-DROP   ``n × <u64 seq><i32 staleness>`` (dropped as stale)
-STATE  orjson snapshot: epoch, next_seq, version, run_status and the counters
-KEY    orjson ``{"key", "seq", "value"}``
-=====  ======================================================================================
+=======  ======================================================================================
+PUT      ``<u64 seq><i64 min_version><u16 n>`` + ``n × <u32 frame length>`` + the raw frames
+ACKED    ``n × <u64 seq><i32 staleness>`` (acked after the step; staleness feeds the histogram)
+DROP     ``n × <u64 seq><i32 staleness>`` (dropped as stale)
+STATE    orjson snapshot: epoch, next_seq, version, run_status and the counters
+KEY      orjson ``{"key", "seq", "value"}``
+DELIVER  ``<u16 n>`` + consumer (n bytes, UTF-8) + ``n' × <u64 seq><i32 staleness>``: delivered
+         to that consumer; an empty consumer means back in the queue (reclaimed)
+=======  ======================================================================================
+
+Why deliveries are journaled: a learner outlives a broker restart holding the batch it is
+training on (and, prefetching, asks for the next one at once). Replayed as queued, that batch
+was the oldest in the queue and went straight back to the same learner: trained twice, and the
+gate's slot arithmetic one step off for the rest of the run (the quickstart, its broker
+SIGKILLed at step 25, then dropped 16 stale groups a step). Replayed as delivered, it waits for
+its consumer's ack like any delivery, and is redelivered only after ``reclaim_idle_s``.
 
 Replay (:mod:`buffers.zmq_replay`) rebuilds the state from these records; a torn or corrupt
 tail (crash mid-write) fails its length or checksum and is cut off.
@@ -56,13 +65,14 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"asyncrl-spill\x00v2"  # what new files (and compactions) are written as
 MAGIC_V1 = b"asyncrl-spill\x00v1"  # CRC-32 records: still read, and appended to
-PUT, ACKED, DROP, STATE, KEY = 1, 2, 3, 4, 5
+PUT, ACKED, DROP, STATE, KEY, DELIVER = 1, 2, 3, 4, 5, 6
 FSYNC_INTERVAL_S = 0.2
 COMPACT_MIN_BYTES = 64 << 20
 HEADER = struct.Struct("<IIB")
 PUT_HEAD = struct.Struct("<QqH")
 FRAME_LEN = struct.Struct("<I")
 REMOVED = struct.Struct("<Qi")
+NAME_LEN = struct.Struct("<H")
 
 Buf = Any  # anything with the buffer protocol: bytes, memoryview, zmq.Frame
 
@@ -78,6 +88,7 @@ class Recovered:
     state: dict[str, Any]
     keys: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
     groups: dict[int, tuple[int, list[memoryview]]] = field(default_factory=dict)
+    delivered: dict[int, tuple[str, int]] = field(default_factory=dict)  # seq: consumer, stale
 
 
 Checksum = Callable[[int, Sequence[Buf]], int]  # (record type, body parts) -> u32
@@ -194,6 +205,11 @@ class SpillLog:
         for seq, _ in items:
             self._live_bytes -= self._live.pop(seq, 0)
 
+    def delivered(self, consumer: str, items: Sequence[tuple[int, int]]) -> None:
+        """``items`` = (seq, staleness) of groups delivered to ``consumer`` ("" = requeued)."""
+        if items:
+            self._append(DELIVER, [_deliver_body(consumer, items)])
+
     def state(self, snapshot: dict[str, Any]) -> None:
         self._state_bytes = self._append(STATE, [orjson.dumps(snapshot)])
 
@@ -235,10 +251,11 @@ class SpillLog:
         return self.file_bytes >= max(self.compact_min_bytes, 2 * self.live_bytes)
 
     def compact(self, snapshot: dict[str, Any], keys: Iterable[tuple[str, int, dict[str, Any]]],
-                groups: Iterable[tuple[int, int, Sequence[Buf]]]) -> None:
-        """Rewrite only the live records (state, keys, groups in seq order), atomically. A
-        failure (disk full) is logged and leaves the current file in use: compaction only
-        saves space."""
+                groups: Iterable[tuple[int, int, Sequence[Buf]]],
+                deliveries: Iterable[tuple[str, Sequence[tuple[int, int]]]] = ()) -> None:
+        """Rewrite only the live records (state, keys, groups in seq order, then who holds
+        the delivered ones), atomically. A failure (disk full) is logged and leaves the
+        current file in use: compaction only saves space."""
         before = self.file_bytes
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = open_locked(tmp, os.O_CREAT | os.O_TRUNC)
@@ -249,6 +266,8 @@ class SpillLog:
                 size += write_all(fd, _record(KEY, [_key_body(key, seq, value)]))
             for seq, min_version, frames in sorted(groups, key=lambda g: g[0]):
                 size += write_all(fd, _record(PUT, _put_parts(seq, min_version, frames)))
+            for consumer, items in deliveries:
+                size += write_all(fd, _record(DELIVER, [_deliver_body(consumer, items)]))
             os.fsync(fd)
         except OSError as exc:
             os.close(fd)
@@ -279,6 +298,20 @@ class SpillLog:
         finally:
             os.close(self._fd)
             self._fd = -1
+
+
+def _deliver_body(consumer: str, items: Sequence[tuple[int, int]]) -> bytes:
+    name = consumer.encode()
+    return NAME_LEN.pack(len(name)) + name + b"".join(REMOVED.pack(seq, st) for seq, st in items)
+
+
+def parse_deliver(body: memoryview) -> tuple[str, list[tuple[int, int]]]:
+    (length,) = NAME_LEN.unpack_from(body)
+    name = bytes(body[NAME_LEN.size:NAME_LEN.size + length]).decode()
+    items = body[NAME_LEN.size + length:]
+    if len(items) % REMOVED.size:
+        raise ValueError("DELIVER record items do not add up")
+    return name, list(REMOVED.iter_unpack(items))
 
 
 def _key_body(key: str, seq: int, value: dict[str, Any]) -> bytes:

@@ -191,6 +191,7 @@ class BrokerState:
             g.delivered_staleness = g.staleness(learner_version)
             self.pending[g.seq] = g
             self.requeued.discard(g.seq)
+        self._journal_delivered(consumer, groups)
         return groups
 
     def _pop_oldest(self, count: int) -> list[QueuedGroup]:
@@ -240,8 +241,8 @@ class BrokerState:
     def renew(self, consumer: str, receipts: Sequence[str]) -> int:
         """Reset the idle time of the deliveries ``consumer`` still holds; returns how many.
         A renewed group moves to the end of ``pending``, which so stays in ``delivered_at``
-        order (what lets :meth:`reclaim` stop at the first recent one). Not journaled: after
-        a restart every pending group is queued again anyway."""
+        order (what lets :meth:`reclaim` stop at the first recent one). Not journaled: a
+        restart replays every delivery as just made."""
         self.members.touch(consumer, "learner")
         now, held = self.clock(), 0
         for seq in filter(None, map(self._seq_of, receipts)):
@@ -286,6 +287,7 @@ class BrokerState:
         for group in expired:
             del self.pending[group.seq]
             self.requeued.add(group.seq)
+        self._journal_delivered("", expired)
         self.queue.extendleft(sorted(expired, key=lambda g: g.seq, reverse=True))
         self.redelivered += len(expired)
         logger.warning("%d groups delivered to %s not acked within %.1fs: requeued",
@@ -355,6 +357,11 @@ class BrokerState:
         if self.journal is not None:
             self.journal.state(snapshot_of(self))
 
+    def _journal_delivered(self, consumer: str, groups: Sequence[QueuedGroup]) -> None:
+        """Who holds which groups ("" = back in the queue), so a restart awaits their acks."""
+        if self.journal is not None:
+            self.journal.delivered(consumer, [(g.seq, g.delivered_staleness) for g in groups])
+
     def _journal_removed(self, kind: int, items: list[tuple[int, int]]) -> None:
         if self.journal is None or not items:
             return
@@ -362,5 +369,8 @@ class BrokerState:
         if self.journal.needs_compaction():
             live = [*self.queue, *self.pending.values()]
             keys = [(k, *v) for k, v in self.keys.values.items()]
+            held: dict[str, list[tuple[int, int]]] = {}
+            for g in self.pending.values():
+                held.setdefault(g.consumer, []).append((g.seq, g.delivered_staleness))
             self.journal.compact(snapshot_of(self), keys,
-                                 [(g.seq, g.min_version, g.frames) for g in live])
+                                 [(g.seq, g.min_version, g.frames) for g in live], held.items())

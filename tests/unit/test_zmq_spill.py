@@ -43,19 +43,26 @@ def _fill_and_half_consume(c: ZmqBufferClient) -> tuple[list[str], int]:
 
 
 def _assert_restored(c: ZmqBufferClient, unacked: list[str], key_seq: int) -> None:
+    """The groups delivered to "dying" come back delivered (it may still be training on them),
+    and are redelivered only when it has not acked them within ``reclaim_idle_s`` (1 s)."""
     status = c.status()
     assert (status["version"], status["accepted"], status["consumed"]) == (1, 6, 2)
     assert status["staleness_hist"] == {"0": 2} and status["depth"] == len(unacked)
+    assert (status["queued"], status["pending"]) == (len(unacked) - 2, 2)
     assert c.get_key("rdzv") == (key_seq, {"epoch": 3})  # a waiter's newer_than stays valid
-    batch = c.get_batch("learner", len(unacked), 1, timeout_s=1.0)
-    assert [g.group_id for g in batch.groups] == unacked  # each exactly once, in order
-    c.ack("learner", batch)
+    queued = c.get_batch("learner", 2, 1, timeout_s=1.0)
+    assert [g.group_id for g in queued.groups] == unacked[2:]
+    reclaimed = c.get_batch("learner", 2, 1, timeout_s=10.0)
+    assert [g.group_id for g in reclaimed.groups] == unacked[:2]  # each exactly once
+    c.ack("learner", queued)
+    c.ack("learner", reclaimed)
     assert c.get_batch("learner", 1, 1, timeout_s=0.0) is None
     assert c.status()["consumed"] == 2 + len(unacked)
 
 
 def test_clean_restart_restores_unacked_groups_version_counters_and_keys(tmp_path):
-    config = BufferConfig(port=0, max_staleness=1, spill_path=str(tmp_path / "spill.log"))
+    config = BufferConfig(port=0, max_staleness=1, spill_path=str(tmp_path / "spill.log"),
+                          reclaim_idle_s=1.0)
     address, stop = start_broker_thread(config, groups_per_step=8)
     with ZmqBufferClient(address, timeout_s=5) as c:
         unacked, key_seq = _fill_and_half_consume(c)
@@ -100,7 +107,7 @@ def broker_process(tmp_path) -> Iterator:
     """``start()`` runs ``asyncrl buffer`` as a subprocess on one fixed port and spill file."""
     port, procs = _free_port(), []
     config = tmp_path / "buffer.toml"
-    config.write_text(f"[buffer]\nport = {port}\nmax_staleness = 1\n"
+    config.write_text(f"[buffer]\nport = {port}\nmax_staleness = 1\nreclaim_idle_s = 1.0\n"
                       f"[learner]\ngroups_per_step = 8\n")
     spill = tmp_path / "spill.log"
 
@@ -215,6 +222,7 @@ def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
         state.publish_version(version)
     for i in range(40):
         _put(state, f"g{i}", version=2)
+    state.take("slow", 1, 2)  # delivered while compactions rewrite the file, never acked
     for _ in range(7):
         batch = state.take("l", 5, 2)
         state.ack("l", [state.receipt(g) for g in batch])
@@ -224,10 +232,27 @@ def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
     state.take("l", 2, 3)  # delivered, unacked: still live
     state.journal.close()
     state = _state(path)
-    assert [g.seq for g in state.queue] == list(range(36, 41))
+    assert [g.seq for g in state.queue] == [39, 40]
+    assert {seq: (g.consumer, g.delivered_staleness) for seq, g in state.pending.items()} == {
+        1: ("slow", 0), 37: ("l", 1), 38: ("l", 1)}  # awaiting acks, as before the restart
     assert (state.version, state.accepted, state.consumed) == (3, 40, 35)
     assert state.keys.get("rdzv") == (key_seq, {"n": 1}) and state.staleness_hist == {0: 35}
-    assert state.take("l", 5, 3) is not None
+    state.ack("l", [f"{state.epoch}:37", f"{state.epoch}:38"])
+    assert state.staleness_hist == {0: 35, 1: 2} and state.take("l", 2, 3) is not None
+    state.journal.close()
+
+
+def test_a_reclaimed_delivery_is_replayed_queued(tmp_path):
+    path = tmp_path / "spill.log"
+    state = _state(path)
+    for name in "ab":
+        _put(state, name)
+    state.take("dead", 2, 0)
+    state.config = BufferConfig(max_staleness=1, reclaim_idle_s=1e-9)
+    assert state.reclaim() == 2
+    state.journal.close()
+    state = _state(path)
+    assert ([g.seq for g in state.queue], list(state.pending)) == ([1, 2], [])
     state.journal.close()
 
 
@@ -240,7 +265,7 @@ def test_stale_drops_are_journaled_and_never_come_back(tmp_path):
     assert [g.seq for g in state.take("l", 1, 5)] == [2]
     state.journal.close()
     state = _state(path)
-    assert (state.dropped_stale, [g.seq for g in state.queue]) == (1, [2])
+    assert (state.dropped_stale, list(state.queue), list(state.pending)) == (1, [], [2])
     state.journal.close()
 
 
