@@ -19,8 +19,6 @@ MISMATCH = "mismatch/abs_logp"
 STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
 TRAINED_TOKENS_PER_S = "perf/trained_tokens_per_s"
 STEP_TIME, WAIT_DATA = "timing/step", "timing/wait_data"
-TIME_SPLIT = (("waiting for data", WAIT_DATA), ("compute", "timing/compute"),
-              ("weight sync", "timing/weight_sync"))
 
 
 @dataclass

@@ -71,7 +71,8 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
     now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
     version, accepted = int(state.get("version", 0)), int(state.get("accepted", 0))
     in_flight = _ints(inflight)
-    allowance = gate.allowance(version, accepted, sum(in_flight.values()))
+    dropped = int(state.get("dropped_stale", 0))  # a dropped group gave its slot back
+    allowance = gate.allowance(version, accepted - dropped, sum(in_flight.values()))
     run_status = state.get("run_status", RUNNING)
     closed_ms = int(state.get("gate_closed_ms", 0))
     if "gate_closed_since" in state:
@@ -79,7 +80,7 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
     return {
         "depth": int(depth), "accepted": accepted, "in_flight": sum(in_flight.values()),
         "consumed": int(state.get("consumed", 0)),
-        "dropped_stale": int(state.get("dropped_stale", 0)), "version": version,
+        "dropped_stale": dropped, "version": version,
         "run_status": run_status, "run_id": state.get("run_id", ""),
         "max_staleness": gate.max_staleness, "groups_per_step": gate.groups_per_step,
         "max_groups": config.max_groups, "rejected": _ints(rejected),

@@ -115,7 +115,9 @@ def test_a_dropped_group_gives_its_slot_back_or_the_learner_would_starve(backend
     # stale at version 1, dropped when the learner asks for its batch.
     assert c.put("w", make_group("late", versions=[0, 1])).accepted
     assert c.get_batch("learner", 1, 1, timeout_s=0.3) is None
-    assert c.status()["dropped_stale"] == 1
+    status = c.status()
+    assert status["dropped_stale"] == 1
+    assert (status["gate_open"], status["gate_allowance"]) == (True, 1)  # as the gate counts
     assert c.acquire("w", 1, 1).granted == 1             # else: gate shut, learner waits forever
     assert c.put("w", make_group("fresh", version=1)).accepted
     assert [g.group_id for g in c.get_batch("learner", 1, 1, timeout_s=5.0).groups] == ["fresh"]
