@@ -12,12 +12,14 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from collections.abc import Mapping
 from typing import IO, Any, Protocol
 
 from rich.console import Console
 from rich.live import Live
 
 from asyncrl.config.schema import MonitorConfig
+from buffers.protocol import STOPPED
 from asyncrl.dashboard import dashboard, fmt
 from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
                               History, learner_info, rollouts)
@@ -96,13 +98,45 @@ class PrintView:
         self.console.file.flush()
 
 
+def fleet_events(before: Mapping[str, str], status: Mapping[str, Any]
+                 ) -> tuple[dict[str, str], list[str]]:
+    """What changed in the rollout fleet since ``before`` (member -> state, from the last
+    call): engines that joined, stopped, crashed (their supervisor's report, with its exit
+    reason) or went silent past ``buffer.heartbeat_timeout_s``. A worker restarted by its role's
+    supervisor shows up only in that role's log otherwise, and `asyncrl up`'s console is what
+    a user watches. Returns the new states and one line per change."""
+    states, events = {}, []
+    for name, member in rollouts(status).items():
+        info = member.get("info") or {}
+        if info.get("state") == STOPPED:
+            state = "crashed" if "exit" in info else "stopped"
+        else:
+            state = "alive" if member.get("alive") else "silent"
+        states[name] = state
+        if before.get(name) == state:
+            continue
+        if state == "alive":
+            events.append(f"{name} is back" if name in before else f"{name} joined")
+        elif state == "crashed":
+            events.append(f"{name} {info['exit']}: its role restarts it (log: logs/rollout.log)")
+        elif state == "stopped":
+            events.append(f"{name} stopped")
+        elif state == "silent":
+            events.append(f"{name} silent for {member.get('last_seen_s_ago', 0):.0f}s: let go")
+    return states, events
+
+
 class LineView:
-    """One progress line per refresh."""
+    """One progress line per refresh, and a line for each change in the rollout fleet."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
+        self._fleet: dict[str, str] = {}  # `up` started the fleet: its first members are news
 
     def show(self, status: dict[str, Any]) -> None:
+        self._fleet, events = fleet_events(self._fleet, status)
+        for event in events:
+            self.out.write(f"fleet: {event}\n")
         self.out.write(progress_line(status) + "\n")
         self.out.flush()
 

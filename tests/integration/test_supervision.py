@@ -63,6 +63,12 @@ def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Proc
              "the rollout role to see its worker die")
     wait_for(lambda: len(set(_workers(rollout_pid)) - {victim}) == 2, 60,
              "the worker to be restarted")
+    def crash_then_join() -> bool:  # on up's console, not only in logs/rollout.log
+        crash = re.search(rf"fleet: rollout-\d-{victim} killed by SIGKILL", processes.log("up"))
+        return crash is not None and re.search(
+            r"fleet: rollout-\d-\d+ joined", processes.log("up")[crash.end():]) is not None
+
+    wait_for(crash_then_join, 30, "up's console to name the crash and the new worker")
     at_kill = len(step_records(metrics))
     wait_for(lambda: len(step_records(metrics)) >= at_kill + 5, 180, "five steps after the restart")
 

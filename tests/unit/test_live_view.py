@@ -1,8 +1,10 @@
 """The live dashboard on a real pseudo-terminal: log records written while it is shown land
-above it and the log handler gets its stream back when it closes."""
+above it and the log handler gets its stream back when it closes. And `asyncrl up`'s line
+view, off a terminal: a line for each change in the rollout fleet."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -55,3 +57,43 @@ def _drain(master: int, chunks: list[bytes]) -> None:
         if not chunk:
             return
         chunks.append(chunk)
+
+
+def _status(version: int, **members: tuple[bool, dict]) -> dict:
+    return {"version": version, "members": {
+        "learner-0": {"role": "learner", "alive": True, "info": {}},
+        **{name: {"role": "rollout", "alive": alive, "info": info, "last_seen_s_ago": 16.0}
+           for name, (alive, info) in members.items()}}}
+
+
+def test_up_prints_a_line_for_each_change_in_the_rollout_fleet() -> None:
+    """A worker its role restarted is named on `asyncrl up`'s console (crash with its exit
+    reason, then the new process joining), not only in logs/rollout.log."""
+    from asyncrl.monitor import LineView
+
+    out = io.StringIO()
+    view = LineView(out)
+    running = (True, {"state": "generating"})
+    view.show(_status(1, **{"rollout-0-10": running, "rollout-1-11": running}))
+    view.show(_status(2, **{"rollout-0-10": (True, {"state": "stopped",
+                                                     "exit": "killed by SIGKILL"}),
+                            "rollout-1-11": running}))
+    view.show(_status(3, **{"rollout-0-10": (True, {"state": "stopped",
+                                                     "exit": "killed by SIGKILL"}),
+                            "rollout-0-12": running, "rollout-1-11": (False, {})}))
+    view.show(_status(4, **{"rollout-0-12": (True, {"state": "stopped"}),
+                            "rollout-1-11": running}))
+    events = [line for line in out.getvalue().splitlines() if line.startswith("fleet:")]
+    assert events == [
+        "fleet: rollout-0-10 joined", "fleet: rollout-1-11 joined",
+        "fleet: rollout-0-10 killed by SIGKILL: its role restarts it (log: logs/rollout.log)",
+        "fleet: rollout-0-12 joined",
+        "fleet: rollout-1-11 silent for 16s: let go",
+        "fleet: rollout-0-12 stopped",
+        "fleet: rollout-1-11 is back"]
+    assert [line[:2] for line in out.getvalue().splitlines() if not line.startswith("fleet")
+            ] == ["v1", "v2", "v3", "v4"]
+    out = io.StringIO()
+    LineView(out).show(_status(1, **{"rollout-0-10": (True, {"state": "stopped",
+                                                             "exit": "exit status 1"})}))
+    assert out.getvalue().startswith("fleet: rollout-0-10 exit status 1: its role restarts")
