@@ -4,6 +4,11 @@ A role process stops on SIGTERM or SIGINT: the first signal sets a stop event th
 checks (so the learner can still write its final model), a second one exits at once. Children a
 role spawns (learner ranks, rollout workers) ask the kernel to SIGTERM them if their parent dies,
 so a crashed or killed role never leaves orphans.
+
+A learner or rollout role first waits for its ZMQ broker to accept connections
+(:func:`wait_for_broker`), saying so while it waits: a ZMQ request to an address where nothing
+listens is not refused, it waits out ``buffer.request_timeout_s`` and its retries in silence, and
+a signal meanwhile is seen only after them.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ from asyncrl.supervise import (CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+BROKER_WAIT_LOG_S = 5.0
+"""How often a role waiting for its broker says so (the first time at once)."""
+
+BROKER_PROBE_S = 0.5
+"""Pause between connection attempts to a broker that is not there (and the longest a signal
+waits to be seen meanwhile)."""
 
 
 def setup_logging(role: str) -> None:
@@ -95,10 +107,57 @@ def _buffer_endpoint(cfg: Config, address: str):
     return client, start_endpoint(cfg.monitor, "buffer", "buffer", source=StatusSource(client))
 
 
+def wait_for_broker(cfg: Config, address: str | None, stop: threading.Event) -> bool:
+    """Wait until something accepts TCP connections at the broker's ``address``, logging
+    where and what to check every :data:`BROKER_WAIT_LOG_S`; False when ``stop`` (a signal)
+    ended the wait. After ``buffer.request_timeout_s + buffer.reconnect_s``, as long as the
+    role's first request would have waited, it gives up (TimeoutError, exit status 3). Once
+    connected, the clients' own retries cover a broker that restarts. Redis (no address):
+    nothing to wait for here."""
+    if address is None or _broker_listening(cfg, address):
+        return True
+    budget = cfg.buffer.request_timeout_s + cfg.buffer.reconnect_s
+    hint = (f"Is `asyncrl buffer` running there? Check the address: --buffer, else "
+            f"{cfg.run_dir / 'buffer.addr'} (written by `asyncrl up`), else "
+            "buffer.host / buffer.port")
+    start = next_log = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        if waited >= budget:
+            raise TimeoutError(f"no buffer broker at {address} after {waited:.0f}s "
+                               f"(buffer.request_timeout_s + buffer.reconnect_s): {hint}")
+        if time.monotonic() >= next_log:
+            logger.warning("waiting for the buffer at %s (%.0fs so far, giving up at %.0fs): "
+                           "nothing accepts connections there. %s", address, waited, budget,
+                           hint)
+            next_log += BROKER_WAIT_LOG_S
+        if stop.wait(BROKER_PROBE_S):
+            logger.info("stopped while waiting for the buffer at %s", address)
+            return False
+        if _broker_listening(cfg, address):
+            break
+    logger.info("buffer at %s accepts connections after %.0fs", address,
+                time.monotonic() - start)
+    return True
+
+
+def _broker_listening(cfg: Config, address: str) -> bool:
+    from asyncrl.preflight import NotRunning, check_broker
+
+    try:
+        check_broker(address, cfg.run.name, wait_s=BROKER_PROBE_S)
+    except NotRunning:
+        return False
+    return True
+
+
 def run_learner(cfg: Config, address: str | None) -> int:
     """This node's learner ranks (torchrun semantics): ``learner.ranks`` processes with global
     ranks ``node_rank × ranks + i`` in a world of ``nnodes × ranks``, all dialling
     ``learner.master_addr:master_port``. Global rank 0 (node 0) reads the buffer."""
+    stop = stop_on_signals()
+    if not wait_for_broker(cfg, address, stop):
+        return 0
     from learners.dist import free_port
     from learners.loop import run_learner_rank
 
@@ -111,17 +170,20 @@ def run_learner(cfg: Config, address: str | None) -> int:
                     learner.node_rank, learner.nnodes, first, first + learner.ranks - 1, world,
                     learner.master_addr, port)
     if learner.ranks == 1:
-        run_learner_rank(cfg, first, world, address, port, stop_on_signals())
+        run_learner_rank(cfg, first, world, address, port, stop)
         return 0
     return _run_children(run_learner_rank, [(cfg, first + i, world, address, port)
                                             for i in range(learner.ranks)], "learner",
-                         cfg.launcher.stop_timeout_s)
+                         cfg.launcher.stop_timeout_s, stop=stop)
 
 
 def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:
     """K workers, each in its own process (one engine each), restarted when one crashes
     (``launcher.max_restarts``, ``launcher.restart_backoff_s``). Ctrl-C stops them and leaves
     the run: the broker releases their grants; the run goes on with the other workers."""
+    stop = stop_on_signals()
+    if not wait_for_broker(cfg, address, stop):
+        return 0
     from rollouters.worker import report_crashed, run_rollout_worker
 
     if cfg.rollout.engine == "sim":  # simulated engines only wait: threads, a few processes
@@ -131,11 +193,11 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
         chunks = [indices[i:i + SIM_WORKERS_PER_PROCESS]
                   for i in range(0, workers, SIM_WORKERS_PER_PROCESS)]
         return _run_children(run_worker_threads, [(cfg, chunk, address) for chunk in chunks],
-                             "rollout", cfg.launcher.stop_timeout_s)
+                             "rollout", cfg.launcher.stop_timeout_s, stop=stop)
     return _run_children(run_rollout_worker, [(cfg, first_index + i, address)
                                               for i in range(workers)], "rollout",
                          cfg.launcher.stop_timeout_s, RestartPolicy.from_config(cfg.launcher),
-                         first_index, partial(report_crashed, cfg, address))
+                         first_index, partial(report_crashed, cfg, address), stop)
 
 
 def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
@@ -192,14 +254,16 @@ class _Child:
 def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
                   grace_s: float, policy: RestartPolicy | None = None,
                   first_index: int = 0,
-                  on_crash: Callable[[int, int, str], None] | None = None) -> int:
+                  on_crash: Callable[[int, int, str], None] | None = None,
+                  stop: threading.Event | None = None) -> int:
     """Run each args tuple in its own spawned process; restart a crashed one while ``policy``
     allows (never without one, never after a config error); stop all when one fails for good,
-    or on a signal. ``on_crash(index, pid, reason)`` runs on a thread of its own for each
+    or on a signal (``stop``: the role's :func:`stop_on_signals` event, if it has one).
+    ``on_crash(index, pid, reason)`` runs on a thread of its own for each
     crash (it may talk to a broker that is down: the supervision never waits for it).
     Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
     ctx = mp.get_context("spawn")
-    stop = stop_on_signals()
+    stop = stop or stop_on_signals()
     children = [_Child(ctx, target, args, f"{role}[{first_index + i}]", first_index + i,
                        RestartBudget(policy) if policy is not None else None)
                 for i, args in enumerate(arg_list)]
