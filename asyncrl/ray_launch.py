@@ -9,6 +9,11 @@ broker), each with a stop event the driver sets, so shutdown is the same ordered
 as the local launcher's: learner first (it saves), then the rollout fleet, then the broker. Role
 logs reach the driver through Ray's log streaming, prefixed with the role's name.
 
+Failures follow the local launcher's contract too: :func:`~asyncrl.preflight.check_startup`
+runs before Ray is even imported (a bad path, plugin or Redis URL: exit 2, nothing started), and
+a role that stops on a :class:`~asyncrl.config.ConfigError` is never restarted: the run stops
+with exit status :data:`~asyncrl.supervise.CONFIG_ERROR_EXIT` and the error in one line.
+
 Ray is imported only here, and only when this launcher is used.
 """
 
@@ -25,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.launch import RoleFailed, is_resuming, run_dir_note, write_run_dir
 from asyncrl.monitor import make_view
-from asyncrl.supervise import RestartBudget, RestartPolicy
+from asyncrl.preflight import check_startup
+from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,15 @@ class RoleActor:
         self.stop.set()
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """How a role's call ended in error: the error in one line, and whether it was a
+    configuration error (never restarted: the same config fails the same way)."""
+
+    text: str
+    config_error: bool = False
+
+
 @dataclass
 class _Placed:
     """A running actor, the call that runs its role, and where it is placed."""
@@ -139,6 +154,10 @@ class RayLauncher:
         return lines
 
     def up(self) -> int:
+        """Run to completion (or until a signal): 0, 130 on a signal, 1 when a role failed for
+        good, 2 when one stopped on a config error. Raises :class:`ConfigError` before Ray
+        starts for what :func:`check_startup` can check from here."""
+        check_startup(self.cfg)
         address = self.cfg.launcher.address
         if not address or address.split(":")[0] in ("127.0.0.1", "localhost"):
             # Ray replaces a loopback address with the machine's external one unless this is
@@ -151,6 +170,7 @@ class RayLauncher:
         self._init_ray(ray)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop.set())
+        show_final = True  # not for a run a config error stopped, as with the local launcher
         try:
             self.address = self._start_buffer(ray, resuming)
             self._start_learners(ray)
@@ -159,10 +179,13 @@ class RayLauncher:
         except RoleFailed as exc:
             logger.error("%s", exc)
             self.out.write(f"run stopped: {exc}\n")
-            return 1
+            show_final = exc.exit_code != CONFIG_ERROR_EXIT
+            return exc.exit_code
         finally:
             self.shutdown(ray)
             ray.shutdown()
+            if show_final:
+                self._print_final()
 
     # --- start --------------------------------------------------------------------------------
 
@@ -278,7 +301,7 @@ class RayLauncher:
         """Check every role once; True when the learners finished. A failed learner or broker
         ends the run (RoleFailed); a failed rollout worker is restarted while its budget lasts."""
         for placed in [*self.learners, *([self.buffer] if self.buffer else [])]:
-            error = _failure(ray, placed.ref)
+            error = self._error(ray, placed)
             if error is not None:
                 raise RoleFailed(f"{placed.name} failed: {error} [{run_dir_note(self.cfg)}]")
         if self.buffer is not None and _done(ray, self.buffer.ref):
@@ -288,10 +311,19 @@ class RayLauncher:
                 if time.monotonic() >= placed.restart_at:
                     self.rollouts[i] = self._start_rollout(ray, i, placed.bundle, placed.budget)
                 continue
-            error = _failure(ray, placed.ref)
+            error = self._error(ray, placed)
             if error is not None:
                 self._schedule_restart(ray, placed, error)
         return all(_done(ray, p.ref) for p in self.learners)
+
+    def _error(self, ray: Any, placed: _Placed) -> str | None:
+        """The error the role's call ended with, in one line (None: running, or done).
+        Raises :class:`RoleFailed` (exit 2) for a configuration error: never restarted."""
+        failure = _failure(ray, placed.ref)
+        if failure is not None and failure.config_error:
+            raise RoleFailed(f"{placed.name} stopped on a configuration error (not restarted): "
+                             f"{failure.text}", CONFIG_ERROR_EXIT)
+        return failure.text if failure is not None else None
 
     def _schedule_restart(self, ray: Any, placed: _Placed, error: str) -> None:
         ran = time.monotonic() - placed.started
@@ -328,7 +360,6 @@ class RayLauncher:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(pg)
-        self._print_final()
 
     def _print_final(self) -> None:
         from asyncrl.launch import print_final
@@ -361,15 +392,19 @@ def _done(ray: Any, ref: Any) -> bool:
     return bool(ready)
 
 
-def _failure(ray: Any, ref: Any) -> str | None:
-    """The error of a finished call in one line, or None (still running or succeeded)."""
+def _failure(ray: Any, ref: Any) -> _Failure | None:
+    """How a finished call failed, or None (still running or succeeded). A role's exception
+    reaches the driver as Ray's task error; its ``cause`` is the role's own exception."""
     if not _done(ray, ref):
         return None
     try:
         ray.get(ref)
     except ray.exceptions.RayActorError as exc:
-        return f"actor died: {str(exc).splitlines()[0][:300]}"
+        return _Failure(f"actor died: {str(exc).splitlines()[0][:300]}")
     except Exception as exc:  # noqa: BLE001 - a role's exception, reported in one line
         cause = getattr(exc, "cause", None) or exc
-        return f"{type(cause).__name__}: {str(cause).splitlines()[-1][:300] if str(cause) else ''}"
+        if isinstance(cause, ConfigError):  # its message names the key, as `asyncrl: ...`
+            return _Failure(str(cause), config_error=True)
+        return _Failure(f"{type(cause).__name__}: "
+                        f"{str(cause).splitlines()[-1][:300] if str(cause) else ''}")
     return None

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from learners.dist import free_port
-from tests.integration.conftest import QUICKSTART, Processes, role_env, step_records, wait_for
+from tests.integration.conftest import (QUICKSTART, ROOT, Processes, role_env, step_records,
+                                        wait_for)
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -129,4 +130,25 @@ def test_ctrl_c_stops_every_actor_and_the_learner_saves(
     assert time.monotonic() - start < 40
     assert "did not stop in time" not in processes.log("up")
     assert (tmp_path / "raystop" / "final" / "config.json").exists()  # the learner saved
+    wait_for(lambda: not _role_actors(), 30, "every role actor to exit")
+
+
+def test_a_role_config_error_is_not_restarted_and_exits_2(
+        ray_cluster: str, tmp_path: Path, processes: Processes) -> None:
+    """As with the local launcher: a data file with one row cannot feed a second rollout
+    worker (a config error only that worker meets, at its start). It is not restarted: the
+    run stops at once with exit status 2 and the error, naming its key."""
+    data = tmp_path / "one_row.jsonl"
+    data.write_text((ROOT / "examples" / "agent" / "data.jsonl").read_text().splitlines()[0])
+    up = processes.start("up", "up", str(ROOT / "examples" / "agent" / "single_turn.toml"),
+                         "--set", f"data.path={data}", "--set", "rollout.workers=2",
+                         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=raycfg",
+                         "--set", "launcher.type=ray", "--set", f"launcher.address={ray_cluster}",
+                         "--set", "launcher.restart_backoff_s=0.5")
+    assert up.wait(timeout=300) == 2, processes.log("up")
+    log = processes.log("up")
+    assert ("run stopped: rollout[1] stopped on a configuration error (not restarted): "
+            "data.path: no rows for worker 1 of 2 (1 rows)") in log, log[-3000:]
+    assert "restart 1/" not in log
+    assert not re.search(r"^final held-out greedy eval", log, re.M)  # the driver's summary
     wait_for(lambda: not _role_actors(), 30, "every role actor to exit")

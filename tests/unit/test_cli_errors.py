@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.toml"
 
@@ -44,6 +46,22 @@ def test_up_with_a_missing_local_model_path_names_it(tmp_path: Path) -> None:
                       "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fixa-model")
     assert done.returncode == 2, done.stderr
     assert "model.path: '/nonexistent/model' does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_up_with_a_missing_data_path_exits_2_before_starting_anything(
+        tmp_path: Path, launcher: str) -> None:
+    """On Ray too: the check runs before Ray starts (the cluster address here is a closed
+    port: reaching for it would fail otherwise, and slowly)."""
+    done, took = asyncrl("up", str(ROOT / "examples" / "agent" / "single_turn.toml"),
+                         "--set", "data.path=/nonexistent/train.jsonl",
+                         "--set", f"launcher.type={launcher}",
+                         "--set", f"launcher.address=127.0.0.1:{closed_port()}",
+                         "--set", f"run.output_dir={tmp_path}", "--set", "run.name=fixa-data")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "asyncrl: data.path: '/nonexistent/train.jsonl' does not exist\n"
+    assert not (tmp_path / "fixa-data").exists()  # nothing started, nothing written
+    assert took < 30
 
 
 def test_status_of_an_unreachable_redis_names_buffer_url(tmp_path: Path) -> None:
