@@ -53,6 +53,12 @@ class RoleFailed(RuntimeError):
         super().__init__(message)
         self.exit_code = exit_code
 
+    @classmethod
+    def config_error(cls, role: str, cause: str) -> RoleFailed:
+        """``role`` stopped on a configuration error: the same for both launchers."""
+        return cls(f"{role} stopped on a configuration error (not restarted): {cause}",
+                   CONFIG_ERROR_EXIT)
+
 
 def is_resuming(cfg: Config) -> bool:
     """`up` continues a run when the learner will resume one: ``--resume PATH``, or an
@@ -81,8 +87,8 @@ def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     appended to, resumed from or replayed (its groups are the earlier policy's). A resumed run
     appends to its metrics, and its broker replays the spill file."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    kept = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME)
-    for name in () if resuming else kept:
+    archived = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME)
+    for name in () if resuming else archived:
         old = cfg.run_dir / name
         if old.exists():
             kept = old.with_name(f"{old.stem}.{int(old.stat().st_mtime)}{old.suffix}")
@@ -204,9 +210,8 @@ class LocalLauncher:
         finally:
             view.close()
             client.close()
-        code = learner.proc.returncode
-        if code not in (None, 0):
-            raise RoleFailed(self._failure(learner), code if code == CONFIG_ERROR_EXIT else 1)
+        if learner.proc.returncode not in (None, 0):
+            raise self._failure(learner)
 
     def _tend(self) -> None:
         """Restart the roles whose backoff is over; schedule restarts of crashed ones; raise
@@ -218,7 +223,7 @@ class LocalLauncher:
                     role.proc = self._spawn(role.name, role.log, role.args)
                     role.started, role.restart_at = time.monotonic(), None
             elif code == CONFIG_ERROR_EXIT:
-                raise RoleFailed(self._failure(role), CONFIG_ERROR_EXIT)
+                raise self._failure(role)
             elif code not in (None, 0) or (code == 0 and role.name == "buffer"):
                 self._schedule_restart(role)
 
@@ -226,19 +231,19 @@ class LocalLauncher:
         ran = time.monotonic() - role.started
         delay = role.budget.next_delay(ran) if role.budget is not None else None
         if delay is None:
-            raise RoleFailed(self._failure(role))
+            raise self._failure(role)
         logger.warning("%s %s after %.1fs (%s): %s in %.1fs", role.name,
                        exit_reason(role.proc.returncode), ran, _cause(Path(role.log.name)),
                        role.budget.describe(), delay)
         role.restart_at = time.monotonic() + delay
 
-    def _failure(self, role: Role) -> str:
+    def _failure(self, role: Role) -> RoleFailed:
         """The cause in one line, then where to look and how to go on."""
+        cause = _cause(Path(role.log.name))
         if role.proc.returncode == CONFIG_ERROR_EXIT:
-            return (f"{role.name} stopped on a configuration error (not restarted): "
-                    f"{_cause(Path(role.log.name))} [log {role.log.name}]")
-        return (f"{role.name} {exit_reason(role.proc.returncode)}: "
-                f"{_cause(Path(role.log.name))} [log {role.log.name}; {run_dir_note(self.cfg)}]")
+            return RoleFailed.config_error(role.name, f"{cause} [log {role.log.name}]")
+        return RoleFailed(f"{role.name} {exit_reason(role.proc.returncode)}: {cause} "
+                          f"[log {role.log.name}; {run_dir_note(self.cfg)}]")
 
     def shutdown(self) -> None:
         """Stop in dependency order: the learner first (it finishes its step, writes the final

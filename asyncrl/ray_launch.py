@@ -321,8 +321,7 @@ class RayLauncher:
         Raises :class:`RoleFailed` (exit 2) for a configuration error: never restarted."""
         failure = _failure(ray, placed.ref)
         if failure is not None and failure.config_error:
-            raise RoleFailed(f"{placed.name} stopped on a configuration error (not restarted): "
-                             f"{failure.text}", CONFIG_ERROR_EXIT)
+            raise RoleFailed.config_error(placed.name, failure.text)
         return failure.text if failure is not None else None
 
     def _schedule_restart(self, ray: Any, placed: _Placed, error: str) -> None:
