@@ -173,9 +173,14 @@ def test_a_connection_dropped_while_idle_does_not_fail_the_next_put(broker_proce
         assert c.put_many("w", [make_group("many")])[0].accepted
 
 
-def _state(path: Path, **kwargs) -> BrokerState:
+def _state(path: Path, holding: str = "", **kwargs) -> BrokerState:
+    """A broker state journaling to ``path`` (replayed), then one group put per letter of
+    ``holding``."""
     log, recovered = open_spill(path, **kwargs)
-    return BrokerState(BufferConfig(max_staleness=1), 4, journal=log, recovered=recovered)
+    state = BrokerState(BufferConfig(max_staleness=1), 4, journal=log, recovered=recovered)
+    for name in holding:
+        _put(state, name)
+    return state
 
 
 def _put(state: BrokerState, name: str, version: int = 0) -> None:
@@ -185,9 +190,7 @@ def _put(state: BrokerState, name: str, version: int = 0) -> None:
 
 def test_torn_tail_is_ignored_and_truncated(tmp_path):
     path = tmp_path / "spill.log"
-    state = _state(path)
-    for name in "abc":
-        _put(state, name)
+    state = _state(path, holding="abc")
     state.journal.close()
     with path.open("r+b") as f:  # a crash in the middle of writing c's record
         f.truncate(path.stat().st_size - 7)
@@ -202,9 +205,7 @@ def test_torn_tail_is_ignored_and_truncated(tmp_path):
 
 def test_corrupt_record_stops_replay_there(tmp_path):
     path = tmp_path / "spill.log"
-    state = _state(path)
-    for name in "ab":
-        _put(state, name)
+    state = _state(path, holding="ab")
     state.journal.close()
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF  # flipped bits in b's record: its checksum no longer matches
@@ -244,9 +245,7 @@ def test_compaction_rewrites_live_records_and_keeps_content(tmp_path):
 
 def test_a_reclaimed_delivery_is_replayed_queued(tmp_path):
     path = tmp_path / "spill.log"
-    state = _state(path)
-    for name in "ab":
-        _put(state, name)
+    state = _state(path, holding="ab")
     state.take("dead", 2, 0)
     state.config = BufferConfig(max_staleness=1, reclaim_idle_s=1e-9)
     assert state.reclaim() == 2
