@@ -83,8 +83,15 @@ class Buffer(Protocol):
         would (also when no batch comes back), in the same round trip: a consumer that
         takes, trains and acks in turn pays one round trip per step instead of two."""
 
-    def ack(self, consumer: str, batch: Batch) -> None:
-        """The optimizer step that used ``batch`` is done: its groups are never redelivered."""
+    def ack(self, consumer: str, batch: Batch, consumed: int | None = None) -> None:
+        """The optimizer step that used ``batch`` is done: its groups are never redelivered.
+
+        ``consumed``: the consumer's own count of groups consumed, this batch included (a
+        learner's ``version × groups_per_step``). A ZMQ broker that lost its state (restarted
+        without its spill file) takes that progress over from acks of an earlier broker's
+        receipts: without it, groups the learner fetched before the restart and trained
+        after it would count nowhere, and the staleness gate admit that many too many.
+        Redis ignores it: its counters live in the same server as its stream."""
 
     def renew(self, consumer: str, batch: Batch) -> int:
         """Extend the lease on ``batch``: reset the idle time of its unacked groups, so a step

@@ -236,7 +236,8 @@ class RedisBufferClient:
                   timeout_s: float, ack: Batch | None = None) -> Batch | None:
         return self._consumer.get_batch(consumer, count, learner_version, timeout_s, ack)
 
-    def ack(self, consumer: str, batch: Batch) -> None:
+    def ack(self, consumer: str, batch: Batch, consumed: int | None = None) -> None:
+        """``consumed`` is not needed here (see the protocol): Redis keeps the counters."""
         self._consumer.ack(consumer, batch)
 
     def renew(self, consumer: str, batch: Batch) -> int:

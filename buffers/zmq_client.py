@@ -269,10 +269,14 @@ class ZmqBufferClient:
         return Batch(groups=groups, dropped_stale=reply.body["dropped_stale"],
                      stats=reply.body["stats"], receipts=list(reply.body["receipts"]))
 
-    def ack(self, consumer: str, batch: Batch) -> None:
-        """The step that used ``batch`` is done: its groups are never redelivered."""
+    def ack(self, consumer: str, batch: Batch, consumed: int | None = None) -> None:
+        """The step that used ``batch`` is done: its groups are never redelivered
+        (``consumed``: see the protocol)."""
         if batch.receipts:
-            self._call("ack", {"consumer": consumer, "receipts": batch.receipts})
+            args: dict[str, Any] = {"consumer": consumer, "receipts": batch.receipts}
+            if consumed is not None:
+                args["consumed"] = consumed
+            self._call("ack", args)
 
     def renew(self, consumer: str, batch: Batch) -> int:
         """Keep ``batch`` from being reclaimed during a long step (see the protocol)."""
