@@ -181,7 +181,10 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
             metrics = trainer.train_step(share)
         stats: dict = {}
         if driver is not None:   # rank 0 read the batch: it acks it and reports on it
-            ctx.client.ack(ctx.member, batch)  # only now may the buffer forget these groups
+            # only now may the buffer forget these groups; the count lets a broker that
+            # lost its state take over the steps it did not see (BufferClient.ack)
+            ctx.client.ack(ctx.member, batch,
+                           consumed=trainer.version * cfg.learner.groups_per_step)
             metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
             metrics.update(_consumed_versions(batch.groups, trainer.version - 1,
                                               cfg.buffer.max_staleness))
