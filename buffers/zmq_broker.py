@@ -232,8 +232,10 @@ class ZmqBroker:
         return Reply(True, body, [f for g in groups for f in g.frames])
 
     def _ack(self, request: Request) -> Reply:
-        acked = self.state.ack(arg_str(request.args, "consumer"),
-                               arg_str_list(request.args, "receipts"))
+        args = request.args
+        consumed = arg_int(args, "consumed", minimum=0) if "consumed" in args else None
+        acked = self.state.ack(arg_str(args, "consumer"), arg_str_list(args, "receipts"),
+                               consumed)
         self._admit_parked_puts()
         return Reply(True, {"acked": acked})
 

@@ -227,8 +227,16 @@ class BrokerState:
     def receipt(self, group: QueuedGroup) -> str:
         return f"{self.epoch}:{group.seq}"
 
-    def ack(self, consumer: str, receipts: Sequence[str]) -> int:
-        """Settle delivered groups (idempotent: unknown receipts are only counted)."""
+    def ack(self, consumer: str, receipts: Sequence[str], consumed: int | None = None) -> int:
+        """Settle delivered groups (idempotent: unknown receipts are only counted).
+
+        Receipts of another epoch were delivered by a broker that this one replaced without
+        its spill file: their groups were accepted and served there and count nowhere here.
+        With the consumer's own ``consumed`` count (the learner's ``version ×
+        groups_per_step``) this broker takes that progress over, as a resume would. Without
+        it, the groups a learner had prefetched from the old broker and trained on after
+        the restart were missing from the gate's count for the rest of the run: it admitted
+        one or two steps too many, and the quickstart dropped ~1,600 stale groups."""
         self.members.touch(consumer, "learner")
         done = [g for g in map(self._settle, receipts) if g is not None]
         self.acks_unknown += len(receipts) - len(done)
@@ -236,6 +244,8 @@ class BrokerState:
         self.consumed += len(done)
         self.staleness_hist.update(g.delivered_staleness for g in done)
         self._journal_removed(ACKED, [(g.seq, g.delivered_staleness) for g in done])
+        if consumed is not None and any(map(self._foreign, receipts)):
+            self.restore_progress(self.version, consumed)
         return len(done)
 
     def renew(self, consumer: str, receipts: Sequence[str]) -> int:
@@ -254,9 +264,14 @@ class BrokerState:
                 held += 1
         return held
 
+    def _foreign(self, receipt: str) -> bool:
+        """A well-formed receipt of another broker epoch (see :meth:`ack`)."""
+        parsed = _parse_receipt(receipt)
+        return parsed is not None and parsed[0] != self.epoch
+
     def _seq_of(self, receipt: str) -> int | None:
-        epoch, _, seq_text = receipt.partition(":") if isinstance(receipt, str) else ("", "", "")
-        return int(seq_text) if epoch == self.epoch and seq_text.isdigit() else None
+        parsed = _parse_receipt(receipt)
+        return parsed[1] if parsed is not None and parsed[0] == self.epoch else None
 
     def _settle(self, receipt: str) -> QueuedGroup | None:
         seq = self._seq_of(receipt)
@@ -307,7 +322,9 @@ class BrokerState:
         groups_per_step`` groups too many for the rest of the run: stale groups dropped give
         their slots back, so rollouts kept generating ahead and the quickstart, its broker
         SIGKILLed at step 20, dropped 4,000 groups. (In a run that was not interrupted the
-        first step's groups are acked before version 2 exists.)"""
+        first step's groups are acked before version 2 exists.) The batches the learner held
+        from the old broker are taken over when it acks them (:meth:`ack`); an ack that came
+        first has taken the steps over already, and this seed then does nothing."""
         if version < self.version:
             raise StateError("version", f"version {version} is behind {self.version}")
         if self.version == 0 and self.consumed == 0 and version > 1:
@@ -374,3 +391,11 @@ class BrokerState:
                 held.setdefault(g.consumer, []).append((g.seq, g.delivered_staleness))
             self.journal.compact(snapshot_of(self), keys,
                                  [(g.seq, g.min_version, g.frames) for g in live], held.items())
+
+
+def _parse_receipt(receipt: Any) -> tuple[str, int] | None:
+    """``(epoch, seq)`` of a receipt (``"<epoch>:<seq>"``, see :meth:`BrokerState.receipt`);
+    None for anything else (receipts come from clients)."""
+    epoch, sep, seq_text = receipt.partition(":") if isinstance(receipt, str) else ("", "", "")
+    well_formed = sep and seq_text.isascii() and seq_text.isdigit()  # int("²") raises
+    return (epoch, int(seq_text)) if well_formed else None
