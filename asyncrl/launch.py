@@ -125,6 +125,8 @@ class LocalLauncher:
         show_final = True  # not for a run a config error stopped: it never trained
         try:
             self.address = self._start_buffer(config_path, address_file)
+            if self.resuming:
+                reopen_run(self.cfg, self.address)
             self._prepare_model()
             at = ["--buffer", self.address] if self.address else []
             learner = self._start("learner", config_path, *at)
@@ -290,6 +292,28 @@ def status_client(cfg: Config, address: str | None):
         "reconnect_s": 0.0, "request_timeout_s": min(5.0, cfg.buffer.request_timeout_s)})
     return make_buffer_client(config, address, run_id=cfg.run.name,
                               groups_per_step=cfg.learner.groups_per_step)
+
+
+def reopen_run(cfg: Config, address: str | None) -> bool:
+    """A resumed run trains again: if its buffer says the run is done, say it is running,
+    before any rollout worker asks (a worker that finds the run done exits, and is not
+    restarted). The buffer keeps the status across the stop: a ZMQ broker replays it from
+    its spill file, Redis keeps it. It reads done after ``--resume`` of a finished run, and
+    after any stop of a run by versions before the learner stopped marking stopped runs
+    done; without this the resumed learner trained the batches it held, then waited for
+    data forever. Returns whether it reopened the run."""
+    from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
+
+    client = status_client(cfg, address)
+    try:
+        if client.status().get("run_status") != DONE:
+            return False
+        client.set_key(RUN_STATUS_KEY, {"status": RUNNING})
+    finally:
+        client.close()
+    logger.info("resuming run %r, which its buffer had marked done: running again",
+                cfg.run.name)
+    return True
 
 
 def make_launcher(cfg: Config, out: IO[str] = sys.stdout) -> LocalLauncher:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.launch import RoleFailed, is_resuming, run_dir_note, write_run_dir
+from asyncrl.launch import RoleFailed, is_resuming, reopen_run, run_dir_note, write_run_dir
 from asyncrl.monitor import make_view
 from asyncrl.preflight import check_startup
 from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy
@@ -173,6 +173,8 @@ class RayLauncher:
         show_final = True  # not for a run a config error stopped, as with the local launcher
         try:
             self.address = self._start_buffer(ray, resuming)
+            if resuming:
+                reopen_run(self.cfg, self.address)
             self._start_learners(ray)
             self.rollouts = [self._start_rollout(ray, i) for i in range(self.cfg.rollout.workers)]
             return self._supervise(ray)

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.wire import TrajectoryGroup
 
+RUN_STATUS_KEY = "run/status"  # the key the learner marks the run done with: {"status": ...}
 RUNNING = "running"
 DONE = "done"
 STOPPED = "stopped"  # the ``state`` in a member's last heartbeat: it will not come back

@@ -64,7 +64,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
-from buffers.protocol import DONE, RUNNING, Batch, Grant, PutResult
+from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING, Batch, Grant, PutResult
 from buffers.redis_connect import Client, connect, is_cluster, run_namespace
 from buffers.redis_consumer import RedisConsumer
 from buffers.redis_entries import StagedPut, put_results, stage_put
@@ -74,7 +74,6 @@ from buffers.redis_status import assemble_status
 
 logger = logging.getLogger(__name__)
 
-RUN_STATUS_KEY = "run/status"
 PUT_BACKOFF_S = (0.01, 0.2)  # first and largest wait while the buffer is full
 PUT_WINDOW = 8  # put_many: groups per script call (each call blocks Redis while it runs)
 STAGE_MARGIN_S = 30.0  # a staged payload outlives 2 x request_timeout_s by this much

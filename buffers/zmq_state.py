@@ -24,7 +24,7 @@ from typing import Any
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, WireError
-from buffers.protocol import DONE, RUNNING
+from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
 from buffers.zmq_protocol import decode_put
 from buffers.zmq_replay import restore, snapshot_of
@@ -32,7 +32,6 @@ from buffers.zmq_spill import ACKED, DROP, Recovered, SpillLog
 
 logger = logging.getLogger(__name__)
 
-RUN_STATUS_KEY = "run/status"
 
 
 class StateError(ValueError):
