@@ -8,7 +8,10 @@ so a crashed or killed role never leaves orphans.
 A learner or rollout role first waits for its ZMQ broker to accept connections
 (:func:`wait_for_broker`), saying so while it waits: a ZMQ request to an address where nothing
 listens is not refused, it waits out ``buffer.request_timeout_s`` and its retries in silence, and
-a signal meanwhile is seen only after them.
+a signal meanwhile is seen only after them. Their buffer clients are given the stop event too:
+once it is set, a request gives up on a broker that does not answer (a broker gone for good)
+within about a second instead of ``request_timeout_s`` and its re-sends, and the role exits with
+its stopped status, 0 (:func:`exit_quietly_when_stopped`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -84,7 +88,7 @@ def serve_buffer(cfg: Config, address_file: Path | None) -> int:
         tmp.write_text(address)
         tmp.rename(address_file)  # atomic: readers never see a partial address
     logger.info("buffer listening on %s", address)
-    status_client, endpoint = _buffer_endpoint(cfg, address)
+    status_client, endpoint = _buffer_endpoint(cfg, address, stop)
     try:
         broker.serve(stop)
     finally:
@@ -95,15 +99,15 @@ def serve_buffer(cfg: Config, address_file: Path | None) -> int:
     return 0
 
 
-def _buffer_endpoint(cfg: Config, address: str):
+def _buffer_endpoint(cfg: Config, address: str, stop: threading.Event):
     """/metrics of the broker, read through a client of its own at each scrape (the broker's
-    state belongs to its serving thread)."""
+    state belongs to its serving thread; a scrape during the stop does not hold it up)."""
     from asyncrl.prometheus import StatusSource, endpoint_port, start_endpoint
     from buffers import connect_buffer
 
     if not endpoint_port(cfg.monitor, "buffer"):
         return None, None
-    client = connect_buffer(cfg, address)
+    client = connect_buffer(cfg, address, stop)
     return client, start_endpoint(cfg.monitor, "buffer", "buffer", source=StatusSource(client))
 
 
@@ -170,7 +174,8 @@ def run_learner(cfg: Config, address: str | None) -> int:
                     learner.node_rank, learner.nnodes, first, first + learner.ranks - 1, world,
                     learner.master_addr, port)
     if learner.ranks == 1:
-        run_learner_rank(cfg, first, world, address, port, stop)
+        with exit_quietly_when_stopped("learner"):
+            run_learner_rank(cfg, first, world, address, port, stop)
         return 0
     return _run_children(run_learner_rank, [(cfg, first + i, world, address, port)
                                             for i in range(learner.ranks)], "learner",
@@ -197,7 +202,7 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
     return _run_children(run_rollout_worker, [(cfg, first_index + i, address)
                                               for i in range(workers)], "rollout",
                          cfg.launcher.stop_timeout_s, RestartPolicy.from_config(cfg.launcher),
-                         first_index, partial(report_crashed, cfg, address), stop)
+                         first_index, partial(report_crashed, cfg, address, stop=stop), stop)
 
 
 def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
@@ -207,9 +212,26 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
     setup_logging(role)
     keep_large_buffers()  # groups are packed and sent, or received, as large buffers
     try:
-        target(*args, stop_on_signals())
+        with exit_quietly_when_stopped(role):
+            target(*args, stop_on_signals())
     except ConfigError as exc:  # the exit status tells the parent not to restart this child
         sys.exit(report_config_error(exc))
+
+
+@contextmanager
+def exit_quietly_when_stopped(role: str) -> Iterator[None]:
+    """A role stopped on a signal while its broker did not answer ends with
+    :class:`~buffers.BufferStopped` (or a failure raised from it): that is the stop it was
+    asked for, logged in one line, not a crash (a traceback, exit status 1 or 3)."""
+    from buffers import stopped_by
+
+    try:
+        yield
+    except Exception as exc:
+        stopped = stopped_by(exc)
+        if stopped is None:
+            raise
+        logger.info("%s stopped without waiting for the buffer: %s", role, stopped)
 
 
 class _Child:

@@ -1,19 +1,50 @@
 """Replay buffers: the :class:`~buffers.protocol.BufferClient` protocol and its backends."""
 
+from __future__ import annotations
+
+import threading
+
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
-__all__ = ["Batch", "Buffer", "BufferClient", "ControlPlane", "Grant", "PutResult",
-           "connect_buffer", "make_buffer_client"]
+__all__ = ["Batch", "Buffer", "BufferClient", "BufferStopped", "ControlPlane", "Grant",
+           "PutResult", "connect_buffer", "make_buffer_client", "stopped_by"]
 
 
-def connect_buffer(cfg, address: str | None = None) -> BufferClient:
-    """A client for the run described by the root config ``cfg`` (what every role opens)."""
+class BufferStopped(TimeoutError):
+    """A client given a stop event stopped waiting for the broker because the event was set
+    (the role is stopping on a signal).
+
+    A :class:`TimeoutError`, as a request given up on after ``request_timeout_s`` is: the
+    request is in doubt in the same way (it may still be served), and what already tolerates a
+    lost buffer on its way out (the weight broadcaster's close catches ``TimeoutError``, the
+    lease renewal and the crash report catch ``Exception``) tolerates this too. It is not the
+    ZMQ client's ``NoReply``, so it is never re-sent. The roles take it, or a failure caused by
+    it (:func:`stopped_by`), as the stop it is: exit status 0, not the 3 of a broker that
+    cannot be reached."""
+
+
+def stopped_by(exc: BaseException) -> BufferStopped | None:
+    """The :class:`BufferStopped` that ``exc`` is or was raised from (``raise ... from``): the
+    learner's prefetcher and weight publisher re-raise their thread's failure that way. Only
+    explicit causes count: an error raised while cleaning up after a stop is a real one."""
+    while exc is not None:
+        if isinstance(exc, BufferStopped):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def connect_buffer(cfg, address: str | None = None,
+                   stop: threading.Event | None = None) -> BufferClient:
+    """A client for the run described by the root config ``cfg`` (what every role opens);
+    ``stop``: the role's stop event (see :func:`make_buffer_client`)."""
     return make_buffer_client(cfg.buffer, address, run_id=cfg.run.name,
-                              groups_per_step=cfg.learner.groups_per_step)
+                              groups_per_step=cfg.learner.groups_per_step, stop=stop)
 
 
 def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
-                       groups_per_step: int | None = None) -> BufferClient:
+                       groups_per_step: int | None = None,
+                       stop: threading.Event | None = None) -> BufferClient:
     """The one factory: a client for ``config.type`` (a :class:`asyncrl.config.BufferConfig`).
 
     ``address`` (``tcp://host:port``) overrides the one derived from the config, for roles
@@ -21,11 +52,18 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     applies the gate itself and needs what the ZMQ broker is started with: ``run_id`` (the
     run name; keys live under ``buffer.namespace`` or ``asyncrl:<run_id>``) and
     ``groups_per_step`` (``learner.groups_per_step``). Both are ignored for ZMQ.
+
+    ``stop`` (ZMQ): once set, a request no longer waits out ``request_timeout_s`` and its
+    re-sends for a broker that does not answer; it raises :class:`BufferStopped` instead
+    (see :class:`~buffers.zmq_client.ZmqBufferClient`), so a role whose broker is gone for good
+    still stops promptly on a signal. Redis ignores it: its requests are bounded by redis-py's
+    socket timeout and reconnect retries (each about ``request_timeout_s``), which this does
+    not shorten.
     """
     if config.type == "zmq":
         from buffers.zmq_client import ZmqBufferClient
 
-        return ZmqBufferClient.from_config(config, address)
+        return ZmqBufferClient.from_config(config, address, stop=stop)
     if config.type == "redis":
         from buffers.redis_buffer import RedisBufferClient
 

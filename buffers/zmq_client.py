@@ -24,7 +24,19 @@ re-sent: a lost put is in doubt and the producer's to handle (a rollout worker e
 supervisor restarts it). The client watches its connection (a ZMQ socket monitor): a request
 whose connection dropped while it waited gives up at once instead of after the whole
 ``request_timeout_s`` (default 30 s), so a restarted broker is asked again as soon as it
-listens. A group travels as one packed frame
+listens.
+
+A broker gone for good still costs each request ``request_timeout_s`` and its re-sends: too
+long for a role told to stop. A client given the role's ``stop`` event looks at it every
+:data:`STOP_POLL_S` while it waits; once it is set, a request waits no longer than it asked
+the broker to hold it (a long poll's ``timeout_s``, a put's :data:`PUT_MARGIN_S`) plus
+:data:`STOP_GRACE_S`, is never re-sent, and raises :class:`~buffers.BufferStopped`. A live
+broker answers within that, so a stopping role still gets its last requests through (a rollout
+worker's final heartbeat, the learner's long poll for data); only an unanswered one ends
+early, and a put into a full buffer, given up in doubt as after a timeout. Without a stop
+event nothing changes.
+
+A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
 consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
 them per request.
@@ -33,6 +45,7 @@ them per request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
@@ -42,6 +55,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.wire import TrajectoryGroup, decode_group, encode_group_views
+from buffers import BufferStopped
 from buffers.protocol import Batch, Grant, PutResult
 from buffers.zmq_auth import apply_curve_client
 from buffers.zmq_protocol import (
@@ -58,6 +72,8 @@ logger = logging.getLogger(__name__)
 PUT_WINDOW = 8  # put_many: requests in flight (a bound on what waits in socket buffers)
 PUT_CHUNK_BYTES = 1 << 20  # put_many: groups per request up to about this many bytes
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
+STOP_POLL_S = 0.25  # with a stop event: how often a waiting request looks at it
+STOP_GRACE_S = 0.5  # once stopping: how long past its long poll a request still waits
 RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version",
                        "restore_progress", "heartbeat",
                        "set_key", "get_key", "get_keys", "status"})
@@ -72,13 +88,17 @@ class ZmqBufferClient:
 
     def __init__(self, address: str, timeout_s: float = 30.0,
                  context: zmq.Context | None = None, curve_keys_dir: str | None = None,
-                 curve_name: str = "client", reconnect_s: float = 0.0) -> None:
+                 curve_name: str = "client", reconnect_s: float = 0.0,
+                 stop: threading.Event | None = None) -> None:
         """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
         ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
-        ``reconnect_s``: how long to keep re-sending a safe request that got no reply."""
+        ``reconnect_s``: how long to keep re-sending a safe request that got no reply.
+        ``stop``: the owner's stop event; once set, requests stop waiting for a broker that
+        does not answer (see the module docstring)."""
         self.address = address
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
+        self._stop = stop
         self._curve = (curve_keys_dir, curve_name) if curve_keys_dir else None
         self._own_context = context is None
         self._context = context or zmq.Context()
@@ -86,15 +106,15 @@ class ZmqBufferClient:
         self._socket, self._monitor = self._connect()
 
     @classmethod
-    def from_config(cls, config: BufferConfig, address: str | None = None
-                    ) -> ZmqBufferClient:
+    def from_config(cls, config: BufferConfig, address: str | None = None,
+                    stop: threading.Event | None = None) -> ZmqBufferClient:
         """The client a :class:`BufferConfig` describes (address, timeout, CURVE keys)."""
         keys = config.curve_keys_dir if config.auth == "curve" else None
         if config.auth == "curve" and not keys:
             raise ValueError("buffer.auth = \"curve\" needs buffer.curve_keys_dir")
         return cls(address or f"tcp://{config.host}:{config.port}",
                    timeout_s=config.request_timeout_s, curve_keys_dir=keys,
-                   reconnect_s=config.reconnect_s)
+                   reconnect_s=config.reconnect_s, stop=stop)
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER to the broker, and a monitor that hears when its connection drops."""
@@ -162,17 +182,23 @@ class ZmqBufferClient:
         """Replies to ``want`` (default: all) of ``request_ids``, each checked; a late
         reply to a request given up on is discarded."""
         replies: dict[bytes, Reply] = {}
-        deadline = time.monotonic() + self.timeout_s + wait_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s + wait_s
+        stop_deadline = start + wait_s + STOP_GRACE_S  # once stopping (see the module doc)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while len(replies) < (want or len(request_ids)):
             remaining = deadline - time.monotonic()
+            if self._stop is not None:
+                remaining = min(remaining, STOP_POLL_S)
             ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
             if self._socket not in ready:
                 if self._monitor in ready:
                     recv_monitor_message(self._monitor)  # the only event asked for
                     self._timed_out(command, "reply", "the connection dropped while waiting")
+                if self._stopping() and time.monotonic() >= stop_deadline:
+                    self._timed_out(command, "reply")
                 if time.monotonic() < deadline:
                     continue
                 self._timed_out(command, "reply")
@@ -192,9 +218,17 @@ class ZmqBufferClient:
                               f"{reply.body.get('error', reply.body)}")
         return reply
 
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
     def _timed_out(self, command: str, stage: str, why: str = "") -> NoReturn:
+        """Give the request up: a fresh socket, so its late reply never answers another one.
+        Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent)."""
         self._disconnect()
         self._socket, self._monitor = self._connect()
+        if self._stopping():
+            raise BufferStopped(f"buffer broker {self.address}: stopped waiting for the "
+                                f"{stage} to {command!r}: stopping ({why or 'no answer'})")
         raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} "
                       f"({why or f'not within {self.timeout_s:.1f}s'})")
 

@@ -45,6 +45,7 @@ class RankContext:
     client: BufferClient
     member: str
     address: str | None = None
+    stop: threading.Event | None = None  # the role's: the rank's buffer clients are given it
 
 
 def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, master_port: int,
@@ -67,8 +68,8 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     device = init_learner_group(rank, world, master_port=master_port,
                                 master_addr=cfg.learner.master_addr, device=cfg.learner.device,
                                 timeout_s=cfg.learner.collective_timeout_s)
-    ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address), f"learner-{rank}",
-                      address)
+    ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address, stop), f"learner-{rank}",
+                      address, stop)
     driver = None
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
@@ -343,12 +344,13 @@ class _RankZero:
         self.ctx, self.cfg = ctx, ctx.cfg
         # The next batch is fetched and collated on a thread of its own, with its own client.
         self.prefetcher = BatchPrefetcher(
-            connect_buffer(self.cfg, ctx.address), ctx.member, self.cfg.learner.groups_per_step,
+            connect_buffer(self.cfg, ctx.address, ctx.stop), ctx.member,
+            self.cfg.learner.groups_per_step,
             lambda batch: _prepare(self.cfg, ctx.world, batch), BATCH_POLL_S,
             self.cfg.buffer.reclaim_idle_s)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
-        self.weights_client = connect_buffer(self.cfg, ctx.address)
+        self.weights_client = connect_buffer(self.cfg, ctx.address, ctx.stop)
         self.publisher = WeightPublisher(
             self.weights_client,
             WeightBroadcaster(self.weights_client,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from asyncrl.config import Config
 from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
-from buffers import BufferClient, connect_buffer
+from buffers import BufferClient, BufferStopped, connect_buffer
 from buffers.protocol import DONE, STOPPED
 
 if TYPE_CHECKING:
@@ -46,14 +46,16 @@ def member_name(index: int, pid: int) -> str:
     return f"rollout-{index}-{pid}"
 
 
-def report_crashed(cfg: Config, address: str | None, index: int, pid: int, reason: str) -> None:
+def report_crashed(cfg: Config, address: str | None, index: int, pid: int, reason: str,
+                   stop: threading.Event | None = None) -> None:
     """Say on the control plane, for worker ``index`` (process ``pid``) that died without its
     last heartbeat, what that heartbeat would have said: stopped. Its supervisor calls this:
     the learner then stops waiting for it in a weight update at once, instead of after
-    ``buffer.heartbeat_timeout_s`` of silence (the whole run waits while it does)."""
+    ``buffer.heartbeat_timeout_s`` of silence (the whole run waits while it does).
+    ``stop``: the supervisor's stop event (a stopping supervisor does not wait for it)."""
     member = member_name(index, pid)
     try:
-        with connect_buffer(cfg, address) as client:
+        with connect_buffer(cfg, address, stop) as client:
             client.heartbeat(member, "rollout", {"state": STOPPED, "exit": reason})
     except Exception as exc:  # noqa: BLE001 - the heartbeat timeout still ends the wait
         logger.warning("could not report %s as stopped: %s", member, exc)
@@ -75,8 +77,8 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     engine = make_engine(cfg, model_dir, index)
     producer = make_producer(cfg, engine, model_dir, index)
-    client = connect_buffer(cfg, address)
-    receiver_client = connect_buffer(cfg, address)  # clients are per thread
+    client = connect_buffer(cfg, address, stop)
+    receiver_client = connect_buffer(cfg, address, stop)  # clients are per thread
     receiver = make_weight_receiver(engine, receiver_client, member,
                                     host=broadcast_host(cfg, address))
     endpoint = start_endpoint(cfg.monitor, "rollout", member, index)
@@ -105,6 +107,9 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
     def run(index: int) -> None:
         try:
             run_rollout_worker(cfg, index, address, stop)
+        except BufferStopped as exc:  # the stop asked for (a signal), with the broker gone
+            logger.info("rollout worker %d stopped without waiting for the buffer: %s",
+                        index, exc)
         except Exception:  # noqa: BLE001 - reported, then every thread is stopped
             logger.exception("rollout worker %d failed: stopping the others", index)
             failures.append(index)
