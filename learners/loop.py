@@ -30,6 +30,7 @@ from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer
 from buffers.lease import keep_leased
+from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.lora import engine_state, sends_adapters
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         trainer.save_pretrained(cfg.run_dir / "final",
                                 state=None if sends_adapters(cfg) else state)
         if driver is not None:
-            driver.finish(state, trainer.version)
+            driver.finish(state, trainer.version, done=not stop.is_set())
     finally:
         if driver is not None:
             driver.close()
@@ -424,13 +425,18 @@ class _RankZero:
                 "rollout/gate_wait_s": sum(i.get("gate_wait_s", 0.0) for i in infos),
                 "rollout/generate_s": sum(i.get("generate_s", 0.0) for i in infos)}
 
-    def finish(self, state, version: int) -> None:
+    def finish(self, state, version: int, done: bool) -> None:
+        """The final eval, and, when training finished (``done``), the run marked done: its
+        workers exit and the buffer discards what was never consumed. A stopped run is left
+        running for its resume: its broker replays the status from the spill file (Redis
+        keeps it), and a resumed run marked done would find its workers gone."""
         self.publisher.wait()  # the last version is published before the run is marked done
         final = self.evaluate(state, version)
         record = {"step": "final", "time_s": round(time.monotonic() - self.start, 3), **final}
         self.writer.write(record)
         (self.cfg.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-        self.ctx.client.set_key("run/status", {"status": "done"})
+        if done:
+            self.ctx.client.set_key(RUN_STATUS_KEY, {"status": DONE})
         self.close()
         logger.info("final held-out greedy eval: %s", final)
 

@@ -1,0 +1,50 @@
+"""Ctrl-C of `asyncrl up`, then `asyncrl up` again, as the README tells a quickstart user: the
+second run resumes from the checkpoint the stop left, its broker replays the default spill
+file, and it trains on to ``total_steps``.
+
+A stop leaves the run running in its buffer (only the end of training marks it done): before,
+the stopped learner marked it done, the replayed broker said so to the new workers, they
+exited, and the resumed learner waited for data forever."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from learners.checkpoint import latest, read_meta
+from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
+
+pytestmark = pytest.mark.slow
+
+TOTAL_STEPS = 40
+STOP_AFTER = 12  # steps: past the checkpoints at 5 and 10
+
+
+def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
+                                                    processes: Processes) -> None:
+    sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=again",
+            "--set", f"learner.total_steps={TOTAL_STEPS}", "--set", "eval.every_steps=0",
+            "--set", "checkpoint.every_steps=5"]
+    run_dir = tmp_path / "again"
+    first = processes.start("up1", "up", str(QUICKSTART), *sets)
+    wait_for(lambda: len(step_records(run_dir / "metrics.jsonl")) >= STOP_AFTER, 180,
+             f"{STOP_AFTER} learner steps")
+    first.send_signal(signal.SIGINT)  # what Ctrl-C sends `up` (its roles have sessions of their own)
+    first.wait(timeout=120)
+    stopped = read_meta(latest(run_dir / "checkpoints"))
+    assert not stopped.counters["finished"] and stopped.version < TOTAL_STEPS
+    buffer_log = (run_dir / "logs" / "buffer.log").read_text()
+    assert "-> done" not in buffer_log, buffer_log  # a stop is not the end of the run
+
+    second = processes.start("up2", "up", str(QUICKSTART), *sets)
+    assert second.wait(timeout=300) == 0, processes.log("up2")
+    buffer_log = (run_dir / "logs" / "buffer.log").read_text()
+    assert "replayed" in buffer_log, buffer_log  # the default spill file, kept for the resume
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert f"resuming at version {stopped.version}" in learner_log, learner_log
+    steps = [r["step"] for r in step_records(run_dir / "metrics.jsonl")]
+    assert steps[-1] == TOTAL_STEPS, steps[-5:]
+    final = read_meta(latest(run_dir / "checkpoints"))
+    assert final.version == TOTAL_STEPS and final.counters["finished"]
