@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,12 +156,20 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     class registered for ``config.json``'s model type (``Qwen2Tokenizer`` for the tiny model),
     which rebuilds the pipeline and adds ``<|endoftext|>`` beyond the model's vocabulary.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    with _LAZY_IMPORTS:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    kwargs = _hub_kwargs(path)
-    if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
-    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+        kwargs = _hub_kwargs(path)
+        if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+        return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+# transformers resolves its names on first use, and not thread-safely: threads that ask for
+# PreTrainedTokenizerFast at once fail with "cannot import name" (every time, with 4 threads,
+# here). The simulated engine runs many rollout workers as threads of one process, each
+# loading its tokenizer as it starts; they load one at a time (a one-off, short wait).
+_LAZY_IMPORTS = threading.Lock()
 
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
