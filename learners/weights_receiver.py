@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from buffers import BufferStopped
 from buffers.protocol import ControlPlane
 from learners.weights_group import (
     ANNOUNCE_KEY,
@@ -119,6 +120,8 @@ class WeightReceiver:
                 if got is not None:
                     self._seq, announcement = got
                     self._serve(announcement)
+            except BufferStopped:  # the role is stopping, and its broker does not answer
+                break
             except RuntimeError as exc:  # gloo or store: a peer is gone or the epoch moved on
                 logger.warning("weights: receiver %s left its group: %s", self.member,
                                str(exc).splitlines()[0][:200] if str(exc) else repr(exc))

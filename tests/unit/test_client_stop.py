@@ -144,3 +144,21 @@ def test_a_learner_whose_broker_was_killed_exits_promptly_on_sigterm(
     assert learner.wait(timeout=30) == 0, processes.log("learner")
     assert time.monotonic() - stopped < 10, processes.log("learner")
     assert "Traceback" not in processes.log("learner"), processes.log("learner")
+
+
+def test_a_stopping_roles_weight_receiver_ends_without_a_traceback(silent_broker, caplog):
+    """The receiver's thread polls announcements through its own client: a stop with the
+    broker gone ends it quietly, instead of a traceback per poll until it is joined."""
+    from learners.weights_receiver import WeightReceiver
+
+    address, _ = silent_broker
+    stop = threading.Event()
+    stop.set()
+    with ZmqBufferClient(address, stop=stop, **SLOW) as control:
+        receiver = WeightReceiver(control, "rollout-0", lambda named, version: None, poll_s=0.1)
+        with caplog.at_level(logging.INFO):
+            receiver.start()
+            wait_for(lambda: not any(t.name == "weights-rollout-0"
+                                     for t in threading.enumerate()), 5, "the thread to end")
+        receiver.stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
