@@ -53,12 +53,12 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     run name; keys live under ``buffer.namespace`` or ``asyncrl:<run_id>``) and
     ``groups_per_step`` (``learner.groups_per_step``). Both are ignored for ZMQ.
 
-    ``stop`` (ZMQ): once set, a request no longer waits out ``request_timeout_s`` and its
-    re-sends for a broker that does not answer; it raises :class:`BufferStopped` instead
-    (see :class:`~buffers.zmq_client.ZmqBufferClient`), so a role whose broker is gone for good
-    still stops promptly on a signal. Redis ignores it: its requests are bounded by redis-py's
-    socket timeout and reconnect retries (each about ``request_timeout_s``), which this does
-    not shorten.
+    ``stop``: the role's stop event. Once set, a request no longer waits out
+    ``request_timeout_s`` and its re-sends (ZMQ) or redis-py's reconnect retries (Redis) for a
+    broker or Redis that does not answer; it raises :class:`BufferStopped` instead (see
+    :class:`~buffers.zmq_client.ZmqBufferClient` and
+    :class:`~buffers.redis_connect.StopGuard`), so a role whose buffer is gone for good still
+    stops promptly on a signal. A live one still answers: long polls run their course.
     """
     if config.type == "zmq":
         from buffers.zmq_client import ZmqBufferClient
@@ -70,5 +70,6 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
         if groups_per_step is None:
             raise ValueError("buffer.type = 'redis' needs groups_per_step "
                              "(learner.groups_per_step): every client applies the gate")
-        return RedisBufferClient(config, run_id=run_id, groups_per_step=groups_per_step)
+        return RedisBufferClient(config, run_id=run_id, groups_per_step=groups_per_step,
+                                 stop=stop)
     raise ValueError(f"buffer.type: unknown backend {config.type!r}")

@@ -48,24 +48,32 @@ Choices worth knowing:
   script ran but before its reply arrived runs it again: a put files each group once (its
   payload key, kept once filed, says so), an acquire holds its slots until the producer
   releases or goes silent.
+- A client given the role's ``stop`` event stops waiting for a Redis that does not answer
+  once it is set (:class:`~buffers.redis_connect.StopGuard`): no reconnect retries, about a
+  second per request, then :class:`~buffers.BufferStopped`. Long polls (``get_batch``,
+  ``get_key``) still run to their ``timeout_s`` on a live Redis, and a put that finds the
+  buffer full waits :data:`STOP_GRACE_S` more, not ``request_timeout_s``, as with ZMQ.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar, cast
 
 import orjson
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
+from buffers import BufferStopped
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING, Batch, Grant, PutResult
-from buffers.redis_connect import Client, connect, is_cluster, run_namespace
+from buffers.redis_connect import Client, StopGuard, connect, is_cluster, run_namespace
 from buffers.redis_consumer import RedisConsumer
 from buffers.redis_entries import StagedPut, put_results, stage_put
 from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
@@ -77,6 +85,21 @@ logger = logging.getLogger(__name__)
 PUT_BACKOFF_S = (0.01, 0.2)  # first and largest wait while the buffer is full
 PUT_WINDOW = 8  # put_many: groups per script call (each call blocks Redis while it runs)
 STAGE_MARGIN_S = 30.0  # a staged payload outlives 2 x request_timeout_s by this much
+STOP_GRACE_S = 0.5  # once stopping: how much longer a put waits for room (ZMQ's grace)
+LOST = (RedisError, RedisClusterException, BufferStopped)  # what closing and cleanup survive
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _request(method: F) -> F:
+    """A request of the client: once its stop event is set, a Redis that does not answer
+    raises :class:`~buffers.BufferStopped` (see :class:`~buffers.redis_connect.StopGuard`)."""
+    @functools.wraps(method)
+    def request(self: RedisBufferClient, *args: Any, **kwargs: Any) -> Any:
+        with self._stop.answered(f"redis buffer {self.keys.namespace}: {method.__name__}"):
+            return method(self, *args, **kwargs)
+
+    return cast(F, request)
 
 
 class BufferRefused(RuntimeError):
@@ -86,13 +109,17 @@ class BufferRefused(RuntimeError):
 class RedisBufferClient:
     """Buffer and control plane of run ``run_id`` in the Redis at ``config.url``.
 
-    Not thread-safe (like every client): open one per thread.
+    Not thread-safe (like every client): open one per thread. ``stop``: the owner's stop
+    event (see the module docstring).
     """
 
-    def __init__(self, config: BufferConfig, run_id: str = "", groups_per_step: int = 1) -> None:
+    def __init__(self, config: BufferConfig, run_id: str = "", groups_per_step: int = 1,
+                 stop: threading.Event | None = None) -> None:
         self.config = config
         self.gate = StalenessGate(config.max_staleness, groups_per_step)
-        self._redis = connect(config)
+        self._stop = StopGuard(stop)
+        with self._stop.answered("redis buffer: connect"):
+            self._redis = self._stop.watch(connect(config, stop))
         self._cluster = is_cluster(self._redis)
         self.keys = RedisKeys(run_namespace(config, run_id, self._cluster))
         self._all_keys = self.keys.all()
@@ -103,11 +130,15 @@ class RedisBufferClient:
         self._rejections = Rejections()
         self._stage_ttl_ms = int((2 * config.request_timeout_s + STAGE_MARGIN_S) * 1000)
         self._consumer = RedisConsumer(self._redis, self._run, self.keys, config, self.gate,
-                                       self._rejections)
-        self.run_id = self._run("init", run_id).decode()
+                                       self._rejections, self._stop)
+        self.run_id = self._init(run_id)
         if run_id and self.run_id != run_id:
             logger.warning("namespace %s belongs to run %r, not %r", self.keys.namespace,
                            self.run_id, run_id)
+
+    @_request
+    def _init(self, run_id: str) -> str:
+        return self._run("init", run_id).decode()
 
     def _run(self, script: str, *args: Any) -> Any:
         return self._scripts[script](keys=self._all_keys, args=[*self._params, *args])
@@ -115,8 +146,9 @@ class RedisBufferClient:
     def close(self) -> None:
         """Forget consumers that hold nothing (their pending groups must stay reclaimable)."""
         try:
+            self._stop.stopping()  # a stopping owner's close is bounded too
             self._consumer.tidy()
-        except RedisError as exc:  # closing must work with the server gone too
+        except LOST as exc:  # closing must work with the server gone too
             logger.warning("redis buffer %s: consumers not tidied on close: %s",
                            self.keys.namespace, exc)
         finally:
@@ -130,21 +162,25 @@ class RedisBufferClient:
 
     # --- producers ------------------------------------------------------------------------
 
+    @_request
     def acquire(self, producer: str, want: int, engine_version: int) -> Grant:
         granted, version, status = self._run("acquire", producer, max(0, want), engine_version)
         return Grant(granted=int(granted), version=int(version), run_status=status.decode())
 
+    @_request
     def release(self, producer: str, count: int) -> None:
         self._run("release", producer, max(0, count))
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
         return self.put_many(producer, [group])[0]
 
+    @_request
     def put_frames(self, producer: str, frames: Sequence[bytes]) -> PutResult:
         """Put already-encoded frames; validated here, and again by consumers."""
         staged = stage_put(frames, self.config.max_message_bytes, self._rejections, producer)
         return self._put_items(producer, [staged])[0]
 
+    @_request
     def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
                  window: int = PUT_WINDOW) -> list[PutResult]:
         """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>` with one round trip
@@ -172,14 +208,23 @@ class RedisBufferClient:
             if done:  # progress: the timeout counts from here, like a fresh put
                 deadline = time.monotonic() + self.config.request_timeout_s
                 delay = PUT_BACKOFF_S[0]
+            if full and self._stop.stopping():  # as the ZMQ broker's put: a short grace
+                deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
             if full and time.monotonic() + delay > deadline:
-                raise TimeoutError(f"redis buffer {self.keys.namespace}: still full (max_groups="
-                                   f"{self.config.max_groups}) after "
-                                   f"{self.config.request_timeout_s:.1f}s")
+                self._still_full()
             if full:
                 time.sleep(delay)  # backpressure: wait for learners to ack
                 delay = min(PUT_BACKOFF_S[1], delay * 2)
         return results
+
+    def _still_full(self) -> NoReturn:
+        """The put gave up waiting for room: its remaining groups were not accepted."""
+        if self._stop.stopping():
+            raise BufferStopped(f"redis buffer {self.keys.namespace}: put: still full "
+                                f"(max_groups={self.config.max_groups}); stopping")
+        raise TimeoutError(f"redis buffer {self.keys.namespace}: still full (max_groups="
+                           f"{self.config.max_groups}) after "
+                           f"{self.config.request_timeout_s:.1f}s")
 
     def _put_window(self, producer: str, items: list[StagedPut]) -> Any:
         """One pipeline: ``SET`` (with an expiry) of the payloads not staged yet, then the
@@ -231,20 +276,24 @@ class RedisBufferClient:
 
     # --- learners -------------------------------------------------------------------------
 
+    @_request
     def get_batch(self, consumer: str, count: int, learner_version: int,
                   timeout_s: float, ack: Batch | None = None) -> Batch | None:
         return self._consumer.get_batch(consumer, count, learner_version, timeout_s, ack)
 
+    @_request
     def ack(self, consumer: str, batch: Batch, consumed: int | None = None) -> None:
         """``consumed`` is not needed here (see the protocol): Redis keeps the counters."""
         self._consumer.ack(consumer, batch)
 
+    @_request
     def renew(self, consumer: str, batch: Batch) -> int:
         """Keep ``batch`` from being reclaimed during a long step (see the protocol)."""
         return self._consumer.renew(consumer, batch)
 
     # --- control plane --------------------------------------------------------------------
 
+    @_request
     def publish_version(self, version: int) -> None:
         try:
             self._run("publish_version", version)
@@ -253,13 +302,16 @@ class RedisBufferClient:
                 raise BufferRefused(f"redis buffer {self.keys.namespace}: {exc}") from None
             raise
 
+    @_request
     def restore_progress(self, version: int, consumed: int) -> int:
         return int(self._run("restore_progress", version, consumed))
 
+    @_request
     def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
         version, status = self._run("heartbeat", member, role, _dumps(info))
         return {"version": int(version), "run_status": status.decode()}
 
+    @_request
     def set_key(self, key: str, value: dict[str, Any]) -> int:
         """Marking the run done also discards the groups it never consumed: the script drops
         the filed ones with the status change, then :meth:`_discard_staged` the staged ones."""
@@ -285,13 +337,14 @@ class RedisBufferClient:
         try:
             staged = _payload_keys(self._redis, self.keys)
             deleted = int(self._redis.unlink(*staged)) if staged else 0
-        except RedisError as exc:
+        except LOST as exc:
             logger.warning("redis buffer %s: run done; staged payloads not deleted (they "
                            "expire by themselves): %s", self.keys.namespace, exc)
             return
         logger.info("redis buffer %s: run done; %d unconsumed groups and %d staged payloads "
                     "discarded", self.keys.namespace, discarded, deleted)
 
+    @_request
     def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
         if not keys:
             return {}
@@ -301,6 +354,7 @@ class RedisBufferClient:
         return {key: (int(seq), orjson.loads(value))
                 for key, seq, value in zip(keys, seqs, values) if seq is not None}
 
+    @_request
     def get_key(self, key: str, newer_than: int = 0,
                 timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:
         deadline = time.monotonic() + max(0.0, timeout_s)
@@ -316,8 +370,9 @@ class RedisBufferClient:
                 return None
             wait_s = min(remaining, self.config.request_timeout_s / 2)
             self._redis.xread({self.keys.notify: last[0][0] if last else b"0-0"}, count=1,
-                              block=max(1, int(wait_s * 1000)))
+                              block=self._stop.block_ms(wait_s))
 
+    @_request
     def status(self) -> dict[str, Any]:
         self._run("reap")
         pipe = self._redis.pipeline(transaction=True)

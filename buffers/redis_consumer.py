@@ -22,7 +22,7 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError
 from buffers.protocol import Batch
-from buffers.redis_connect import Client
+from buffers.redis_connect import Client, StopGuard
 from buffers.redis_entries import decode_entry, entry_fields
 from buffers.redis_scripts import GROUP, RedisKeys
 from buffers.redis_status import batch_stats
@@ -36,8 +36,8 @@ class RedisConsumer:
     """Per-consumer state of one client: held entries, drops to report, served stalenesses."""
 
     def __init__(self, client: Client, run: Run, keys: RedisKeys, config: BufferConfig,
-                 gate: StalenessGate, rejections: Rejections) -> None:
-        self._redis, self._run, self._keys = client, run, keys
+                 gate: StalenessGate, rejections: Rejections, stop: StopGuard) -> None:
+        self._redis, self._run, self._keys, self._stop = client, run, keys, stop
         self._config, self._gate, self._rejections = config, gate, rejections
         self._names: dict[str, str] = {}
         self._held: dict[str, list[tuple[str, TrajectoryGroup]]] = {}
@@ -72,8 +72,8 @@ class RedisConsumer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            wait_ms = max(1, int(min(remaining, self._wake_s) * 1000))
-            self._redis.xread({self._keys.index: tail}, count=1, block=wait_ms)
+            self._redis.xread({self._keys.index: tail}, count=1,
+                              block=self._stop.block_ms(min(remaining, self._wake_s)))
 
     def ack(self, consumer: str, batch: Batch) -> None:
         acks = self._ack_args(batch)
