@@ -38,6 +38,14 @@ class Processes:
         self.procs.append(proc)
         return proc
 
+    def start_buffer(self, *args: str) -> tuple[subprocess.Popen, str]:
+        """``asyncrl buffer ARGS`` (config and ``--set``s), once it listens: the process and
+        the address it wrote to its ``--address-file``."""
+        address_file = self.log_dir / "buffer.addr"
+        proc = self.start("buffer", "buffer", *args, "--address-file", str(address_file))
+        wait_for(address_file.exists, 30, "the buffer address")
+        return proc, address_file.read_text().strip()
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 

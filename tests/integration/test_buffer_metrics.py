@@ -14,10 +14,7 @@ def test_buffer_role_serves_its_status(tmp_path: Path, processes: Processes) -> 
 
     port = free_port_block(1)
     sets = [f"run.output_dir={tmp_path}", f"monitor.prometheus_port={port}"]
-    address_file = tmp_path / "buffer.addr"
-    processes.start("buffer", "buffer", str(QUICKSTART), *(a for s in sets for a in ("--set", s)),
-                    "--address-file", str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
+    _, address = processes.start_buffer(str(QUICKSTART), *(a for s in sets for a in ("--set", s)))
 
     def served() -> dict:
         try:
@@ -29,7 +26,7 @@ def test_buffer_role_serves_its_status(tmp_path: Path, processes: Processes) -> 
     labels = (("member", "buffer"), ("role", "buffer"))
     assert served()[("asyncrl_buffer_version", labels)] == 0
 
-    client = connect_buffer(load_config(QUICKSTART, sets), address_file.read_text().strip())
+    client = connect_buffer(load_config(QUICKSTART, sets), address)
     try:
         client.heartbeat("rollout-0-1", "rollout", {"engine_version": 0})
         client.publish_version(1)

@@ -20,11 +20,7 @@ pytestmark = pytest.mark.slow
 def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=roles",
             "--set", "learner.total_steps=120", "--set", "eval.every_steps=0"]
-    address_file = tmp_path / "buffer.addr"
-    buffer = processes.start("buffer", "buffer", str(QUICKSTART), *sets,
-                             "--address-file", str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
-    address = address_file.read_text().strip()
+    buffer, address = processes.start_buffer(str(QUICKSTART), *sets)
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, "--buffer", address,
                               "--workers", "2")

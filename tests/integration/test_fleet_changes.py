@@ -29,11 +29,7 @@ def test_engines_join_and_die_mid_run(tmp_path: Path, processes: Processes) -> N
     # Liveness (30 s) slower than a learner step even on a loaded machine, so the killed engine
     # is still listed at the next sync and its eviction (join timeout, 5 s) is what removes it:
     # with 3 s, a step slower than 3 s let liveness drop it first and nothing was evicted.
-    address_file = tmp_path / "buffer.addr"
-    processes.start("buffer", "buffer", str(QUICKSTART), *sets, "--address-file",
-                    str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
-    address = address_file.read_text().strip()
+    _, address = processes.start_buffer(str(QUICKSTART), *sets)
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
     first = processes.start("rollout0", "rollout", str(QUICKSTART), *sets, "--buffer", address,
                             "--workers", "1", "--first-index", "0")

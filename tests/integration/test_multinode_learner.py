@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.metrics import read_jsonl
 from learners.dist import free_port
-from tests.integration.conftest import QUICKSTART, Processes, wait_for
+from tests.integration.conftest import QUICKSTART, Processes
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +20,7 @@ def test_two_nodes_form_one_group_and_learn(tmp_path: Path, processes: Processes
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=nodes",
             "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0",
             "--set", "rollout.workers=1", "--set", "checkpoint.every_steps=0"]
-    address_file = tmp_path / "buffer.addr"
-    processes.start("buffer", "buffer", str(QUICKSTART), *sets,
-                    "--address-file", str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
-    address = address_file.read_text().strip()
+    _, address = processes.start_buffer(str(QUICKSTART), *sets)
     topology = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                 "--buffer", address]
     nodes = [processes.start(f"node{k}", "learner", str(QUICKSTART), *sets, *topology,

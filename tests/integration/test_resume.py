@@ -32,11 +32,8 @@ def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=resume",
             "--set", f"learner.total_steps={TOTAL_STEPS}", "--set", "eval.every_steps=0",
             "--set", "checkpoint.every_steps=5"]
-    run_dir, address_file = tmp_path / "resume", tmp_path / "buffer.addr"
-    processes.start("buffer", "buffer", str(QUICKSTART), *sets, "--address-file",
-                    str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
-    at = ["--buffer", address_file.read_text().strip()]
+    run_dir = tmp_path / "resume"
+    at = ["--buffer", processes.start_buffer(str(QUICKSTART), *sets)[1]]
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, *at)
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, *at,
                               "--workers", "2")

@@ -126,11 +126,7 @@ def test_a_learner_whose_broker_was_killed_exits_promptly_on_sigterm(
                              "weights.transport=sim", "eval.every_steps=0",
                              f"run.output_dir={tmp_path}", "run.name=orphan")
             for item in ("--set", key)]
-    address_file = tmp_path / "buffer.addr"
-    broker = processes.start("buffer", "buffer", str(QUICKSTART), *sets,
-                             "--address-file", str(address_file))
-    wait_for(address_file.exists, 30, "the buffer address")
-    address = address_file.read_text().strip()
+    broker, address = processes.start_buffer(str(QUICKSTART), *sets)
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
     with ZmqBufferClient(address, timeout_s=5) as client:
         wait_for(lambda: client.status()["members"].get("learner-0", {}).get("info", {})
