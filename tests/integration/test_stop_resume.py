@@ -31,7 +31,7 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     first = processes.start("up1", "up", str(QUICKSTART), *sets)
     wait_for(lambda: len(step_records(run_dir / "metrics.jsonl")) >= STOP_AFTER, 180,
              f"{STOP_AFTER} learner steps")
-    first.send_signal(signal.SIGINT)  # what Ctrl-C sends `up` (its roles have sessions of their own)
+    first.send_signal(signal.SIGINT)  # Ctrl-C (`up`'s roles have sessions of their own)
     first.wait(timeout=120)
     stopped = read_meta(latest(run_dir / "checkpoints"))
     assert not stopped.counters["finished"] and stopped.version < TOTAL_STEPS
