@@ -114,8 +114,7 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     if meta is None:
         _check_fresh_buffer(ctx)
         return
-    consumed = int(meta.counters.get("groups_consumed",
-                                     meta.version * ctx.cfg.learner.groups_per_step))
+    consumed = int(meta.counters.get("groups_consumed", groups_consumed(ctx.cfg, meta.version)))
     # Every rank asks (it is idempotent) and gets the same answer: no one publishes now.
     buffer_version = ctx.client.restore_progress(trainer.version, consumed)
     ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming", "version": trainer.version})
@@ -185,8 +184,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if driver is not None:   # rank 0 read the batch: it acks it and reports on it
             # only now may the buffer forget these groups; the count lets a broker that
             # lost its state take over the steps it did not see (BufferClient.ack)
-            ctx.client.ack(ctx.member, batch,
-                           consumed=trainer.version * cfg.learner.groups_per_step)
+            ctx.client.ack(ctx.member, batch, consumed=groups_consumed(cfg, trainer.version))
             metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
             metrics.update(_consumed_versions(batch.groups, trainer.version - 1,
                                               cfg.buffer.max_staleness))
@@ -264,10 +262,17 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
             driver.resync_late_joiners(trainer.version)
 
 
+def groups_consumed(cfg: Config, version: int) -> int:
+    """Groups a learner at ``version`` has consumed: every step takes ``groups_per_step``
+    (a step whose groups were all filtered still consumes them). What it tells a buffer
+    that did not see those steps (a resume, an ack to a broker that lost its state)."""
+    return version * cfg.learner.groups_per_step
+
+
 def _counters(cfg: Config, version: int, stats: dict) -> dict[str, Any]:
     """The data position and the buffer's gate counters at this step, for ``meta.json``: the
     buffer keeps the live ones; these say where a resumed run picks up."""
-    return {"groups_consumed": version * cfg.learner.groups_per_step,
+    return {"groups_consumed": groups_consumed(cfg, version),
             "buffer": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
 
 
