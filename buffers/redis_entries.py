@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group
+from buffers.group_check import check_packed
 from buffers.packing import pack_group, unpack_group
 from buffers.protocol import PutResult
 
@@ -42,11 +43,12 @@ def stage_put(frames: Sequence[Any], max_message_bytes: int, rejections: Rejecti
         size = sum(memoryview(f).nbytes for f in frames)
         if size > max_message_bytes:
             raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
-        group = decode_group(frames)
+        payload = pack_group(frames)
+        group = check_packed(payload)  # decode_group's rules, in one C pass where built
     except WireError as exc:
         rejections.add(exc, producer)
         return StagedPut(exc.reason, -1, "")
-    return StagedPut("", group.min_version(), group.run_id, pack_group(frames))
+    return StagedPut("", group.min_version, group.run_id, payload)
 
 
 def put_results(answers: Sequence[Sequence[Any]]) -> tuple[list[PutResult], bool]:

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 
 from asyncrl.config.schema import BufferConfig
+from buffers import group_check
 from buffers.zmq_auth import CurveServer, bind_router
 from buffers.zmq_control import batch_stats, status_of
 from buffers.zmq_protocol import (
@@ -62,6 +63,8 @@ class ZmqBroker:
         journal, recovered = open_spill(self.spill) if self.spill else (None, None)
         if self.spill:
             logger.info("journaling accepted groups to %s", self.spill)
+        (logger.info if group_check.COMPILED else logger.warning)(
+            "checking groups: %s", group_check.describe())
         self.state = BrokerState(config, groups_per_step, run_id, journal=journal,
                                  recovered=recovered)
         self.bad_requests: Counter[str] = Counter()

@@ -28,7 +28,8 @@ from typing import Any
 
 import orjson
 
-from asyncrl.wire import TrajectoryGroup, WireError, decode_group
+from asyncrl.wire import WireError
+from buffers.group_check import GroupFacts, check_packed
 from buffers.packing import pack_group, unpack_group
 
 __all__ = ["pack_group", "unpack_group"]  # re-exported: the packed frame is this protocol's
@@ -121,13 +122,13 @@ def decode_reply(frames: Sequence[bytes]) -> tuple[bytes, Reply]:
     return _bytes(frames[0]), Reply(ok=status == OK, body=body, payload=list(frames[3:]))
 
 
-def decode_put(payload: Sequence[Any], nbytes: int, max_bytes: int) -> TrajectoryGroup:
-    """Validate a put's payload (one packed group), its size first, before decoding it."""
+def check_put(payload: Sequence[Any], nbytes: int, max_bytes: int) -> GroupFacts:
+    """Validate a put's payload (one packed group), its size first, before anything else."""
     if nbytes > max_bytes:
         raise WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
     if len(payload) != 1:
         raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
-    return decode_group(unpack_group(payload[0]))
+    return check_packed(payload[0])
 
 
 def error(reason: str, detail: str) -> Reply:

@@ -26,7 +26,7 @@ from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
-from buffers.zmq_protocol import decode_put
+from buffers.zmq_protocol import check_put
 from buffers.zmq_replay import restore, snapshot_of
 from buffers.zmq_spill import ACKED, DROP, Recovered, SpillLog
 
@@ -140,13 +140,13 @@ class BrokerState:
         self.members.touch(producer)
         nbytes = sum(memoryview(f).nbytes for f in payload)
         try:
-            group = decode_put(payload, nbytes, self.config.max_message_bytes)
+            group = check_put(payload, nbytes, self.config.max_message_bytes)
             if self.run_id and group.run_id and group.run_id != self.run_id:
                 raise WireError("run", f"group of run {group.run_id!r}, broker is "
                                        f"{self.run_id!r}")
         except WireError as exc:
             return self.reject(producer, exc)
-        return QueuedGroup(list(payload), group.min_version(), nbytes)
+        return QueuedGroup(list(payload), group.min_version, nbytes)
 
     def accept(self, producer: str, group: QueuedGroup) -> str:
         """Enqueue a checked group (journaled first); returns "" or the rejection reason."""

@@ -2,20 +2,34 @@
 
 from asyncrl.wire.group import (
     SCHEMA_VERSION,
+    GroupHeader,
     Rejections,
     TrajectoryGroup,
     WireError,
+    array_views,
+    check_array_sizes,
+    check_array_values,
     decode_group,
+    decode_header,
     encode_group,
     encode_group_views,
+    oldest_version,
+    value_error,
 )
 
 __all__ = [
     "SCHEMA_VERSION",
+    "GroupHeader",
     "Rejections",
     "TrajectoryGroup",
     "WireError",
+    "array_views",
+    "check_array_sizes",
+    "check_array_values",
     "decode_group",
+    "decode_header",
     "encode_group",
     "encode_group_views",
+    "oldest_version",
+    "value_error",
 ]

@@ -80,16 +80,8 @@ class TrajectoryGroup:
         return [slice(int(end - n), int(end)) for end, n in zip(ends, self.lengths)]
 
     def min_version(self) -> int:
-        """Oldest policy version among generated tokens (-1 if none was generated).
-
-        One unmasked ``min`` over the versions seen as uint32, where every negative int32
-        is above every non-negative one: no masked copy (10x faster on 8k-token groups,
-        and it runs for every group a buffer accepts or serves)."""
-        versions = np.asarray(self.versions, dtype="<i4")
-        if versions.size == 0:
-            return -1
-        oldest = int(versions.view(np.uint32).min())
-        return oldest if oldest < 2**31 else -1
+        """Oldest policy version among generated tokens (-1 if none was generated)."""
+        return oldest_version(self.versions)
 
     def staleness(self, learner_version: int) -> int:
         """``V − min(token versions)``: how many steps behind its oldest token is."""
@@ -109,6 +101,23 @@ class TrajectoryGroup:
                    finish_reasons=[str(s["finish_reason"]) for s in samples],
                    lengths=[len(s["tokens"]) for s in samples],
                    metadata=dict(metadata or {}), **arrays)
+
+
+def oldest_version(versions: np.ndarray) -> int:
+    """The oldest non-negative version, -1 if none. One unmasked ``min`` over the versions
+    seen as uint32, where every negative int32 is above every non-negative one: no masked copy
+    (10x faster on 8k-token groups, and it runs for every group a buffer accepts or serves)."""
+    versions = np.asarray(versions, dtype="<i4")
+    if versions.size == 0:
+        return -1
+    oldest = int(versions.view(np.uint32).min())
+    return oldest if oldest < 2**31 else -1
+
+
+def array_views(frames: Sequence[bytes | memoryview]) -> dict[str, np.ndarray]:
+    """Zero-copy arrays of frames 1-4, by field name (sizes checked by the caller)."""
+    return {name: np.frombuffer(frame, dtype=dtype)
+            for (name, dtype), frame in zip(_ARRAYS, frames)}
 
 
 def encode_group(group: TrajectoryGroup) -> list[bytes]:
@@ -137,6 +146,64 @@ def encode_group_views(group: TrajectoryGroup) -> list[bytes | memoryview]:
     return frames
 
 
+@dataclass(frozen=True)
+class GroupHeader:
+    """Frame 0 of a group, validated: what a buffer needs without touching the arrays."""
+
+    run_id: str
+    group_id: str
+    prompt_id: str
+    rewards: list[float]
+    finish_reasons: list[str]
+    lengths: list[int]
+    metadata: dict[str, Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def decode_header(frame: bytes | memoryview) -> GroupHeader:
+    """Parse and validate a group's header frame; raises :class:`WireError`. Shared by
+    :func:`decode_group` and the broker's check (:mod:`buffers.group_check`), so both reject a
+    group for the same reason."""
+    try:
+        header = orjson.loads(frame if isinstance(frame, bytes) else bytes(frame))
+    except orjson.JSONDecodeError as exc:
+        raise WireError("header", f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise WireError("header", "header is not an object")
+    if header.get("schema") != SCHEMA_VERSION:
+        raise WireError("schema", f"unknown schema version {header.get('schema')!r}")
+    try:
+        # orjson writes NaN/inf as null: a null reward is a non-finite one.
+        rewards = [math.nan if r is None else float(r) for r in header["rewards"]]
+        lengths = list(map(int, header["lengths"]))
+        reasons = list(map(str, header["finish_reasons"]))
+        ids = {k: str(header[k]) for k in ("group_id", "prompt_id")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError("header", f"missing or bad header field: {exc}") from None
+    if not lengths or len(rewards) != len(lengths) or len(reasons) != len(lengths):
+        raise WireError("length", f"{len(lengths)} lengths, {len(rewards)} rewards, "
+                                  f"{len(reasons)} finish reasons")
+    if min(lengths) <= 0:
+        raise WireError("length", "sample lengths must be positive")
+    if not all(map(math.isfinite, rewards)):
+        raise WireError("reward", "non-finite reward")
+    metadata = header.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise WireError("header", "metadata is not an object")
+    return GroupHeader(run_id=str(header.get("run_id", "")), rewards=rewards,
+                       finish_reasons=reasons, lengths=lengths, metadata=metadata, **ids)
+
+
+def check_array_sizes(sizes: Sequence[int], num_tokens: int) -> None:
+    """The four arrays' sizes in bytes (frames 1-4) against the header's token count."""
+    for (name, dtype), nbytes in zip(_ARRAYS, sizes):
+        if nbytes != num_tokens * dtype.itemsize:
+            raise WireError("length", f"{name}: {nbytes} bytes for {num_tokens} tokens")
+
+
 def decode_group(frames: Sequence[bytes | memoryview], check_values: bool = True
                  ) -> TrajectoryGroup:
     """Decode and validate; raises :class:`WireError` for anything malformed.
@@ -148,56 +215,35 @@ def decode_group(frames: Sequence[bytes | memoryview], check_values: bool = True
     group is not paid twice on the learner's fetch path."""
     if len(frames) != 1 + len(_ARRAYS):
         raise WireError("frames", f"expected {1 + len(_ARRAYS)} frames, got {len(frames)}")
-    try:
-        header = orjson.loads(bytes(frames[0]))
-    except orjson.JSONDecodeError as exc:
-        raise WireError("header", f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise WireError("header", "header is not an object")
-    if header.get("schema") != SCHEMA_VERSION:
-        raise WireError("schema", f"unknown schema version {header.get('schema')!r}")
-    try:
-        # orjson writes NaN/inf as null: a null reward is a non-finite one.
-        rewards = [math.nan if r is None else float(r) for r in header["rewards"]]
-        lengths = [int(n) for n in header["lengths"]]
-        reasons = [str(r) for r in header["finish_reasons"]]
-        ids = {k: str(header[k]) for k in ("group_id", "prompt_id")}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise WireError("header", f"missing or bad header field: {exc}") from None
-    if not lengths or len(rewards) != len(lengths) or len(reasons) != len(lengths):
-        raise WireError("length", f"{len(lengths)} lengths, {len(rewards)} rewards, "
-                                  f"{len(reasons)} finish reasons")
-    if any(n <= 0 for n in lengths):
-        raise WireError("length", "sample lengths must be positive")
-    if not all(math.isfinite(r) for r in rewards):
-        raise WireError("reward", "non-finite reward")
-    total = sum(lengths)
-    arrays = {}
-    for (name, dtype), frame in zip(_ARRAYS, frames[1:]):
-        nbytes = len(memoryview(frame))
-        if nbytes != total * dtype.itemsize:
-            raise WireError("length", f"{name}: {nbytes} bytes for {total} tokens")
-        arrays[name] = np.frombuffer(frame, dtype=dtype)
+    header = decode_header(frames[0])
+    check_array_sizes([len(memoryview(f)) for f in frames[1:]], header.num_tokens)
+    arrays = array_views(frames[1:])
     if check_values:
-        _check_values(arrays)
-    metadata = header.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise WireError("header", "metadata is not an object")
-    return TrajectoryGroup(run_id=str(header.get("run_id", "")), rewards=rewards,
-                           finish_reasons=reasons, lengths=lengths, metadata=metadata,
-                           **ids, **arrays)
+        check_array_values(**arrays)
+    return TrajectoryGroup(run_id=header.run_id, rewards=header.rewards,
+                           finish_reasons=header.finish_reasons, lengths=header.lengths,
+                           metadata=header.metadata, group_id=header.group_id,
+                           prompt_id=header.prompt_id, **arrays)
 
 
-def _check_values(arrays: dict[str, np.ndarray]) -> None:
-    """The value checks, whole-array first (no masked copies): this runs for every group
-    a broker accepts. (Prompt tokens carry version -1, so a ``versions.min()`` shortcut
-    would never apply to real groups.)"""
-    mask = arrays["loss_mask"] != 0
-    logprobs = arrays["logprobs"]
+def check_array_values(tokens: np.ndarray, logprobs: np.ndarray, loss_mask: np.ndarray,
+                       versions: np.ndarray) -> None:
+    """The value checks, whole-array first (no masked copies). (Prompt tokens carry version
+    -1, so a ``versions.min()`` shortcut would never apply to real groups.) The broker runs
+    the same checks in C (``buffers/_groupscan.c``); :data:`VALUE_ERRORS` words both."""
+    mask = loss_mask != 0
     if not np.isfinite(logprobs).all() and not np.isfinite(logprobs[mask]).all():
-        raise WireError("logprob", "non-finite behaviour logprob on a trained token")
-    if np.logical_and(arrays["versions"] < 0, mask).any():
-        raise WireError("version", "a trained token has no policy version")
+        raise value_error("logprob")
+    if np.logical_and(versions < 0, mask).any():
+        raise value_error("version")
+
+
+VALUE_ERRORS = {"logprob": "non-finite behaviour logprob on a trained token",
+                "version": "a trained token has no policy version"}
+
+
+def value_error(reason: str) -> WireError:
+    return WireError(reason, VALUE_ERRORS[reason])
 
 
 class Rejections:

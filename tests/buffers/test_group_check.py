@@ -1,0 +1,170 @@
+"""The broker's group check (``buffers.group_check``): the compiled scan, the numpy fallback and
+the learner's ``decode_group`` accept and reject the same groups, for the same reason.
+
+The compiled path (``buffers/_groupscan.c``) is what the broker runs; the fallback is what it
+runs where the extension did not build. Each case is checked three ways and must agree on the
+outcome: the rejection (reason and message) or the facts the broker keeps (run id, oldest
+version), the latter against ``TrajectoryGroup.min_version`` of the decoded group.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import orjson
+import pytest
+
+from asyncrl.wire import TrajectoryGroup, WireError, decode_group, encode_group
+from buffers import group_check
+from buffers.group_check import GroupFacts, check_packed
+from buffers.packing import pack_group, unpack_group
+
+Outcome = tuple[str, str] | GroupFacts
+
+
+def make_frames(tokens: int = 12, samples: int = 3, seed: int = 0) -> list[bytes]:
+    """A valid group: 4 prompt tokens (version -1, untrained), the rest generated."""
+    rng = np.random.default_rng(seed)
+    rows = [{"tokens": rng.integers(0, 100, tokens), "reward": float(rng.random()),
+             "logprobs": np.r_[np.zeros(4), -rng.random(tokens - 4)],
+             "loss_mask": np.r_[np.zeros(4), np.ones(tokens - 4)],
+             "versions": np.r_[np.full(4, -1), rng.integers(3, 9, tokens - 4)],
+             "finish_reason": "stop"} for _ in range(samples)]
+    group = TrajectoryGroup.from_samples("g", "p", rows, run_id="run-a", metadata={"k": 1})
+    return encode_group(group)
+
+
+def outcome(check: Callable[[], GroupFacts]) -> Outcome:
+    try:
+        return check()
+    except WireError as exc:
+        return exc.reason, str(exc)
+
+
+def reference(packed: bytes) -> Outcome:
+    """What a learner's full decode says about the same bytes."""
+    def decode() -> GroupFacts:
+        group = decode_group(unpack_group(packed))
+        return GroupFacts(group.run_id, group.min_version())
+    return outcome(decode)
+
+
+def assert_agree(packed: bytes) -> Outcome:
+    expected = reference(packed)
+    assert outcome(lambda: check_packed(packed, compiled=False)) == expected
+    assert outcome(lambda: check_packed(packed, compiled=True)) == expected
+    return expected
+
+
+def with_header(frames: list[bytes], **changes: object) -> list[bytes]:
+    header = orjson.loads(frames[0])
+    for key, value in changes.items():
+        if value is None:
+            header.pop(key)
+        else:
+            header[key] = value
+    return [orjson.dumps(header), *frames[1:]]
+
+
+def with_array(frames: list[bytes], index: int, dtype: str, edit: Callable[[np.ndarray], None]
+               ) -> list[bytes]:
+    array = np.frombuffer(frames[index], dtype=dtype).copy()
+    edit(array)
+    return [*frames[:index], array.tobytes(), *frames[index + 1:]]
+
+
+def test_the_extension_is_built() -> None:
+    """``make test`` installs the package with its C scan; without it the broker falls back
+    to numpy (slower), and the benchmarks would measure that by mistake."""
+    assert group_check.COMPILED, (
+        "buffers._groupscan is not built: reinstall with a C compiler and Python headers "
+        "(pip install -e .), see setup.py")
+
+
+def test_valid_groups_agree_on_run_and_oldest_version() -> None:
+    for seed in range(5):
+        facts = assert_agree(pack_group(make_frames(tokens=5 + seed * 7, seed=seed)))
+        assert isinstance(facts, GroupFacts) and facts.run_id == "run-a"
+        assert 3 <= facts.min_version <= 8
+
+
+def test_a_group_with_no_generated_token_has_no_version() -> None:
+    frames = make_frames()
+    frames = with_array(frames, 3, "u1", lambda a: a.fill(0))
+    frames = with_array(frames, 4, "<i4", lambda a: a.fill(-1))
+    assert assert_agree(pack_group(frames)) == GroupFacts("run-a", -1)
+
+
+def test_value_rules_only_apply_to_trained_tokens() -> None:
+    frames = make_frames()
+    nan_on_prompt = with_array(frames, 2, "<f4", lambda a: a.__setitem__(0, np.nan))
+    assert isinstance(assert_agree(pack_group(nan_on_prompt)), GroupFacts)
+    for value in (np.nan, np.inf, -np.inf):
+        bad = with_array(frames, 2, "<f4", lambda a, v=value: a.__setitem__(-1, v))
+        assert assert_agree(pack_group(bad))[0] == "logprob"
+    no_version = with_array(frames, 4, "<i4", lambda a: a.__setitem__(5, -3))
+    assert assert_agree(pack_group(no_version))[0] == "version"
+    both = with_array(no_version, 2, "<f4", lambda a: a.__setitem__(7, np.inf))
+    assert assert_agree(pack_group(both))[0] == "logprob"  # decode_group's order
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"schema": 99}, "schema"),
+    ({"rewards": None}, "header"),
+    ({"lengths": "twelve"}, "header"),
+    ({"lengths": [12, 12]}, "length"),
+    ({"lengths": [12, 0, 24]}, "length"),
+    ({"rewards": [1.0, None, 0.0]}, "reward"),
+    ({"metadata": [1, 2]}, "header"),
+    ({"lengths": [12, 12, 13]}, "length"),  # arrays hold 36 tokens, the header says 37
+])
+def test_header_rules_agree(changes: dict, reason: str) -> None:
+    assert assert_agree(pack_group(with_header(make_frames(), **changes)))[0] == reason
+
+
+def test_broken_headers_and_frame_counts_agree() -> None:
+    frames = make_frames()
+    assert assert_agree(pack_group([b"{not json", *frames[1:]]))[0] == "header"
+    assert assert_agree(pack_group([b"[1, 2]", *frames[1:]]))[0] == "header"
+    for count in (0, 1, 4, 6):
+        assert assert_agree(pack_group((frames * 2)[:count]))[0] == "frames"
+    short = with_array(frames, 3, "u1", lambda a: None)
+    short[3] = short[3][:-1]
+    assert assert_agree(pack_group(short))[0] == "length"
+
+
+def test_broken_packing_agrees() -> None:
+    packed = pack_group(make_frames())
+    for broken in (b"", b"\x05", packed[:10], packed[:-1], packed + b"\0",
+                   struct.pack("<H", 0x8000 | 5) + packed[2:7]):
+        assert assert_agree(broken)[0] == "frames"
+
+
+def test_the_unaligned_packing_of_old_spill_files_reads_the_same() -> None:
+    frames = make_frames(tokens=13)
+    head = struct.pack("<H5I", 5, *(len(f) for f in frames))
+    unaligned = head + b"".join(frames)
+    assert assert_agree(unaligned) == assert_agree(pack_group(frames))
+
+
+def test_random_corruptions_agree() -> None:
+    """Bytes flipped anywhere (lengths, header, arrays): all three paths agree every time."""
+    rng = np.random.default_rng(7)
+    packed = pack_group(make_frames(tokens=9, samples=2))
+    reasons = set()
+    for _ in range(400):
+        corrupt = bytearray(packed)
+        for place in rng.integers(0, len(corrupt), rng.integers(1, 4)):
+            corrupt[place] = int(rng.integers(0, 256))
+        result = assert_agree(bytes(corrupt))
+        reasons.add(result[0] if isinstance(result, tuple) else "ok")
+    assert {"ok", "frames", "header"} <= reasons and reasons & {"logprob", "version"}
+
+
+def test_a_zmq_frame_is_checked_without_a_copy() -> None:
+    """The broker passes the received ``zmq.Frame`` itself."""
+    zmq = pytest.importorskip("zmq")
+    packed = pack_group(make_frames())
+    assert check_packed(zmq.Frame(packed)) == check_packed(packed)
