@@ -33,8 +33,9 @@ noisy. ``vs raw`` is backend / the fastest raw transport of the same size and pr
 topology) and a redis row / ``redis-raw-kv`` (the raw commands the backend uses). The last
 column is the CPU each role used over the counted window, in cores (medians; all producers
 together; ``server`` is the broker, ``zmq.proxy`` or ``redis-server``, ``–`` where there is
-none or it is not on this machine): a Python process near 1.0 is bound by its interpreter,
-all of them together near the machine's core count by the machine.
+none or it is not on this machine; in brackets its main thread alone, without ZMQ's I/O
+threads): a Python process near 1.0 is bound by its interpreter, the broker's main thread
+near 1.0 by the broker, all of them together near the machine's core count by the machine.
 
     python bench/buffer_throughput.py [--seconds 3] [--repeats 3] [--tokens 1024 8192]
                                       [--producers 1 4] [--only zmq zmq-raw ...]
@@ -67,7 +68,6 @@ from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
 logger = logging.getLogger("bench.buffer_throughput")
 WARMUP_S = 0.5
 START_TIMEOUT_S = 60.0
-GATE_POLL_S = 0.002  # a worker's GATE_POLL_S (0.02 s), shortened so it never limits the rate
 HWM = 64  # raw ZMQ high-water marks, in messages: bounded like max_groups
 FIELDS = (b"header", b"tokens", b"logprobs", b"loss_mask", b"versions")
 
@@ -82,6 +82,8 @@ class Spec:
     put_many: int = 0  # producers use put_many(chunk) where the backend has it
     spill_dir: str = ""  # the ZMQ broker journals to a spill file there
     io_threads: int = BufferConfig.model_fields["io_threads"].default  # broker's, and the proxy's
+    chunk: int = 8  # groups per put_many in the put-many rows: one engine batch of a worker
+    gate_poll_s: float = 0.002  # a producer refused a grant asks again after this long
 
 
 def make_group(spec: Spec, name: str) -> TrajectoryGroup:
@@ -118,7 +120,7 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
         if not granted:
             granted = client.acquire(name, 256, 0).granted
             if not granted:  # full: re-ask after a pause, as a worker does (not a busy loop)
-                stop.wait(GATE_POLL_S)
+                stop.wait(spec.gate_poll_s)
             continue
         batch = groups[:granted]
         for group in batch:
@@ -224,10 +226,11 @@ def _zmq_proxy(front: str, back: str, io_threads: int) -> None:
 Row = tuple[float, dict[str, float]]  # groups/s, and the CPU each role used (cores)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid``, all its threads (``/proc/<pid>/stat``)."""
+def _cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """User + system CPU time of process ``pid``, all its threads (``/proc/<pid>/stat``), or
+    only its main thread (``/proc/<pid>/task/<pid>/stat``)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:  # gone, or no procfs: counts as nothing
         return 0.0
@@ -246,7 +249,9 @@ class CpuMeter:
         self._t0 = 0.0
 
     def _now(self) -> dict[str, float]:
-        return {role: sum(_cpu_seconds(pid) for pid in pids) for role, pids in self.roles.items()}
+        """``role`` → CPU seconds; a role ending in ``-main`` counts main threads only."""
+        return {role: sum(_cpu_seconds(pid, role.endswith("-main")) for pid in pids)
+                for role, pids in self.roles.items()}
 
     def start(self) -> None:
         self._start, self._t0 = self._now(), time.perf_counter()
@@ -288,7 +293,8 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
     for p in procs:
         p.start()
     meter = CpuMeter({"producers": [p.pid for p in procs],
-                      "server": [server] if server else [], "consumer": [os.getpid()]})
+                      "server": [server] if server else [],
+                      "server-main": [server] if server else [], "consumer": [os.getpid()]})
     try:
         rate, _ = measure(take, seconds, meter)
         cpu = meter.stop()
@@ -523,7 +529,6 @@ RAW_OF = {"zmq-raw-2hop": ZMQ_RAW, "zmq": ZMQ_RAW, "zmq-put-many": ZMQ_RAW,
           "redis-put-many": ("redis-raw",)}
 KV_RATIO = ("redis", "redis-put-many")  # also shown against redis-raw-kv
 TWO_HOP_RATIO = ("zmq", "zmq-put-many", "zmq-spill")
-PUT_MANY = 8  # groups per put_many: one engine batch of a rollout worker
 
 
 def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Namespace
@@ -534,14 +539,14 @@ def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Names
         "zmq-raw-packed": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 1, packed=True),
         "zmq-raw-2hop": lambda: bench_zmq_raw(ctx, spec, producers, seconds, 2, packed=True),
         "zmq": lambda: bench_zmq(ctx, spec, producers, seconds),
-        "zmq-put-many": lambda: bench_zmq(ctx, replace(spec, put_many=PUT_MANY), producers,
+        "zmq-put-many": lambda: bench_zmq(ctx, replace(spec, put_many=spec.chunk), producers,
                                           seconds),
-        "zmq-spill": lambda: bench_zmq(ctx, replace(spec, put_many=PUT_MANY,
+        "zmq-spill": lambda: bench_zmq(ctx, replace(spec, put_many=spec.chunk,
                                                     spill_dir=args.spill_dir), producers, seconds),
         "redis-raw": lambda: bench_redis_raw(ctx, spec, producers, seconds),
         "redis-raw-kv": lambda: bench_redis_raw_kv(ctx, spec, producers, seconds),
         "redis": lambda: bench_redis(ctx, spec, producers, seconds),
-        "redis-put-many": lambda: bench_redis(ctx, replace(spec, put_many=PUT_MANY), producers,
+        "redis-put-many": lambda: bench_redis(ctx, replace(spec, put_many=spec.chunk), producers,
                                               seconds),
     }[name]
 
@@ -580,9 +585,11 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
             rates.get("redis-raw-kv") if name in KV_RATIO else None
         ratio_2hop = f"{rates[name] / second:.2f}" if second else ""
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
-        cpu = " / ".join(f"{statistics.median(c[role] for c in cpus[name]):.2f}"
-                         if any(c[role] for c in cpus[name]) else "–"
-                         for role in ("producers", "server", "consumer"))
+        cores = {role: f"{statistics.median(c[role] for c in cpus[name]):.2f}"
+                 if any(c[role] for c in cpus[name]) else "–" for role in cpus[name][0]}
+        if cores["server"] != "–":  # its main thread: where a Python broker's work is done
+            cores["server"] += f" ({cores['server-main']})"
+        cpu = " / ".join(cores[role] for role in ("producers", "server", "consumer"))
         print(f"| {label} | {producers} | {name} | {rates[name]:,.0f} ({spread}) | "
               f"{rates[name] * size / 1e6:,.0f} | {ratio} | {ratio_2hop} | {cpu} |", flush=True)
 
@@ -596,6 +603,11 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=8, help="samples per group")
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--batch", type=int, default=8, help="groups per get_batch")
+    parser.add_argument("--put-many", type=int, default=Spec.chunk,
+                        help="groups per put_many call in the *-put-many rows")
+    parser.add_argument("--gate-poll-s", type=float, default=Spec.gate_poll_s,
+                        help="a producer refused a grant (the buffer is full) asks again "
+                             "after this long (a rollout worker: 0.02 s)")
     parser.add_argument("--max-groups", type=int, default=64, help="buffer bound (groups)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
@@ -616,12 +628,13 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = mp.get_context("spawn")
     print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | "
-          "vs 2-hop / kv | CPU cores: producers / server / consumer |")
+          "vs 2-hop / kv | CPU cores: producers / server (main thread) / consumer |")
     print("|---|---|---|---:|---:|---:|---:|---|")
     for tokens in args.tokens:
         for producers in args.producers:
             spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url,
-                        io_threads=args.io_threads)
+                        io_threads=args.io_threads, chunk=args.put_many,
+                        gate_poll_s=args.gate_poll_s)
             run_config(ctx, spec, producers, args)
     return 0
 

@@ -1,0 +1,95 @@
+"""Per-group Python cost of the broker's put_many + get_batch/ack path, no sockets.
+
+A fake socket collects the replies, so this times the broker's own interpreter work: decode
+the request, check 8 groups, accept them, serve and ack a batch of 8 (8 samples x 1k tokens).
+The requests' ``zmq.Frame`` objects are made in the loop (~10 µs a group on the 2-core VM).
+
+    .venv/bin/python bench/results/groupscan/broker_hot.py run|prof [CODE_ROOT]
+
+``CODE_ROOT`` (default: this checkout) is put first on ``sys.path``, so a ``git archive`` copy
+of another commit can be timed with the same script; ``prof`` adds a cProfile listing.
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[2] if len(sys.argv) > 2 else str(Path(__file__).resolve().parents[3]))
+
+import numpy as np  # noqa: E402
+import orjson  # noqa: E402
+import zmq  # noqa: E402
+
+from asyncrl.config.schema import BufferConfig  # noqa: E402
+from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
+from buffers.packing import pack_group  # noqa: E402
+from buffers.zmq_broker import ZmqBroker  # noqa: E402
+
+TOKENS, SAMPLES, GROUPS = 1024, 8, 8
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[list] = []
+
+    def send_multipart(self, frames: list, copy: bool = True) -> None:
+        self.sent.append(frames)
+
+
+def packed_group() -> bytes:
+    n = TOKENS * SAMPLES
+    group = TrajectoryGroup(
+        group_id="g", prompt_id="p", rewards=[1.0] * SAMPLES, finish_reasons=["stop"] * SAMPLES,
+        lengths=[TOKENS] * SAMPLES, tokens=np.arange(n, dtype=np.int32),
+        logprobs=np.zeros(n, np.float32), loss_mask=np.ones(n, np.uint8),
+        versions=np.zeros(n, np.int32))
+    return pack_group(encode_group(group))
+
+
+def main() -> None:
+    packed = packed_group()
+    broker = ZmqBroker(BufferConfig(max_groups=64, max_staleness=10**6), groups_per_step=8)
+    socket = broker._socket = FakeSocket()
+    count = 0
+
+    def request(command: str, args: dict, payload: tuple = ()) -> list:
+        nonlocal count
+        count += 1
+        return [zmq.Frame(f) for f in (b"client", str(count).encode(), command.encode(),
+                                       orjson.dumps(args), *payload)]
+
+    def cycle(receipts: list[str]) -> list[str]:
+        broker._handle(request("acquire", {"producer": "p0", "want": GROUPS,
+                                           "engine_version": 0}))
+        broker._handle(request("put_many", {"producer": "p0"}, (packed,) * GROUPS))
+        args = {"consumer": "c", "count": GROUPS, "learner_version": 0, "timeout_s": 1.0}
+        if receipts:
+            args["ack"] = receipts
+        broker._handle(request("get_batch", args))
+        body = orjson.loads(socket.sent[-1][3])
+        socket.sent.clear()
+        return body["receipts"]
+
+    receipts: list[str] = []
+    for _ in range(200):
+        receipts = cycle(receipts)
+    rounds = 3000
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(rounds):
+        receipts = cycle(receipts)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    per = 1e6 / (rounds * GROUPS)
+    print(f"{wall * per:.1f} µs/group wall, {cpu * per:.1f} µs/group CPU")
+    if sys.argv[1:2] == ["prof"]:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            receipts = cycle(receipts)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
