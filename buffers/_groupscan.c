@@ -4,12 +4,13 @@
  * request. In Python and numpy that check cost ~40 us of a 1k-token group's ~60 us of broker
  * interpreter time (five numpy passes over the arrays, each with its own temporaries, plus
  * the unpacking). Here the packed layout (buffers/packing.py) is walked and the value checks
- * and the group's oldest version (asyncrl/wire/group.py: check_array_values, oldest_version)
- * are computed in one loop over the tokens, allocating nothing but the header's bytes.
+ * and the group's oldest version (asyncrl/wire/group.py: check_array_values and
+ * TrajectoryGroup.min_version) are computed in one loop over the tokens, allocating nothing
+ * but the header's bytes.
  *
  * The header (JSON) is left to Python: buffers/group_check.py parses it with orjson and applies
  * every rule in the order decode_group does, so both paths reject a group for the same reason.
- * That module also holds the numpy fallback used where this extension did not build.
+ * Where this extension did not build, that module falls back to decode_group itself.
  *
  * scan(packed) -> (lengths, header, min_version, value_reason)
  *   lengths       tuple of the packed frames' sizes in bytes

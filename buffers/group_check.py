@@ -5,9 +5,9 @@ A broker only needs a group's run id and oldest version, once every rule is chec
 array half (the packed layout, the value checks, the oldest version) runs in C when
 ``buffers._groupscan`` was built (``setup.py``): one loop over the tokens instead of five
 numpy passes: the broker's Python time per 1k-token group fell from ~69 to ~39 µs
-(``bench/results/groupscan/broker_hot.py``, 2-core VM). Where the extension did not build, the
-same rules run in numpy. Either way the
-header is parsed by :func:`~asyncrl.wire.decode_header` and the rules apply in
+(``bench/results/groupscan/broker_hot.py``, 2-core VM). Where the extension did not build,
+the learner's own :func:`~asyncrl.wire.decode_group` checks the group. The compiled path parses
+the header with the same :func:`~asyncrl.wire.decode_header` and applies the rules in
 ``decode_group``'s order, so a malformed group gets the same reason from both paths.
 """
 
@@ -20,11 +20,10 @@ from typing import Any
 
 from asyncrl.wire import (
     WireError,
-    array_views,
     check_array_sizes,
-    check_array_values,
+    check_frame_count,
+    decode_group,
     decode_header,
-    oldest_version,
     value_error,
 )
 from buffers.packing import unpack_group
@@ -36,7 +35,6 @@ try:  # the C scan reads little-endian values, as the wire format is
 except ImportError:  # not built: no compiler when the package was installed
     _groupscan = None
 COMPILED = _groupscan is not None and sys.byteorder == "little"
-FRAMES = 5
 
 
 @dataclass(frozen=True)
@@ -60,8 +58,7 @@ def _check_compiled(packed: Any) -> GroupFacts:
         lengths, header_frame, min_version, value_reason = _groupscan.scan(packed)
     except ValueError as exc:
         raise WireError("frames", str(exc)) from None
-    if len(lengths) != FRAMES:
-        raise WireError("frames", f"expected {FRAMES} frames, got {len(lengths)}")
+    check_frame_count(len(lengths))
     header = decode_header(header_frame)
     check_array_sizes(lengths[1:], header.num_tokens)  # sizes agree, so the scan ran
     if value_reason is not None:
@@ -70,14 +67,9 @@ def _check_compiled(packed: Any) -> GroupFacts:
 
 
 def _check_numpy(packed: Any) -> GroupFacts:
-    frames = unpack_group(packed)
-    if len(frames) != FRAMES:
-        raise WireError("frames", f"expected {FRAMES} frames, got {len(frames)}")
-    header = decode_header(frames[0])
-    check_array_sizes([f.nbytes for f in frames[1:]], header.num_tokens)
-    arrays = array_views(frames[1:])
-    check_array_values(**arrays)
-    return GroupFacts(header.run_id, oldest_version(arrays["versions"]))
+    """The learner's own decode: the same rules, five numpy passes over the arrays."""
+    group = decode_group(unpack_group(packed))
+    return GroupFacts(group.run_id, group.min_version())
 
 
 def describe() -> str:

@@ -80,8 +80,16 @@ class TrajectoryGroup:
         return [slice(int(end - n), int(end)) for end, n in zip(ends, self.lengths)]
 
     def min_version(self) -> int:
-        """Oldest policy version among generated tokens (-1 if none was generated)."""
-        return oldest_version(self.versions)
+        """Oldest policy version among generated tokens (-1 if none was generated).
+
+        One unmasked ``min`` over the versions seen as uint32, where every negative int32
+        is above every non-negative one: no masked copy (10x faster on 8k-token groups,
+        and it runs for every group a buffer accepts or serves)."""
+        versions = np.asarray(self.versions, dtype="<i4")
+        if versions.size == 0:
+            return -1
+        oldest = int(versions.view(np.uint32).min())
+        return oldest if oldest < 2**31 else -1
 
     def staleness(self, learner_version: int) -> int:
         """``V − min(token versions)``: how many steps behind its oldest token is."""
@@ -101,23 +109,6 @@ class TrajectoryGroup:
                    finish_reasons=[str(s["finish_reason"]) for s in samples],
                    lengths=[len(s["tokens"]) for s in samples],
                    metadata=dict(metadata or {}), **arrays)
-
-
-def oldest_version(versions: np.ndarray) -> int:
-    """The oldest non-negative version, -1 if none. One unmasked ``min`` over the versions
-    seen as uint32, where every negative int32 is above every non-negative one: no masked copy
-    (10x faster on 8k-token groups, and it runs for every group a buffer accepts or serves)."""
-    versions = np.asarray(versions, dtype="<i4")
-    if versions.size == 0:
-        return -1
-    oldest = int(versions.view(np.uint32).min())
-    return oldest if oldest < 2**31 else -1
-
-
-def array_views(frames: Sequence[bytes | memoryview]) -> dict[str, np.ndarray]:
-    """Zero-copy arrays of frames 1-4, by field name (sizes checked by the caller)."""
-    return {name: np.frombuffer(frame, dtype=dtype)
-            for (name, dtype), frame in zip(_ARRAYS, frames)}
 
 
 def encode_group(group: TrajectoryGroup) -> list[bytes]:
@@ -197,6 +188,11 @@ def decode_header(frame: bytes | memoryview) -> GroupHeader:
                        finish_reasons=reasons, lengths=lengths, metadata=metadata, **ids)
 
 
+def check_frame_count(count: int) -> None:
+    if count != 1 + len(_ARRAYS):
+        raise WireError("frames", f"expected {1 + len(_ARRAYS)} frames, got {count}")
+
+
 def check_array_sizes(sizes: Sequence[int], num_tokens: int) -> None:
     """The four arrays' sizes in bytes (frames 1-4) against the header's token count."""
     for (name, dtype), nbytes in zip(_ARRAYS, sizes):
@@ -213,11 +209,11 @@ def decode_group(frames: Sequence[bytes | memoryview], check_values: bool = True
     the arrays' values (finite logprobs, versions on trained tokens). A consumer of a broker
     that ran the full check on accept uses it: over half of the decode time of an 8k-token
     group is not paid twice on the learner's fetch path."""
-    if len(frames) != 1 + len(_ARRAYS):
-        raise WireError("frames", f"expected {1 + len(_ARRAYS)} frames, got {len(frames)}")
+    check_frame_count(len(frames))
     header = decode_header(frames[0])
     check_array_sizes([len(memoryview(f)) for f in frames[1:]], header.num_tokens)
-    arrays = array_views(frames[1:])
+    arrays = {name: np.frombuffer(frame, dtype=dtype)
+              for (name, dtype), frame in zip(_ARRAYS, frames[1:])}
     if check_values:
         check_array_values(**arrays)
     return TrajectoryGroup(run_id=header.run_id, rewards=header.rewards,
