@@ -82,3 +82,12 @@ def step_records(metrics: Path) -> list[dict]:
     if not metrics.exists():
         return []
     return [r for r in read_jsonl(metrics) if isinstance(r.get("step"), int)]
+
+
+def interrupted_run(output_dir: Path, name: str, total_steps: int) -> tuple[list[str], Path]:
+    """``--set`` arguments of a quickstart run that will be interrupted and resumed: a
+    checkpoint every 5 steps, no evaluation; and its run directory."""
+    sets = ["--set", f"run.output_dir={output_dir}", "--set", f"run.name={name}",
+            "--set", f"learner.total_steps={total_steps}", "--set", "eval.every_steps=0",
+            "--set", "checkpoint.every_steps=5"]
+    return sets, output_dir / name

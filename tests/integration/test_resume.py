@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from learners.checkpoint import latest, read_meta
-from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
+from tests.integration.conftest import (
+    QUICKSTART,
+    Processes,
+    interrupted_run,
+    step_records,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +35,7 @@ def _mean_reward(records: list[dict]) -> float:
 
 def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
                                                       processes: Processes) -> None:
-    sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=resume",
-            "--set", f"learner.total_steps={TOTAL_STEPS}", "--set", "eval.every_steps=0",
-            "--set", "checkpoint.every_steps=5"]
-    run_dir = tmp_path / "resume"
+    sets, run_dir = interrupted_run(tmp_path, "resume", TOTAL_STEPS)
     at = ["--buffer", processes.start_buffer(str(QUICKSTART), *sets)[1]]
     learner = processes.start("learner", "learner", str(QUICKSTART), *sets, *at)
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, *at,

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from learners.checkpoint import latest, read_meta
-from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
+from tests.integration.conftest import (
+    QUICKSTART,
+    Processes,
+    interrupted_run,
+    step_records,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +30,7 @@ STOP_AFTER = 12  # steps: past the checkpoints at 5 and 10
 
 def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
                                                     processes: Processes) -> None:
-    sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=again",
-            "--set", f"learner.total_steps={TOTAL_STEPS}", "--set", "eval.every_steps=0",
-            "--set", "checkpoint.every_steps=5"]
-    run_dir = tmp_path / "again"
+    sets, run_dir = interrupted_run(tmp_path, "again", TOTAL_STEPS)
     first = processes.start("up1", "up", str(QUICKSTART), *sets)
     wait_for(lambda: len(step_records(run_dir / "metrics.jsonl")) >= STOP_AFTER, 180,
              f"{STOP_AFTER} learner steps")
