@@ -55,6 +55,20 @@ logger = logging.getLogger(__name__)
 DS_TAG = "deepspeed"  # the sub-directory of step_<V> that holds DeepSpeed's checkpoint
 
 
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce op on its first use.
+
+    On the CPU accelerator DeepSpeed builds that op (g++ with the torch headers: 20-80 s on 2
+    cores, once per machine, cached in ``~/.cache/torch_extensions``) as it wraps the process
+    group, though only ``inference_all_reduce`` (tensor-parallel inference layers) uses it;
+    ZeRO's gradients and parameters go through torch.distributed. Marked incompatible, the op
+    is not built and the process group is wrapped as it is (DeepSpeed's ``ops`` module keeps
+    its probe's result in one dict so that edits to it hold)."""
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 def ds_config(cfg: LearnerConfig, zero_overrides: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     """The DeepSpeed config for one optimizer step per ``train_step`` (no accumulation), fp32.
@@ -135,6 +149,8 @@ class DeepSpeedTrainer(Fsdp2Trainer):
         # reading LOCAL_RANK from the environment (torchrun sets it; our spawner does not).
         local_rank = self.device.index if self.device.type == "cuda" else self.rank
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        if self.device.type == "cpu":
+            skip_shm_comm_op()
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(self.cfg, zero_overrides),
             dist_init_required=False)

@@ -6,8 +6,8 @@ scale invariance would hide from the weights alone. ZeRO-3 runs with
 ``stage3_param_persistence_threshold = 0`` so that the tiny model's parameters really are
 partitioned (by default DeepSpeed keeps parameters under 1e5 elements whole on every rank).
 
-Cost: the first DeepSpeed use compiles a shared-memory comm op with g++ (~20 s, cached in
-``~/.cache/torch_extensions``); later runs take ~15 s.
+Cost: ~50 s on 2 cores. The trainer keeps DeepSpeed from compiling its CPU shared-memory
+comm op, which training never uses (``skip_shm_comm_op``; the compile took ~60 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -150,3 +150,16 @@ def test_zero_runs_the_micro_batch_plan(runs: dict[str, Path], name: str) -> Non
     assert expected == 1 if tokens == 0 else expected > 1
     for rank in range(world):
         assert _load(runs[name] / f"rank{rank}.pt")["forwards"] == expected * STEPS
+
+
+def test_the_cpu_shared_memory_op_is_not_built() -> None:
+    """Only tensor-parallel inference uses DeepSpeed's CPU shared-memory all-reduce; building
+    it cost the first DeepSpeed run on a machine 20-80 s of g++ (82 s of this test file's
+    setup in CI on 2 cores). The trainer marks it incompatible before DeepSpeed wraps the
+    process group: the function that would build it then builds nothing."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from learners.backends.deepspeed import skip_shm_comm_op
+
+    skip_shm_comm_op()
+    assert build_shm_op() is None
