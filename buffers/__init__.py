@@ -7,7 +7,7 @@ import threading
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
 __all__ = ["Batch", "Buffer", "BufferClient", "BufferStopped", "ControlPlane", "Grant",
-           "PutResult", "connect_buffer", "make_buffer_client", "stopped_by"]
+           "PutResult", "connect_buffer", "make_buffer_client", "stopped_by", "unanswered"]
 
 
 class BufferStopped(TimeoutError):
@@ -29,6 +29,20 @@ def stopped_by(exc: BaseException) -> BufferStopped | None:
     explicit causes count: an error raised while cleaning up after a stop is a real one."""
     while exc is not None:
         if isinstance(exc, BufferStopped):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def unanswered(exc: BaseException) -> BaseException | None:
+    """The failure ``exc`` is or was raised from (``raise ... from``) that says the buffer did
+    not answer: a ZMQ request given up on (any :class:`TimeoutError`, :class:`BufferStopped`
+    included) or Redis gone, hung or unreachable (:func:`buffers.redis_connect.no_answer`).
+    None for anything else, such as a request the buffer answered with a refusal."""
+    from buffers.redis_connect import no_answer
+
+    while exc is not None:
+        if isinstance(exc, TimeoutError) or no_answer(exc):
             return exc
         exc = exc.__cause__
     return None

@@ -10,7 +10,9 @@ One step reads like the algorithm::
                                                 # then buffer.publish_version(V + 1)
     every checkpoint.every_steps: checkpoint.save(...)           # sharded DCP + meta.json
 
-A restarted learner first resumes from its latest checkpoint (``learners.checkpoint``).
+A restarted learner first resumes from its latest checkpoint (``learners.checkpoint``). A
+buffer that stops answering while the learner trains (:class:`BufferLost`) costs no training:
+every rank saves the steps it took, then the role exits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.metrics import Timers, val_score
 from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
-from buffers import BufferClient, connect_buffer
+from buffers import BufferClient, connect_buffer, unanswered
 from buffers.lease import keep_leased
 from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.lora import engine_state, sends_adapters
@@ -36,6 +39,48 @@ from learners.lora import engine_state, sends_adapters
 logger = logging.getLogger(__name__)
 
 BATCH_POLL_S = 2.0  # get_batch long-poll; between polls rank 0 re-syncs engines that joined late
+
+
+class BufferLost(TimeoutError):
+    """The buffer stopped answering while the learner trained (a ZMQ broker or Redis gone
+    for good, past ``buffer.request_timeout_s`` and the client's re-sends).
+
+    Raised on every rank at the same point, after an agreement, so that all of them save the
+    steps taken since the last checkpoint (a collective) before the role exits. Without it, a
+    broker lost for good cost up to ``checkpoint.every_steps`` steps of training. On the rank
+    whose request failed it is raised from that failure. A :class:`TimeoutError`, as the
+    failure itself was: the exit status stays 3 (the buffer could not be reached), and a
+    stop on a signal (:class:`~buffers.BufferStopped`, the cause) stays a quiet exit."""
+
+
+class _Lost:
+    """This rank's first buffer request that got no answer. Once there is one, the rank's
+    later requests are skipped: each would wait out the whole request timeout again."""
+
+    def __init__(self) -> None:
+        self.cause: BaseException | None = None
+
+    def call(self, request: Callable[..., Any], *args: Any, default: Any = None,
+             **kwargs: Any) -> Any:
+        """``request(*args, **kwargs)``, or ``default`` when the buffer is lost (already, or
+        now: a failure that is not a lost buffer is raised as it is)."""
+        if self.cause is not None:
+            return default
+        try:
+            return request(*args, **kwargs)
+        except Exception as exc:
+            if unanswered(exc) is None:
+                raise
+            logger.error("the buffer did not answer: %s", exc)
+            self.cause = exc
+            return default
+
+    def error(self) -> BufferLost:
+        """What every rank raises once they agreed that one of them lost the buffer."""
+        error = BufferLost(f"the buffer stopped answering: {self.cause}" if self.cause else
+                           "another learner rank lost the buffer")
+        error.__cause__ = self.cause
+        return error
 
 
 @dataclass
@@ -78,7 +123,11 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
         _resume(ctx, checkpointer, trainer, driver)
         resumed_at = trainer.version
-        _train(ctx, trainer, driver, stop, checkpointer)
+        try:
+            _train(ctx, trainer, driver, stop, checkpointer)
+        except BufferLost:
+            _save_before_exit(cfg, trainer, checkpointer, resumed_at)
+            raise
         if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
             logger.info("stopped before training a step: no checkpoint, export or final eval")
             return
@@ -96,6 +145,20 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
             driver.close()
         ctx.client.close()
         shutdown_learner_group()
+
+
+def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int) -> None:
+    """Every rank, the buffer lost: checkpoint the steps taken (COLLECTIVE), so that a learner
+    restarted once the buffer is back resumes from the last one, not from the last periodic
+    checkpoint. A step whose ack the buffer never got keeps its groups pending there: they
+    are delivered and trained again (at-least-once), as after a learner crash."""
+    if trainer.version == resumed_at:
+        logger.error("the buffer was lost before a step was trained: nothing to save")
+        return
+    checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}), "finished": False})
+    logger.error("the buffer was lost: saved a checkpoint at version %d in %s; start the "
+                 "learner again once the buffer is back and it resumes there", trainer.version,
+                 cfg.run_dir / cfg.checkpoint.dir)
 
 
 def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -> None:
@@ -158,11 +221,11 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
            checkpointer) -> None:
     from learners.balance import scatter_batch
 
-    cfg, timers = ctx.cfg, Timers()
+    cfg, timers, lost = ctx.cfg, Timers(), _Lost()
     header = None   # the next batch's shares, when agreed at the end of the step before
     while trainer.version < cfg.learner.total_steps:
         with timers("wait_data"):
-            fetched = _next_batch(ctx, trainer, driver, stop, ready=header is not None)
+            fetched = _next_batch(ctx, trainer, driver, stop, lost, ready=header is not None)
         if fetched is None:
             break
         # rank 0's batch, collated and packed for the scatter on the prefetch thread
@@ -184,7 +247,8 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if driver is not None:   # rank 0 read the batch: it acks it and reports on it
             # only now may the buffer forget these groups; the count lets a broker that
             # lost its state take over the steps it did not see (BufferClient.ack)
-            ctx.client.ack(ctx.member, batch, consumed=groups_consumed(cfg, trainer.version))
+            lost.call(ctx.client.ack, ctx.member, batch,
+                      consumed=groups_consumed(cfg, trainer.version))
             metrics.update({f"filter/{k}": float(v) for k, v in filter_counts.items()})
             metrics.update(_consumed_versions(batch.groups, trainer.version - 1,
                                               cfg.buffer.max_staleness))
@@ -193,10 +257,13 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
             state = engine_state(trainer, cfg)  # full weights, or LoRA adapters alone
         should_stop = False
         if driver is not None:
-            should_stop = driver.after_step(trainer.version, state, metrics, stats, timers.pop())
+            should_stop = driver.after_step(trainer.version, state, metrics, stats,
+                                            timers.pop(), lost)
         checkpointer.after_step(trainer, _counters(cfg, trainer.version, stats))
-        stopping, header = _end_of_step(ctx, driver, trainer.version,
-                                        should_stop or stop.is_set())
+        stopping, header, gone = _end_of_step(ctx, driver, trainer.version,
+                                              should_stop or stop.is_set(), lost)
+        if gone:
+            raise lost.error()
         if stopping:
             break
 
@@ -227,14 +294,16 @@ def _collate(cfg: Config, batch):
 
 
 def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
-                ready: bool = False):
+                lost: _Lost, ready: bool = False):
     """Rank 0 waits for ``groups_per_step`` fresh groups, heartbeating and re-syncing late
     joiners; after every poll all ranks agree whether a batch came or a stop. Returns
     ``(batch, collated)`` on rank 0 (fetched and collated ahead, during the previous step:
     :mod:`learners.prefetch`), ``True`` on the others, ``None`` on every rank to stop. The
     other ranks wait in that agreement rather than in the batch's scatter, so an empty buffer
     never runs into the process group's timeout. ``ready``: every rank already agreed that
-    rank 0 holds the batch (:func:`_end_of_step`): it is handed over, no agreement."""
+    rank 0 holds the batch (:func:`_end_of_step`): it is handed over, no agreement. A rank
+    whose buffer request got no answer says so in the agreement; then every rank raises
+    :class:`BufferLost`."""
     if ready:
         if driver is None:
             return True
@@ -246,20 +315,23 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
     while True:
         batch = None
         if driver is not None and not stop.is_set():
-            batch = driver.prefetcher.take(trainer.version, BATCH_POLL_S)
-        got, stopping = _agree_any([batch is not None, stop.is_set()], ctx.world)
+            batch = lost.call(driver.prefetcher.take, trainer.version, BATCH_POLL_S)
+        got, stopping, gone = _agree_any([batch is not None, stop.is_set(),
+                                          lost.cause is not None], ctx.world)
+        if gone:
+            raise lost.error()
         if got and not stopping:
             return batch if driver is not None else True
         if not got:
             # Rank 0 keeps its last step's record in the heartbeat: a monitor of a learner
             # starved for data still shows that step (and that the learner is waiting).
             last = driver.last_record if driver is not None else {}
-            ctx.client.heartbeat(ctx.member, "learner", {**last, "state": "waiting for data",
-                                                         "version": trainer.version})
+            lost.call(ctx.client.heartbeat, ctx.member, "learner",
+                      {**last, "state": "waiting for data", "version": trainer.version})
         if stopping:
             return None   # a batch fetched meanwhile stays unacked: the buffer redelivers it
         if driver is not None:
-            driver.resync_late_joiners(trainer.version)
+            lost.call(driver.resync_late_joiners, trainer.version)
 
 
 def groups_consumed(cfg: Config, version: int) -> int:
@@ -294,33 +366,37 @@ def _consumed_versions(groups, version: int, max_staleness: int) -> dict[str, An
             "staleness/hist": hist}
 
 
-def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopping: bool
-                 ) -> tuple[bool, Any]:
+def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopping: bool,
+                 lost: _Lost) -> tuple[bool, Any, bool]:
     """ONE all-reduce at the end of a step: whether to stop (rank 0 decides on an eval
     target, any rank may be told to stop), and whether rank 0 already holds the batch of
     ``version`` (prefetched during the step) together with its shares' sizes. When it does,
     the next step starts with no agreement of its own and its scatter with no broadcast:
     two collectives fewer per step, each costing the slowest rank's scheduling delay
     (5-20 ms for 8 ranks on 2 busy cores in bench/pipeline.py). Returns ``(stop,
-    header)``; ``header`` is None when the batch is not there yet (``_next_batch`` waits)."""
+    header, gone)``; ``header`` is None when the batch is not there yet (``_next_batch``
+    waits); ``gone``: a rank lost the buffer (:class:`BufferLost`)."""
     import torch
 
     from learners.dist import gather_rows
 
+    gone = lost.cause is not None
     if ctx.world == 1:
-        return stopping, None
+        return stopping, None, gone
     shares = torch.zeros(ctx.world, 2, dtype=torch.float64)
     ready = False
-    if driver is not None and not stopping:
+    if driver is not None and not (stopping or gone):
         prepared = driver.prefetcher.prepared(version)
         if prepared is not None:
             ready, shares = True, prepared[0].header.to(torch.float64)
-    flags = torch.cat([torch.tensor([float(stopping), float(ready)], dtype=torch.float64),
-                       shares.reshape(-1)])
+    flags = torch.cat([torch.tensor([float(stopping), float(ready), float(gone)],
+                                    dtype=torch.float64), shares.reshape(-1)])
     flags = gather_rows(flags).max(0).values   # the others' zeros leave rank 0's values
+    if flags[2]:
+        return True, None, True
     if flags[0]:
-        return True, None
-    return False, (flags[2:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None)
+        return True, None, False
+    return False, (flags[3:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None), False
 
 
 def _agree_any(flags: list[bool], world: int) -> list[bool]:
@@ -383,12 +459,17 @@ class _RankZero:
         """After a restart from a checkpoint, engines that outlived the learner hold weights it
         lost: send them the restored ones right away, and again to any that join later."""
         self.last_state, self.version = state, version
-        self.publisher.deliver_now(state, version)  # a fresh buffer learns V; a surviving one has it
+        # a fresh buffer learns V; a surviving one has it
+        self.publisher.deliver_now(state, version)
 
     def after_step(self, version: int, state, metrics: dict, stats: dict,
-                   phase_times: dict) -> bool:
+                   phase_times: dict, lost: _Lost) -> bool:
+        """Publish the step's weights and write its record; the record is written even when
+        the buffer is lost (``lost``: its requests are skipped), so that every trained step,
+        saved by :func:`_save_before_exit`, has one."""
         self.version = version
-        sync = self.publisher.publish(state, version)  # overlap: the previous version's metrics
+        # overlap: the previous version's metrics
+        sync = lost.call(self.publisher.publish, state, version, default={})
         self.last_state = state
         now = time.monotonic()
         step_s = now - self.last_step_end
@@ -397,13 +478,14 @@ class _RankZero:
         record = {"step": version, "training/global_step": version,
                   "time_s": round(now - self.start, 3), "timing/step": step_s, **metrics,
                   **phase_times, **sync,
-                  **{f"buffer/{k}": v for k, v in stats.items()}, **self._rollout_totals()}
+                  **{f"buffer/{k}": v for k, v in stats.items()},
+                  **lost.call(self._rollout_totals, default={})}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
             record.update(self.evaluate(state, version))
         self.writer.write(record)
         if self.endpoint is not None:
             self.endpoint.publish(record)
-        self.ctx.client.heartbeat(self.ctx.member, "learner", record)
+        lost.call(self.ctx.client.heartbeat, self.ctx.member, "learner", record)
         self.last_record = record
         _log_step(record)
         target = self.cfg.eval.stop_at_accuracy

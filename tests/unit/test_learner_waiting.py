@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from asyncrl.config import load_config
 from buffers.zmq_client import ZmqBufferClient
-from learners.loop import RankContext, _next_batch
+from learners.loop import RankContext, _Lost, _next_batch
 from learners.prefetch import BatchPrefetcher
 from tests.unit.test_dashboard import screen
 from tests.unit.test_zmq_buffer import broker, client  # noqa: F401 (fixtures)
@@ -33,7 +33,7 @@ def test_waiting_learner_keeps_its_last_step_on_screen(broker, client) -> None: 
     timer = threading.Timer(1.0, stop.set)  # stop during the first empty long poll
     timer.start()
     try:
-        assert _next_batch(ctx, SimpleNamespace(version=4), driver, stop) is None
+        assert _next_batch(ctx, SimpleNamespace(version=4), driver, stop, _Lost()) is None
     finally:
         timer.cancel()
         prefetcher.close()

@@ -57,7 +57,7 @@ class _Prefetched:
 def _check_end_of_step(rank: int, world: int, port: int) -> None:
     from types import SimpleNamespace
 
-    from learners.loop import _end_of_step
+    from learners.loop import _end_of_step, _Lost
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
@@ -68,12 +68,17 @@ def _check_end_of_step(rank: int, world: int, port: int) -> None:
         ctx = SimpleNamespace(world=world)
         driver = _Prefetched((packed, {})) if rank == 0 else None
         # fetched during the step: every rank learns the shares' sizes with the stop flag
-        stopping, header = _end_of_step(ctx, driver, 5, False)
-        assert not stopping and torch.equal(header, packed.header)
+        stopping, header, gone = _end_of_step(ctx, driver, 5, False, _Lost())
+        assert not stopping and not gone and torch.equal(header, packed.header)
         got = scatter_batch(packed if rank == 0 else None, rank, world, header)
         assert torch.equal(got.input_ids, split_batch(batch, world)[rank].input_ids)
-        assert _end_of_step(ctx, driver, 6, False) == (False, None)   # not fetched yet
-        assert _end_of_step(ctx, driver, 5, rank == world - 1) == (True, None)   # any rank
+        assert _end_of_step(ctx, driver, 6, False, _Lost()) == (False, None, False)  # not yet
+        assert _end_of_step(ctx, driver, 5, rank == world - 1, _Lost()) == (True, None, False)
+        # one rank's buffer request got no answer: every rank learns it, batch or not
+        lost = _Lost()
+        if rank == 1:
+            lost.cause = TimeoutError("no reply")
+        assert _end_of_step(ctx, driver, 5, False, lost) == (True, None, True)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,71 @@
+"""A buffer lost for good while the learner trains costs no training: the learner's ranks agree
+to stop, save the steps they took in a checkpoint and exit; once the buffer is back (its
+spill file replayed), the learner started again resumes at that step and finishes the run.
+
+Real processes through the CLI, as on separate machines: ``asyncrl buffer`` (SIGKILLed, and
+nothing restarts it), ``asyncrl learner`` with two ranks in one gloo group, ``asyncrl
+rollout`` (killed with the buffer, started again with it). The simulated engines and
+learner (configs/sim.toml) keep it quick; the learner loop, the checkpoint and the ZMQ buffer
+are the real ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from learners.checkpoint import read_meta, step_dirs
+from tests.integration.conftest import ROOT, Processes, step_records, wait_for
+
+pytestmark = pytest.mark.slow
+
+SIM = ROOT / "configs" / "sim.toml"
+STEPS = 12
+
+
+def _sets(output_dir: Path) -> list[str]:
+    values = [f"run.output_dir={output_dir}", "run.name=lost", f"learner.total_steps={STEPS}",
+              "learner.ranks=2", "learner.groups_per_step=8", "rollout.workers=4",
+              "sim.mean_tokens=32", "checkpoint.every_steps=0", "checkpoint.resume=true",
+              "buffer.request_timeout_s=2", "buffer.reconnect_s=2", "buffer.spill_path=auto"]
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
+        tmp_path: Path, processes: Processes) -> None:
+    sets = _sets(tmp_path)
+    run_dir = tmp_path / "lost"
+    buffer, address = processes.start_buffer(str(SIM), *sets)
+    learner = processes.start("learner", "learner", str(SIM), *sets, "--buffer", address)
+    rollout = processes.start("rollout", "rollout", str(SIM), *sets, "--buffer", address)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: len(step_records(metrics)) >= 4 or learner.poll() is not None, 180,
+             "four steps")
+    assert learner.poll() is None, processes.log("learner")
+
+    for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert learner.wait(timeout=120) != 0, processes.log("learner")
+    log = processes.log("learner")
+    trained = step_records(metrics)[-1]["step"]
+    assert trained < STEPS
+    assert f"saved a checkpoint at version {trained}" in log, log
+    (version, path), = step_dirs(run_dir / "checkpoints")   # the only one: every_steps = 0
+    assert version == trained and read_meta(path).counters["finished"] is False
+
+    # The buffer is back at the same port, from its spill file; the learner resumes there.
+    (tmp_path / "buffer.addr").unlink()
+    port = address.rsplit(":", 1)[1]
+    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.port={port}")
+    assert "restored" in processes.log("buffer"), processes.log("buffer")
+    learner = processes.start("learner-2", "learner", str(SIM), *sets, "--buffer", address)
+    rollout = processes.start("rollout-2", "rollout", str(SIM), *sets, "--buffer", address)
+    assert learner.wait(timeout=300) == 0, processes.log("learner-2")
+    assert f"resuming at version {trained}" in processes.log("learner-2")
+    steps = [r["step"] for r in step_records(metrics)]
+    assert steps == list(range(1, STEPS + 1)), steps   # no step lost, none trained twice
+    assert read_meta(step_dirs(run_dir / "checkpoints")[-1][1]).counters["finished"] is True
+    assert rollout.wait(timeout=60) == 0, processes.log("rollout-2")
