@@ -217,8 +217,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     params = sum(t.numel() for t in state.values())
     logger.info("model: %.1fM parameters, %.1f MB", params / 1e6, nbytes / 1e6)
-    address, stop_broker = start_broker_thread(
-        BufferConfig(port=0, heartbeat_timeout_s=600.0), groups_per_step=1)  # raw rounds block beats
+    address, stop_broker = start_broker_thread(  # raw rounds block heartbeats: a long timeout
+        BufferConfig(port=0, heartbeat_timeout_s=600.0), groups_per_step=1)
     control = ZmqBufferClient(address, 120.0)
     procs: list[subprocess.Popen] = []
     rows, version, epoch = [], 1, 1000  # raw groups' store prefixes: epoch1001, ...

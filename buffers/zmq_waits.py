@@ -1,9 +1,10 @@
 """Requests the ZMQ broker answers later: long polls and puts waiting for room.
 
 The broker has one thread and never blocks, so a request that cannot be answered yet is
-*parked* here with its deadline: ``get_batch`` until enough groups are queued, ``get_key`` until
-the key changes, ``put`` and ``put_many`` while the buffer holds ``max_groups`` (backpressure). Each kind keeps
-arrival order, which is what makes puts FIFO per producer and batches first come, first served.
+*parked* here with its deadline: ``get_batch`` until enough groups are queued, ``get_key``
+until the key changes, ``put`` and ``put_many`` while the buffer holds ``max_groups``
+(backpressure). Each kind keeps arrival order, which is what makes puts FIFO per producer and
+batches first come, first served.
 """
 
 from __future__ import annotations

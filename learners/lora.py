@@ -82,8 +82,8 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
             continue
         if not isinstance(module, nn.Linear):
             raise ValueError(f"model.lora.target_modules: {path!r} is "
-                             f"{_article(type(module).__name__)}, not a linear layer; LoRA adapters "
-                             f"are built for linear layers only")
+                             f"{_article(type(module).__name__)}, not a linear layer; LoRA "
+                             f"adapters are built for linear layers only")
         if id(module.weight) in shared:
             raise ValueError(f"model.lora.target_modules: {path!r} shares its weight with "
                              f"another module (tie_word_embeddings); an adapter on it would "

@@ -1,4 +1,5 @@
-"""An example user reward, loaded by import path: `reward.path = "examples.agent.reward:digit_match"`.
+"""An example user reward, loaded by import path:
+`reward.path = "examples.agent.reward:digit_match"`.
 
 `fn(response, sample) -> float`, sync or async. If it raises or runs past `reward.timeout_s`,
 the sample scores 0 and the failure is counted and logged with the sample id.

@@ -15,8 +15,9 @@ The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU
 
 Micro-batching (``learner.micro_batch_tokens``, ``learner.packing``) is FSDP2's loop with
 DeepSpeed's accumulation boundary set by hand (:meth:`DeepSpeedTrainer.train_step`). Not
-supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an unsharded replica on every rank (no optimizer
-state; under ZeRO-3 this costs one model copy per rank).
+supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
+unsharded replica on every rank (no optimizer state; under ZeRO-3 this costs one model copy
+per rank).
 
 Training checkpoints (``learners.checkpoint``, same layout and ``meta.json`` as FSDP2's) hold
 DeepSpeed's own ``engine.save_checkpoint`` under ``step_<V>/deepspeed``: it is what can write

@@ -13,8 +13,9 @@ shards of a batch take the same step as one rank on the whole batch, whatever th
 Per step, before the update and without gradients: the proximal logprobs (decoupled PPO) and
 the frozen reference's logprobs (``kl_coef > 0``; the reference is sharded like the actor and has
 no optimizer; with LoRA it is the policy itself with its adapters switched off, since the base
-weights never change: no second copy of the model). Every step reports the train-vs-rollout mismatch (``mismatch/…``,
-``learners.mismatch``) and warns past ``loss.mismatch_warn_abs_logp``.
+weights never change: no second copy of the model). Every step reports the train-vs-rollout
+mismatch (``mismatch/…``, ``learners.mismatch``) and warns past
+``loss.mismatch_warn_abs_logp``.
 """
 
 from __future__ import annotations
