@@ -31,7 +31,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.metrics import Timers, val_score
 from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
-from buffers import BufferClient, connect_buffer, unanswered
+from buffers import BufferClient, connect_buffer, stopped_by, unanswered
 from buffers.lease import keep_leased
 from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.lora import engine_state, sends_adapters
@@ -49,8 +49,9 @@ class BufferLost(TimeoutError):
     steps taken since the last checkpoint (a collective) before the role exits. Without it, a
     broker lost for good cost up to ``checkpoint.every_steps`` steps of training. On the rank
     whose request failed it is raised from that failure. A :class:`TimeoutError`, as the
-    failure itself was: the exit status stays 3 (the buffer could not be reached), and a
-    stop on a signal (:class:`~buffers.BufferStopped`, the cause) stays a quiet exit."""
+    failure itself was: a one-rank learner still exits with status 3 (the buffer could not
+    be reached; the supervisor of several ranks exits 1), and a stop on a signal
+    (:class:`~buffers.BufferStopped`, the cause) stays a quiet exit."""
 
 
 class _Lost:
@@ -71,7 +72,9 @@ class _Lost:
         except Exception as exc:
             if unanswered(exc) is None:
                 raise
-            logger.error("the buffer did not answer: %s", exc)
+            # a stop on a signal that gave up on a silent buffer is not an error
+            (logger.info if stopped_by(exc) else logger.error)(
+                "the buffer did not answer: %s", exc)
             self.cause = exc
             return default
 
@@ -116,7 +119,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
                                 timeout_s=cfg.learner.collective_timeout_s)
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address, stop), f"learner-{rank}",
                       address, stop)
-    driver = None
+    driver, buffer_lost = None, False
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
@@ -126,6 +129,8 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         try:
             _train(ctx, trainer, driver, stop, checkpointer)
         except BufferLost:
+            buffer_lost = True
+            stop.set()  # the role is stopping: its threads' buffer requests give up at once
             _save_before_exit(cfg, trainer, checkpointer, resumed_at)
             raise
         if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
@@ -141,10 +146,12 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         if driver is not None:
             driver.finish(state, trainer.version, done=not stop.is_set())
     finally:
-        if driver is not None:
-            driver.close()
-        ctx.client.close()
-        shutdown_learner_group()
+        try:
+            if driver is not None:
+                driver.close(buffer_lost)
+        finally:  # every rank leaves the group (a barrier), whatever rank 0's close raised
+            ctx.client.close()
+            shutdown_learner_group()
 
 
 def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int) -> None:
@@ -528,13 +535,19 @@ class _RankZero:
         logger.info("final held-out greedy eval: %s", final)
 
 
-    def close(self) -> None:
+    def close(self, buffer_lost: bool = False) -> None:
         """Finish the weight delivery in flight (engines leave), flush the metric sinks and stop
-        serving /metrics (idempotent)."""
+        serving /metrics (idempotent). ``buffer_lost``: the delivery in flight failing for want
+        of the buffer is expected, logged, not raised (the role exits on :class:`BufferLost`)."""
         self.prefetcher.close()
         if self.weights_client is not None:
             try:
                 self.publisher.close()
+            except Exception as exc:
+                if not (buffer_lost and unanswered(exc)):
+                    raise
+                logger.warning("the weight delivery in flight ended with the buffer: %s",
+                               unanswered(exc))
             finally:
                 self.weights_client.close()
                 self.weights_client = None
