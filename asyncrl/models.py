@@ -25,6 +25,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# transformers resolves its names on first use, and not thread-safely: threads that ask for
+# PreTrainedTokenizerFast at once fail with "cannot import name" (every time, with 4 threads,
+# here). The simulated engine runs many rollout workers as threads of one process, each
+# preparing the model directory and loading its tokenizer as it starts: every import from
+# transformers here holds this lock (a one-off, short wait).
+_LAZY_IMPORTS = threading.Lock()
+
 SPECIAL: list[str] = ["<pad>", "<bos>", "<sep>", "<eos>"]
 DIGITS: list[str] = [str(d) for d in range(10)]
 VOCAB: list[str] = SPECIAL + DIGITS
@@ -51,7 +58,8 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] | list[str] = ()
     Extra tokens come last, so the ids of :data:`VOCAB` never move.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    with _LAZY_IMPORTS:
+        from transformers import PreTrainedTokenizerFast
 
     vocab = VOCAB + [t for t in extra_tokens if t not in VOCAB]
     backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)},
@@ -73,7 +81,8 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTra
     The seed is applied inside :func:`torch.random.fork_rng` so the caller's RNG is untouched.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    with _LAZY_IMPORTS:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -138,7 +147,8 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
                    ) -> PreTrainedModel:
     """Load a causal LM in eval mode, in ``dtype`` ("float32", "bfloat16", ...) on ``device``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    with _LAZY_IMPORTS:
+        from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
@@ -163,13 +173,6 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
             return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
         return AutoTokenizer.from_pretrained(str(path), **kwargs)
-
-
-# transformers resolves its names on first use, and not thread-safely: threads that ask for
-# PreTrainedTokenizerFast at once fail with "cannot import name" (every time, with 4 threads,
-# here). The simulated engine runs many rollout workers as threads of one process, each
-# loading its tokenizer as it starts; they load one at a time (a one-off, short wait).
-_LAZY_IMPORTS = threading.Lock()
 
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

@@ -102,13 +102,7 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
                        stop: threading.Event) -> None:
     """Rollout workers ``indices`` as threads of this process, sharing ``stop``; the first
     failure stops the others, and this raises once all have ended."""
-    from asyncrl.models import prepare_model_dir
-
     failures: list[int] = []
-    # Once, before the threads: each worker prepares the model directory, and the first
-    # import of transformers' tokenizer classes is not thread-safe (its lazy module raised
-    # ImportError for PreTrainedTokenizerFast in one of 4 threads importing it at once).
-    prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
 
     def run(index: int) -> None:
         try:

@@ -1,7 +1,9 @@
 """Rollout workers of the simulated engine are threads of one process, each loading its
 tokenizer as it starts. transformers resolves ``PreTrainedTokenizerFast`` lazily and not
 thread-safely: concurrent first loads failed with "cannot import name" (4 threads, every try).
-A fresh interpreter, so nothing is resolved before the threads start."""
+Half the threads build the tiny model's tokenizer instead (what a worker does when it
+prepares the model directory). A fresh interpreter, so nothing is resolved before the threads
+start."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 RACE = """
 import sys, threading
-from asyncrl.models import load_tokenizer
+from asyncrl.models import build_char_tokenizer, load_tokenizer
 errors, loaded = [], []
-def load():
+def load(build):
     try:
-        loaded.append(load_tokenizer(sys.argv[1]).vocab_size)
+        tokenizer = build_char_tokenizer() if build else load_tokenizer(sys.argv[1])
+        loaded.append(tokenizer.vocab_size)
     except Exception as exc:
         errors.append(repr(exc))
-threads = [threading.Thread(target=load) for _ in range(8)]
+threads = [threading.Thread(target=load, args=(i % 2,)) for i in range(8)]
 for t in threads: t.start()
 for t in threads: t.join()
 print(errors or loaded)
