@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
@@ -27,11 +28,8 @@ def stopped_by(exc: BaseException) -> BufferStopped | None:
     """The :class:`BufferStopped` that ``exc`` is or was raised from (``raise ... from``): the
     learner's prefetcher and weight publisher re-raise their thread's failure that way. Only
     explicit causes count: an error raised while cleaning up after a stop is a real one."""
-    while exc is not None:
-        if isinstance(exc, BufferStopped):
-            return exc
-        exc = exc.__cause__
-    return None
+    found = _raised_from(exc, lambda e: isinstance(e, BufferStopped))
+    return found if isinstance(found, BufferStopped) else None
 
 
 def unanswered(exc: BaseException) -> BaseException | None:
@@ -41,8 +39,14 @@ def unanswered(exc: BaseException) -> BaseException | None:
     None for anything else, such as a request the buffer answered with a refusal."""
     from buffers.redis_connect import no_answer
 
+    return _raised_from(exc, lambda e: isinstance(e, TimeoutError) or no_answer(e))
+
+
+def _raised_from(exc: BaseException | None,
+                 matches: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first of ``exc`` and its explicit causes (``raise ... from``) that ``matches``."""
     while exc is not None:
-        if isinstance(exc, TimeoutError) or no_answer(exc):
+        if matches(exc):
             return exc
         exc = exc.__cause__
     return None
