@@ -20,6 +20,9 @@ to one consumer that takes batches of ``--batch`` groups:
 - ``zmq-put-many`` / ``redis-put-many``: the backend with producers calling
   ``put_many`` of 8 groups (one engine batch, as the rollout worker does) instead of ``put``.
 
+The backend consumer keeps ``--take-depth`` batch requests in flight (default 1, what the
+learner's prefetcher does; :class:`buffers.take_ahead.TakeAhead`); Redis serves one at a time.
+
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
 runs in this process, the ZMQ broker in another). Every process, raw or backend, keeps large
 buffers in the heap (:func:`buffers.malloc_tuning.keep_large_buffers`, as the ``asyncrl``
@@ -84,6 +87,7 @@ class Spec:
     io_threads: int = BufferConfig.model_fields["io_threads"].default  # broker's, and the proxy's
     chunk: int = 8  # groups per put_many in the put-many rows: one engine batch of a worker
     gate_poll_s: float = 0.002  # a producer refused a grant asks again after this long
+    take_depth: int = 1  # the consumer's get_batch requests in flight (TakeAhead)
 
 
 def make_group(spec: Spec, name: str) -> TrajectoryGroup:
@@ -313,14 +317,22 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
 
 def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
     """The consumer of a backend row: a learner that takes a batch and acks it at once, the
-    ack riding on the request for the next batch (``get_batch(ack=...)``, one round trip)."""
+    ack riding on the next request sent (``get_batch(ack=...)``, one round trip), with
+    ``--take-depth`` requests in flight (:class:`buffers.take_ahead.TakeAhead`; Redis: one)."""
+    from buffers.take_ahead import TakeAhead
+
+    ahead = TakeAhead(consumer, "learner", spec.batch, spec.take_depth, timeout_s=0.2)
     previous = None
+    version = 0
 
     def take() -> int:
-        nonlocal previous
-        batch = consumer.get_batch("learner", spec.batch, 0, timeout_s=0.2, ack=previous)
-        previous = batch  # after a timeout (None) the ack went with that request anyway
-        return len(batch.groups) if batch is not None else 0
+        nonlocal previous, version
+        batch = ahead.take(version, ack=previous)
+        previous = batch  # after a timeout (None) the ack went with a request anyway
+        if batch is None:
+            return 0
+        version += 1
+        return len(batch.groups)
 
     return take
 
@@ -609,6 +621,9 @@ def main() -> int:
                         help="a producer refused a grant (the buffer is full) asks again "
                              "after this long (a rollout worker: 0.02 s)")
     parser.add_argument("--max-groups", type=int, default=64, help="buffer bound (groups)")
+    parser.add_argument("--take-depth", type=int, default=1,
+                        help="the consumer's get_batch requests in flight (zmq rows; "
+                             "buffers.take_ahead.TakeAhead)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",
@@ -634,7 +649,7 @@ def main() -> int:
         for producers in args.producers:
             spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url,
                         io_threads=args.io_threads, chunk=args.put_many,
-                        gate_poll_s=args.gate_poll_s)
+                        gate_poll_s=args.gate_poll_s, take_depth=args.take_depth)
             run_config(ctx, spec, producers, args)
     return 0
 

@@ -219,10 +219,19 @@ class ZmqBroker:
         self._expire()  # a zero timeout answers now
 
     def _serve_batches(self) -> None:
-        """Answer parked batch requests in arrival order, each as soon as it can be filled."""
+        """Answer parked batch requests in arrival order, each as soon as it can be filled;
+        a consumer's requests strictly in its order. A consumer may have several in flight,
+        each for the version it will train at, and a request for a later version drops the
+        groups stale at it: were it tried while an earlier one waits, it could drop groups
+        that one would have taken (still fresh at its version)."""
+        waiting: set[str] = set()  # consumers whose earliest request could not be filled
         for p in list(self._waits.batches):
+            if p.name in waiting:
+                continue
             groups = self.state.take(p.name, p.wanted, p.learner_version)
-            if groups is not None:
+            if groups is None:
+                waiting.add(p.name)
+            else:
                 self._waits.batches.remove(p)
                 self._answer(p, self._batch_reply(p.name, groups))
 

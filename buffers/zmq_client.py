@@ -36,6 +36,12 @@ worker's final heartbeat, the learner's long poll for data); only an unanswered 
 early, and a put into a full buffer, given up in doubt as after a timeout. Without a stop
 event nothing changes.
 
+A consumer may keep several ``get_batch`` requests in flight
+(:meth:`ZmqBufferClient.send_get_batch`, :meth:`ZmqBufferClient.receive_batch`;
+:class:`buffers.take_ahead.TakeAhead` uses them): the broker serves one consumer's requests in
+the order they were sent, and replies that arrive while another request waits are kept for
+theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
+
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
 consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
@@ -48,6 +54,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import zmq
@@ -83,6 +90,21 @@ class NoReply(TimeoutError):
     """The broker did not answer in time (it is down, restarting or unreachable)."""
 
 
+@dataclass(eq=False)
+class PendingBatch:
+    """A ``get_batch`` request sent and not yet answered (:meth:`ZmqBufferClient.send_get_batch`).
+
+    ``generation``: the client's connection generation it was sent on; a dropped connection
+    or a replaced socket moves the client on, and a request of an older generation is lost and
+    must be sent again (with the same arguments, its ack included: acks are idempotent)."""
+
+    request_id: bytes
+    args: dict[str, Any]
+    timeout_s: float
+    generation: int
+    give_up: float  # re-sent on a new connection until then (``reconnect_s`` after the send)
+
+
 class ZmqBufferClient:
     """Talks to :class:`~buffers.zmq_broker.ZmqBroker` at ``address`` (``tcp://host:port``)."""
 
@@ -104,6 +126,9 @@ class ZmqBufferClient:
         self._context = context or zmq.Context()
         self._next_id = 0
         self._socket, self._monitor = self._connect()
+        self._generation = 0  # moves on whenever requests in flight may have been lost
+        self._ahead: dict[bytes, PendingBatch] = {}  # get_batch requests sent, not received
+        self._early: dict[bytes, Reply] = {}  # their replies, come while another one waited
 
     @classmethod
     def from_config(cls, config: BufferConfig, address: str | None = None,
@@ -163,9 +188,12 @@ class ZmqBufferClient:
     def _forget_drops(self) -> None:
         """Drops heard before a request was sent: the DEALER reconnects by itself, so only a
         drop while a request waits means its reply is lost (an idle client whose broker was
-        restarted would otherwise fail its next put, in doubt, at once)."""
+        restarted would otherwise fail its next put, in doubt, at once). Batch requests sent
+        ahead were waiting: a drop loses them, so they are marked to be sent again."""
         while self._monitor.poll(0):
             recv_monitor_message(self._monitor)
+            if self._ahead:
+                self._generation += 1
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
@@ -181,7 +209,8 @@ class ZmqBufferClient:
                  want: int = 0) -> dict[bytes, Reply]:
         """Replies to ``want`` (default: all) of ``request_ids``, each checked; a late
         reply to a request given up on is discarded."""
-        replies: dict[bytes, Reply] = {}
+        replies = {i: self._checked(command, self._early.pop(i))
+                   for i in request_ids if i in self._early}
         start = time.monotonic()
         deadline = start + self.timeout_s + wait_s
         stop_deadline = start + wait_s + STOP_GRACE_S  # once stopping (see the module doc)
@@ -204,7 +233,10 @@ class ZmqBufferClient:
                 self._timed_out(command, "reply")
             reply_id, reply = decode_reply(self._socket.recv_multipart(copy=False))
             if reply_id not in request_ids:
-                logger.debug("discarding a late reply to request %s", reply_id.hex())
+                if reply_id in self._ahead:
+                    self._early[reply_id] = reply  # a batch sent ahead: kept for its receive
+                else:
+                    logger.debug("discarding a late reply to request %s", reply_id.hex())
                 continue
             replies[reply_id] = self._checked(command, reply)
         return replies
@@ -226,6 +258,7 @@ class ZmqBufferClient:
         Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent)."""
         self._disconnect()
         self._socket, self._monitor = self._connect()
+        self._generation += 1  # batch requests sent ahead went with the old socket
         if self._stopping():
             raise BufferStopped(f"buffer broker {self.address}: stopped waiting for the "
                                 f"{stage} to {command!r}: stopping ({why or 'no answer'})")
@@ -289,11 +322,57 @@ class ZmqBufferClient:
 
     def get_batch(self, consumer: str, count: int, learner_version: int,
                   timeout_s: float, ack: Batch | None = None) -> Batch | None:
-        args = {"consumer": consumer, "count": count, "learner_version": learner_version,
-                "timeout_s": timeout_s}
+        return self.receive_batch(self.send_get_batch(consumer, count, learner_version,
+                                                      timeout_s, ack))
+
+    def send_get_batch(self, consumer: str, count: int, learner_version: int,
+                       timeout_s: float, ack: Batch | None = None) -> PendingBatch:
+        """Send a :meth:`get_batch` request without waiting for its batch: several may be in
+        flight, and the broker serves a consumer's requests in the order they were sent (a
+        request for a later version never drops groups an earlier one of the same consumer
+        will take). Each is answered by :meth:`receive_batch`, in any order.
+
+        A batch is leased from the moment the broker serves it, received or not: a consumer
+        that asks ahead must receive and train it within ``buffer.reclaim_idle_s`` (or renew
+        it), else it is redelivered elsewhere (at-least-once, as for any batch)."""
+        args: dict[str, Any] = {"consumer": consumer, "count": count,
+                                "learner_version": learner_version, "timeout_s": timeout_s}
         if ack is not None and ack.receipts:
             args["ack"] = ack.receipts  # settled by the broker before it serves this one
-        reply = self._call("get_batch", args, wait_s=timeout_s)
+        if not self._ahead:
+            self._forget_drops()
+        elif any(p.generation != self._generation for p in self._ahead.values()):
+            self._resend_lost()  # first: the broker must see them before this one
+        pending = PendingBatch(self._send("get_batch", args), args, timeout_s,
+                               self._generation, time.monotonic() + self.reconnect_s)
+        self._ahead[pending.request_id] = pending
+        return pending
+
+    def receive_batch(self, pending: PendingBatch) -> Batch | None:
+        """The answer to a :meth:`send_get_batch`: its batch, or None if ``count`` fresh groups
+        did not come within its ``timeout_s``. A request lost with its connection is sent
+        again (with every other one lost with it, in their order) until ``reconnect_s`` after
+        it was first sent; then :class:`TimeoutError`, as :meth:`get_batch` raises."""
+        while True:
+            try:
+                if pending.generation != self._generation:
+                    if time.monotonic() >= pending.give_up:
+                        raise NoReply(f"buffer broker {self.address}: a 'get_batch' request "
+                                      f"was lost with its connection, and reconnect_s="
+                                      f"{self.reconnect_s:g} is over")
+                    self._resend_lost()
+                reply_id = pending.request_id
+                reply = self._receive({reply_id}, "get_batch", pending.timeout_s)[reply_id]
+                break
+            except NoReply as exc:
+                if time.monotonic() >= pending.give_up:
+                    self._ahead.pop(pending.request_id, None)
+                    raise
+                logger.warning("%s; re-sending (is the broker restarting?)", exc)
+            except BaseException:
+                self._ahead.pop(pending.request_id, None)
+                raise
+        del self._ahead[reply_id]
         if not reply.body["found"]:
             return None
         # The broker ran the full check on accept (and its spill holds only accepted
@@ -302,6 +381,23 @@ class ZmqBufferClient:
                   for packed in reply.payload]
         return Batch(groups=groups, dropped_stale=reply.body["dropped_stale"],
                      stats=reply.body["stats"], receipts=list(reply.body["receipts"]))
+
+    def _resend_lost(self) -> None:
+        """Send again, in their order, every batch request of an older generation (lost with
+        a connection), so the broker still serves them in the order they were first sent."""
+        lost = []
+        for p in self._ahead.values():
+            if p.generation != self._generation:
+                if p.request_id in self._early:  # answered before the drop: not lost
+                    p.generation = self._generation
+                else:
+                    lost.append(p)
+        for p in lost:
+            del self._ahead[p.request_id]
+        self._forget_drops()
+        for p in lost:
+            p.request_id, p.generation = self._send("get_batch", p.args), self._generation
+            self._ahead[p.request_id] = p
 
     def ack(self, consumer: str, batch: Batch, consumed: int | None = None) -> None:
         """The step that used ``batch`` is done: its groups are never redelivered

@@ -25,6 +25,7 @@ import pytest
 from asyncrl.wire import encode_group
 from buffers import Batch, Buffer, BufferClient, ControlPlane, PutResult
 from buffers.lease import keep_leased
+from buffers.take_ahead import TakeAhead
 from tests.buffers import eventually, make_group
 from tests.buffers.conftest import ROOT, child_env
 
@@ -171,6 +172,29 @@ def test_stale_groups_are_dropped_counted_and_never_served(backend):
     assert status["dropped_stale"] == 1 and status["consumed"] == 2 and status["depth"] == 0
     assert status["staleness_hist"] == {"0": 1, "1": 1}
     assert c.get_batch("learner", 1, 2, timeout_s=0.1) is None
+
+
+def test_batches_taken_ahead_are_served_by_version_and_drop_exactly(backend):
+    """A consumer with requests in flight for versions 2 and 3 (ZMQ; Redis serves one at a
+    time): the request for 3 must not drop ``a`` (stale at 3, fresh at 2) while the one for
+    2 still waits for its second group."""
+    d = backend.start(groups_per_step=1, max_staleness=1)
+    learner, producer = d.client(), d.client()
+    ahead = TakeAhead(learner, "learner", 2, depth=2, timeout_s=10.0)
+    assert producer.put("w", make_group("a", version=1)).accepted
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ahead.take, 2)
+        with pytest.raises(FutureTimeout):
+            first.result(timeout=0.5)  # one group of two: waiting
+        for name in ("b", "c", "d"):
+            assert producer.put("w", make_group(name, version=2)).accepted
+        batch = first.result(timeout=10)
+    assert ids(batch) == ["a", "b"]
+    second = ahead.take(3, ack=batch)
+    assert ids(second) == ["c", "d"] and second.dropped_stale == 0
+    learner.ack("learner", second)
+    status = producer.status()
+    assert (status["dropped_stale"], status["consumed"], status["depth"]) == (0, 4, 0)
 
 
 def test_run_done_stops_grants_and_puts(backend):

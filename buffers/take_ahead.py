@@ -1,0 +1,128 @@
+"""A consumer that keeps several batch requests in flight, each for the version it trains at.
+
+Why: a consumer that asks for a batch, waits for it, trains and asks again leaves the buffer
+idle for a round trip per batch, and its own decoding idle while the buffer serves. On a host
+with idle cores that, not the buffer's CPU, bounds small groups: bench/RESULTS.md measured
+ZMQ ``put_many`` of 1k-token groups with four producers on 16 cores at 0.84-0.94 GB/s with
+one request in flight, and 1.5-1.6 GB/s with four.
+
+Staleness stays exact: the request sent ``k`` steps ahead of version ``V`` names ``V + k``,
+the version its batch will be trained at, so the buffer drops what it would have dropped had
+it been asked then (the learner's prefetcher does the same one step ahead). The ZMQ broker
+serves one consumer's requests in the order they were sent, so a request for a later version
+never drops groups an earlier one will take. What is traded: a batch served ahead is chosen
+from the groups there at the time, not from those that arrive before its step; and it is
+leased from then, so ``depth`` steps must fit in ``buffer.reclaim_idle_s``.
+
+Backends that cannot send a request without waiting for it (Redis: one blocking command per
+connection) get one request at a time, with the same calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Protocol, runtime_checkable
+
+from buffers.protocol import Batch, Buffer
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SendsAhead(Protocol):
+    """A client that can send a batch request and receive its answer later
+    (:class:`buffers.zmq_client.ZmqBufferClient`)."""
+
+    def send_get_batch(self, consumer: str, count: int, learner_version: int,
+                       timeout_s: float, ack: Batch | None = None) -> Any: ...
+
+    def receive_batch(self, pending: Any) -> Batch | None: ...
+
+
+class TakeAhead:
+    """``take(V)`` returns the batch to train at version ``V``, with the requests for
+    ``V + 1 .. V + depth - 1`` already sent; versions must be asked for in order (the same one
+    again after a ``None``).
+
+    ``ack``, the batch whose step is done, rides on the first request sent (or goes alone).
+    A request that comes back empty (no ``count`` fresh groups within ``timeout_s``) ends the
+    run of requests: the ones behind it are received (they waited as long) and their batches
+    kept for their versions, so every request is again sent in version order. Batches served
+    ahead and never taken (the consumer stops) are never acked: redelivered after
+    ``reclaim_idle_s``, as a dead consumer's are.
+
+    Not thread-safe, as the client it uses.
+    """
+
+    def __init__(self, client: Buffer, consumer: str, count: int, depth: int,
+                 timeout_s: float) -> None:
+        if depth < 1:
+            raise ValueError(f"depth {depth} must be >= 1")
+        self._client, self._consumer, self._count = client, consumer, count
+        self._timeout_s = timeout_s
+        self.depth = depth if isinstance(client, SendsAhead) else 1
+        self._flight: deque[tuple[int, Any]] = deque()  # (version, pending), in send order
+        self._ready: dict[int, Batch] = {}  # served ahead, received: by version
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flight)
+
+    def take(self, version: int, ack: Batch | None = None) -> Batch | None:
+        """The batch for ``version``, or None if none came within ``timeout_s``."""
+        if not isinstance(self._client, SendsAhead):
+            return self._client.get_batch(self._consumer, self._count, version,
+                                          self._timeout_s, ack)
+        if self._flight and self._flight[0][0] != version and (
+                version not in self._ready or self._flight[0][0] < version):
+            raise ValueError(f"take({version}): requests are in flight for versions "
+                             f"{self._flight[0][0]}..{self._flight[-1][0]}; versions must be "
+                             "taken in order")
+        skipped = [v for v in self._ready if v < version]
+        if skipped:  # not acked: redelivered after reclaim_idle_s, as a dead consumer's
+            logger.warning("batches served ahead for versions %s were never taken (now at "
+                           "version %d)", skipped, version)
+            for v in skipped:
+                del self._ready[v]
+        ack = self._send_up_to(version, ack)
+        if ack is not None:
+            self._client.ack(self._consumer, ack)
+        if version in self._ready:
+            return self._ready.pop(version)
+        _, pending = self._flight.popleft()
+        try:
+            batch = self._client.receive_batch(pending)
+        except BaseException:
+            self._flight.clear()  # void with the error (the client's socket may be new)
+            raise
+        if batch is None:
+            self._drain()
+        return batch
+
+    def _send_up_to(self, version: int, ack: Batch | None) -> Batch | None:
+        """Send the requests for ``version .. version + depth - 1`` that are neither in flight
+        nor received, in version order; returns ``ack`` if no request carried it."""
+        assert isinstance(self._client, SendsAhead)
+        newest = self._flight[-1][0] if self._flight else version - 1
+        for wanted in range(version, version + self.depth):
+            if wanted <= newest or wanted in self._ready:
+                continue
+            pending = self._client.send_get_batch(self._consumer, self._count, wanted,
+                                                  self._timeout_s, ack)
+            self._flight.append((wanted, pending))
+            ack = None
+        return ack
+
+    def _drain(self) -> None:
+        """Receive every request still in flight and keep the batches they bring."""
+        assert isinstance(self._client, SendsAhead)
+        try:
+            while self._flight:
+                wanted, pending = self._flight.popleft()
+                batch = self._client.receive_batch(pending)
+                if batch is not None:
+                    self._ready[wanted] = batch
+        except BaseException:
+            self._flight.clear()
+            raise
