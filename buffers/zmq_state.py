@@ -12,11 +12,10 @@ survive a restart is journaled before the broker replies.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
 from buffers.zmq_protocol import check_put
+from buffers.zmq_queue import GroupQueue
 from buffers.zmq_replay import restore, snapshot_of
 from buffers.zmq_spill import ACKED, DROP, Recovered, SpillLog
 
@@ -75,7 +75,7 @@ class BrokerState:
         self.started = clock()
         self.epoch = secrets.token_hex(4)  # in receipts: a restarted broker never mis-acks
         self.next_seq = 1
-        self.queue: deque[QueuedGroup] = deque()
+        self.queue: GroupQueue[QueuedGroup] = GroupQueue()
         self.pending: dict[int, QueuedGroup] = {}  # by seq, in delivery order
         self.held_bytes = 0
         self.version = 0
@@ -184,7 +184,7 @@ class BrokerState:
         if len(self.queue) < count:
             return None
         now = self.clock()
-        groups = self._pop_oldest(count)
+        groups = self.queue.pop_oldest(count)
         for g in groups:
             g.consumer, g.delivered_at = consumer, now
             g.delivered_staleness = g.staleness(learner_version)
@@ -193,26 +193,10 @@ class BrokerState:
         self._journal_delivered(consumer, groups)
         return groups
 
-    def _pop_oldest(self, count: int) -> list[QueuedGroup]:
-        """Remove and return ``count`` queued groups, oldest version first. A group's key is
-        the newest version among its producer's groups up to it (then its place in the
-        queue), which grows along each producer's groups: they leave in their order."""
-        newest: dict[str, int] = {}
-        keyed = []
-        for place, g in enumerate(self.queue):
-            newest[g.producer] = max(newest.get(g.producer, g.min_version), g.min_version)
-            keyed.append(((newest[g.producer], place), g))
-        chosen = heapq.nsmallest(count, keyed, key=lambda item: item[0])
-        taken = {id(g) for _, g in chosen}
-        self.queue = deque(g for g in self.queue if id(g) not in taken)
-        return [g for _, g in chosen]
-
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
-        cutoff = learner_version - self.gate.max_staleness
-        if not any(0 <= g.min_version < cutoff for g in self.queue):
+        stale = self.queue.drop_below(learner_version - self.gate.max_staleness)
+        if not stale:
             return
-        stale = [g for g in self.queue if 0 <= g.min_version < cutoff]
-        self.queue = deque(g for g in self.queue if not 0 <= g.min_version < cutoff)
         self._forget(stale)
         self.dropped_stale += len(stale)
         self._dropped_for[consumer] += len(stale)
@@ -279,8 +263,7 @@ class BrokerState:
         group = self.pending.pop(seq, None)
         if group is None and seq in self.requeued:  # its first consumer was slow, not dead
             self.requeued.discard(seq)
-            group = next(g for g in self.queue if g.seq == seq)
-            self.queue.remove(group)
+            group = self.queue.remove(seq)
         return group
 
     def _forget(self, groups: Sequence[QueuedGroup]) -> None:
@@ -302,7 +285,7 @@ class BrokerState:
             del self.pending[group.seq]
             self.requeued.add(group.seq)
         self._journal_delivered("", expired)
-        self.queue.extendleft(sorted(expired, key=lambda g: g.seq, reverse=True))
+        self.queue.extend_front(sorted(expired, key=lambda g: g.seq))
         self.redelivered += len(expired)
         logger.warning("%d groups delivered to %s not acked within %.1fs: requeued",
                        len(expired), sorted({g.consumer for g in expired}),
