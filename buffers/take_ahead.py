@@ -39,6 +39,8 @@ class SendsAhead(Protocol):
 
     def receive_batch(self, pending: Any) -> Batch | None: ...
 
+    def forget_batch(self, pending: Any) -> None: ...
+
 
 class TakeAhead:
     """``take(V)`` returns the batch to train at version ``V``, with the requests for
@@ -94,7 +96,7 @@ class TakeAhead:
         try:
             batch = self._client.receive_batch(pending)
         except BaseException:
-            self._flight.clear()  # void with the error (the client's socket may be new)
+            self._abandon()
             raise
         if batch is None:
             self._drain()
@@ -124,5 +126,12 @@ class TakeAhead:
                 if batch is not None:
                     self._ready[wanted] = batch
         except BaseException:
-            self._flight.clear()
+            self._abandon()
             raise
+
+    def _abandon(self) -> None:
+        """After an error: the requests still in flight are given up (the caller decides
+        whether to go on; batches served to them come back after ``reclaim_idle_s``)."""
+        assert isinstance(self._client, SendsAhead)
+        while self._flight:
+            self._client.forget_batch(self._flight.popleft()[1])

@@ -382,6 +382,12 @@ class ZmqBufferClient:
         return Batch(groups=groups, dropped_stale=reply.body["dropped_stale"],
                      stats=reply.body["stats"], receipts=list(reply.body["receipts"]))
 
+    def forget_batch(self, pending: PendingBatch) -> None:
+        """Give up on a request sent ahead: never re-sent, its reply discarded if it comes (a
+        batch served to it is leased to nobody and redelivered after ``reclaim_idle_s``)."""
+        self._ahead.pop(pending.request_id, None)
+        self._early.pop(pending.request_id, None)
+
     def _resend_lost(self) -> None:
         """Send again, in their order, every batch request of an older generation (lost with
         a connection), so the broker still serves them in the order they were first sent."""

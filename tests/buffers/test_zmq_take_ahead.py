@@ -67,3 +67,22 @@ def test_requests_in_flight_are_sent_again_after_a_broker_restart(zmq):
     learner.ack("learner", batch)
     status = producer.status()
     assert (status["consumed"], status["depth"], status["redelivered"]) == (6, 0, 0)
+
+
+def test_a_forgotten_request_is_never_answered_and_its_batch_comes_back(zmq):
+    d = zmq.start(groups_per_step=2, reclaim_idle_s=0.5)
+    c = d.client()
+    for i in range(4):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    first = c.send_get_batch("learner", 2, 0, timeout_s=5.0)
+    second = c.send_get_batch("learner", 2, 0, timeout_s=5.0)
+    c.forget_batch(second)
+    batch = c.receive_batch(first)
+    assert ids(batch) == ["g0", "g1"]
+    c.ack("learner", batch)
+    assert c.status()["pending"] == 2  # g2, g3: served to the forgotten request
+    again = c.get_batch("learner", 2, 0, timeout_s=5.0)  # reclaimed after 0.5 s
+    assert ids(again) == ["g2", "g3"]
+    c.ack("learner", again)
+    status = c.status()
+    assert (status["consumed"], status["depth"], status["redelivered"]) == (4, 0, 2)

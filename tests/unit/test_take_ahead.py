@@ -23,6 +23,7 @@ class Scripted:
         self.sent: list[tuple[int, list[str]]] = []  # (version, receipts acked with it)
         self.acked: list[list[str]] = []
         self.received: list[int] = []
+        self.forgotten: list[int] = []
 
     def send_get_batch(self, consumer: str, count: int, learner_version: int,
                        timeout_s: float, ack: Batch | None = None) -> Any:
@@ -35,6 +36,9 @@ class Scripted:
 
     def ack(self, consumer: str, b: Batch, consumed: int | None = None) -> None:
         self.acked.append(b.receipts)
+
+    def forget_batch(self, pending: Any) -> None:
+        self.forgotten.append(pending)
 
 
 def test_depth_requests_in_version_order_and_the_ack_rides_on_the_first_sent():
@@ -85,15 +89,16 @@ def test_versions_out_of_order_are_refused():
         ahead.take(3)
 
 
-def test_an_error_voids_the_requests_in_flight():
+def test_an_error_gives_up_the_requests_in_flight():
     class Failing(Scripted):
         def receive_batch(self, pending: Any) -> Batch | None:
             raise TimeoutError("no answer")
 
-    ahead = TakeAhead(Failing({}), "learner", 8, depth=3, timeout_s=1.0)
+    client = Failing({})
+    ahead = TakeAhead(client, "learner", 8, depth=3, timeout_s=1.0)
     with pytest.raises(TimeoutError):
         ahead.take(0)
-    assert ahead.in_flight == 0
+    assert ahead.in_flight == 0 and client.forgotten == [1, 2]  # never re-sent by the client
 
 
 def test_a_client_that_cannot_send_ahead_takes_one_at_a_time():
