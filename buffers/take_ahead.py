@@ -63,7 +63,9 @@ class TakeAhead:
             raise ValueError(f"depth {depth} must be >= 1")
         self._client, self._consumer, self._count = client, consumer, count
         self._timeout_s = timeout_s
-        self.depth = depth if isinstance(client, SendsAhead) else 1
+        # checked once: isinstance against a runtime Protocol looks up every member
+        self._sender = client if isinstance(client, SendsAhead) else None
+        self.depth = depth if self._sender is not None else 1
         self._flight: deque[tuple[int, Any]] = deque()  # (version, pending), in send order
         self._ready: dict[int, Batch] = {}  # served ahead, received: by version
 
@@ -73,7 +75,8 @@ class TakeAhead:
 
     def take(self, version: int, ack: Batch | None = None) -> Batch | None:
         """The batch for ``version``, or None if none came within ``timeout_s``."""
-        if not isinstance(self._client, SendsAhead):
+        sender = self._sender
+        if sender is None:
             return self._client.get_batch(self._consumer, self._count, version,
                                           self._timeout_s, ack)
         if self._flight and self._flight[0][0] != version and (
@@ -87,51 +90,43 @@ class TakeAhead:
                            "version %d)", skipped, version)
             for v in skipped:
                 del self._ready[v]
-        ack = self._send_up_to(version, ack)
+        ack = self._send_up_to(sender, version, ack)
         if ack is not None:
             self._client.ack(self._consumer, ack)
         if version in self._ready:
             return self._ready.pop(version)
         _, pending = self._flight.popleft()
         try:
-            batch = self._client.receive_batch(pending)
+            batch = sender.receive_batch(pending)
+            if batch is None:
+                self._drain(sender)
         except BaseException:
-            self._abandon()
+            # the requests still in flight are given up (the caller decides whether to go
+            # on); batches served to them come back after reclaim_idle_s
+            while self._flight:
+                sender.forget_batch(self._flight.popleft()[1])
             raise
-        if batch is None:
-            self._drain()
         return batch
 
-    def _send_up_to(self, version: int, ack: Batch | None) -> Batch | None:
+    def _send_up_to(self, sender: SendsAhead, version: int,
+                    ack: Batch | None) -> Batch | None:
         """Send the requests for ``version .. version + depth - 1`` that are neither in flight
         nor received, in version order; returns ``ack`` if no request carried it."""
-        assert isinstance(self._client, SendsAhead)
         newest = self._flight[-1][0] if self._flight else version - 1
         for wanted in range(version, version + self.depth):
             if wanted <= newest or wanted in self._ready:
                 continue
-            pending = self._client.send_get_batch(self._consumer, self._count, wanted,
-                                                  self._timeout_s, ack)
+            pending = sender.send_get_batch(self._consumer, self._count, wanted,
+                                            self._timeout_s, ack)
             self._flight.append((wanted, pending))
             ack = None
         return ack
 
-    def _drain(self) -> None:
+    def _drain(self, sender: SendsAhead) -> None:
         """Receive every request still in flight and keep the batches they bring."""
-        assert isinstance(self._client, SendsAhead)
-        try:
-            while self._flight:
-                wanted, pending = self._flight.popleft()
-                batch = self._client.receive_batch(pending)
-                if batch is not None:
-                    self._ready[wanted] = batch
-        except BaseException:
-            self._abandon()
-            raise
-
-    def _abandon(self) -> None:
-        """After an error: the requests still in flight are given up (the caller decides
-        whether to go on; batches served to them come back after ``reclaim_idle_s``)."""
-        assert isinstance(self._client, SendsAhead)
         while self._flight:
-            self._client.forget_batch(self._flight.popleft()[1])
+            wanted, pending = self._flight[0]
+            batch = sender.receive_batch(pending)
+            self._flight.popleft()
+            if batch is not None:
+                self._ready[wanted] = batch

@@ -99,8 +99,7 @@ class PendingBatch:
     must be sent again (with the same arguments, its ack included: acks are idempotent)."""
 
     request_id: bytes
-    args: dict[str, Any]
-    timeout_s: float
+    args: dict[str, Any]  # as sent (its long poll: ``args["timeout_s"]``)
     generation: int
     give_up: float  # re-sent on a new connection until then (``reconnect_s`` after the send)
 
@@ -343,8 +342,8 @@ class ZmqBufferClient:
             self._forget_drops()
         elif any(p.generation != self._generation for p in self._ahead.values()):
             self._resend_lost()  # first: the broker must see them before this one
-        pending = PendingBatch(self._send("get_batch", args), args, timeout_s,
-                               self._generation, time.monotonic() + self.reconnect_s)
+        pending = PendingBatch(self._send("get_batch", args), args, self._generation,
+                               time.monotonic() + self.reconnect_s)
         self._ahead[pending.request_id] = pending
         return pending
 
@@ -362,7 +361,8 @@ class ZmqBufferClient:
                                       f"{self.reconnect_s:g} is over")
                     self._resend_lost()
                 reply_id = pending.request_id
-                reply = self._receive({reply_id}, "get_batch", pending.timeout_s)[reply_id]
+                reply = self._receive({reply_id}, "get_batch",
+                                      pending.args["timeout_s"])[reply_id]
                 break
             except NoReply as exc:
                 if time.monotonic() >= pending.give_up:

@@ -9,7 +9,8 @@ the trainer runs it as micro-batches and accumulates gradients. Two layouts:
   causal mask for ``sdpa``/``eager`` and uses varlen kernels for flash-attention, so no token
   attends across sequences — but only without a KV cache (``use_cache=False``: with one,
   the detection is skipped and sequences silently attend to each other)
-  (``tests/unit/test_packing.py`` checks the logprobs equal the padded ones). No padding is computed at all.
+  (``tests/unit/test_packing.py`` checks the logprobs equal the padded ones). No padding is
+  computed at all.
 - **padded**: rows right-padded to the micro-batch's longest, the budget counting padding.
 
 Either way the logprobs come back in the per-sequence ``[B, T]`` layout of
