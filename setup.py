@@ -1,11 +1,11 @@
 """The one compiled module, ``buffers._groupscan`` (everything else is in pyproject.toml).
 
 Optional: where it cannot be built (no C compiler), the install still succeeds and the broker
-checks groups with numpy instead (``buffers.group_check``): its Python time per 1k-token group
-is then ~69 µs instead of ~39. ``make test`` fails on that (tests/buffers/test_group_check.py),
-so CI never measures the fallback by mistake. Built against the stable ABI on Python 3.11+
-(one ``abi3`` file for every later Python); 3.10's stable ABI has no buffer protocol, so there
-it is version-specific.
+checks groups with numpy and the header in Python instead (``buffers.group_check``): its
+Python time per 1k-token group is then about twice the compiled path's. ``make test`` fails on
+that (tests/buffers/test_group_check.py), so CI never measures the fallback by mistake. Built
+against the stable ABI on Python 3.11+ (one ``abi3`` file for every later Python); 3.10's
+stable ABI has no buffer protocol, so there it is version-specific.
 """
 
 import sys

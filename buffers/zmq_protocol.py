@@ -122,13 +122,14 @@ def decode_reply(frames: Sequence[bytes]) -> tuple[bytes, Reply]:
     return _bytes(frames[0]), Reply(ok=status == OK, body=body, payload=list(frames[3:]))
 
 
-def check_put(payload: Sequence[Any], nbytes: int, max_bytes: int) -> GroupFacts:
+def check_put(payload: Sequence[Any], max_bytes: int) -> GroupFacts:
     """Validate a put's payload (one packed group), its size first, before anything else."""
+    if len(payload) == 1:
+        return check_packed(payload[0], max_bytes)
+    nbytes = sum(memoryview(f).nbytes for f in payload)
     if nbytes > max_bytes:
         raise WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
-    if len(payload) != 1:
-        raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
-    return check_packed(payload[0])
+    raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
 
 
 def error(reason: str, detail: str) -> Reply:

@@ -31,6 +31,7 @@ class PutDesk:
         """A ``put`` (its payload must be exactly one packed group, or ``frames``) or a
         ``put_many``; the reply now, or None when it waits for room."""
         producer = arg_str(request.args, "producer")
+        self._state.members.touch(producer)  # once per request, not once per group
         if single:
             items = [self._state.check(producer, request.payload)]
         else:
@@ -48,6 +49,7 @@ class PutDesk:
         while self._waits.puts and self._state.has_room():
             parked = self._waits.puts[0]
             assert parked.job is not None
+            self._state.members.touch(parked.job.producer)  # still there: it waits
             if not self._advance(parked.job):
                 return
             self._waits.pop_put(self._state.clock())

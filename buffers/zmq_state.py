@@ -131,31 +131,33 @@ class BrokerState:
 
     def release(self, producer: str, count: int) -> None:
         self.members.touch(producer)
+        self._free_slots(producer, count)
+
+    def _free_slots(self, producer: str, count: int) -> None:
         self.in_flight[producer] = max(0, self.in_flight[producer] - count)
 
     def check(self, producer: str, payload: Sequence[Any]) -> QueuedGroup | str:
         """Validate a put (one packed group) before it may wait for room; a rejection
         (counted) returns its reason and uses up the producer's slot. Size is checked before
-        anything is decoded."""
-        self.members.touch(producer)
-        nbytes = sum(memoryview(f).nbytes for f in payload)
+        anything is decoded. The caller marks the producer seen, once per request."""
         try:
-            group = check_put(payload, nbytes, self.config.max_message_bytes)
+            group = check_put(payload, self.config.max_message_bytes)
             if self.run_id and group.run_id and group.run_id != self.run_id:
                 raise WireError("run", f"group of run {group.run_id!r}, broker is "
                                        f"{self.run_id!r}")
         except WireError as exc:
             return self.reject(producer, exc)
-        return QueuedGroup(list(payload), group.min_version, nbytes)
+        return QueuedGroup(list(payload), group.min_version, group.nbytes)
 
     def accept(self, producer: str, group: QueuedGroup) -> str:
-        """Enqueue a checked group (journaled first); returns "" or the rejection reason."""
+        """Enqueue a checked group (journaled first); returns "" or the rejection reason.
+        The caller marks the producer seen, once per request (not once per group)."""
         if self.run_status != RUNNING:
             return self.reject(producer, WireError("run", "the run is done"))
         group.seq, self.next_seq = self.next_seq, self.next_seq + 1
         if self.journal is not None:  # a failed write leaves the slot to the producer
             self.journal.put(group.seq, group.min_version, group.frames)
-        self.release(producer, 1)
+        self._free_slots(producer, 1)
         group.producer = producer
         self.queue.append(group)
         self.held_bytes += group.nbytes

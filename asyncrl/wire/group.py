@@ -155,9 +155,10 @@ class GroupHeader:
 
 
 def decode_header(frame: bytes | memoryview) -> GroupHeader:
-    """Parse and validate a group's header frame; raises :class:`WireError`. Shared by
-    :func:`decode_group` and the broker's check (:mod:`buffers.group_check`), so both reject a
-    group for the same reason."""
+    """Parse and validate a group's header frame; raises :class:`WireError`. The broker's
+    compiled check (``buffers/_groupscan.c``) applies these rules itself, in this order and
+    with the same Python operations on the parsed values; ``tests/buffers/test_group_check.py``
+    holds the two to the same reason and message, so a change here needs one there."""
     try:
         header = orjson.loads(frame if isinstance(frame, bytes) else bytes(frame))
     except orjson.JSONDecodeError as exc:

@@ -1,14 +1,18 @@
 """The broker's group check (``buffers.group_check``): the compiled scan, the numpy fallback and
-the learner's ``decode_group`` accept and reject the same groups, for the same reason.
+the learner's ``decode_group`` accept and reject the same groups, for the same reason and
+message.
 
 The compiled path (``buffers/_groupscan.c``) is what the broker runs; the fallback is what it
 runs where the extension did not build. Each case is checked three ways and must agree on the
 outcome: the rejection (reason and message) or the facts the broker keeps (run id, oldest
-version), the latter against ``TrajectoryGroup.min_version`` of the decoded group.
+version, size), the latter against ``TrajectoryGroup.min_version`` of the decoded group. The
+compiled path applies the header's rules itself (on the object orjson parsed), so the header
+cases below include the odd values Python's ``float()``, ``int()`` and ``str()`` accept.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 
@@ -43,29 +47,34 @@ def outcome(check: Callable[[], GroupFacts]) -> Outcome:
         return exc.reason, str(exc)
 
 
-def reference(packed: bytes) -> Outcome:
+def reference(packed: bytes, max_bytes: int | None = None) -> Outcome:
     """What a learner's full decode says about the same bytes."""
     def decode() -> GroupFacts:
+        if max_bytes is not None and len(packed) > max_bytes:
+            raise WireError("oversized", f"{len(packed)} bytes > max_message_bytes {max_bytes}")
         group = decode_group(unpack_group(packed))
-        return GroupFacts(group.run_id, group.min_version())
+        return GroupFacts(group.run_id, group.min_version(), len(packed))
     return outcome(decode)
 
 
-def assert_agree(packed: bytes) -> Outcome:
-    expected = reference(packed)
-    assert outcome(lambda: check_packed(packed, compiled=False)) == expected
-    assert outcome(lambda: check_packed(packed, compiled=True)) == expected
+def assert_agree(packed: bytes, max_bytes: int | None = None) -> Outcome:
+    expected = reference(packed, max_bytes)
+    assert outcome(lambda: check_packed(packed, max_bytes, compiled=False)) == expected
+    assert outcome(lambda: check_packed(packed, max_bytes, compiled=True)) == expected
     return expected
+
+
+MISSING = object()  # a header change that deletes the key
 
 
 def with_header(frames: list[bytes], **changes: object) -> list[bytes]:
     header = orjson.loads(frames[0])
     for key, value in changes.items():
-        if value is None:
+        if value is MISSING:
             header.pop(key)
         else:
             header[key] = value
-    return [orjson.dumps(header), *frames[1:]]
+    return [json.dumps(header).encode(), *frames[1:]]  # json: ints past 64 bits too
 
 
 def with_array(frames: list[bytes], index: int, dtype: str, edit: Callable[[np.ndarray], None]
@@ -94,7 +103,8 @@ def test_a_group_with_no_generated_token_has_no_version() -> None:
     frames = make_frames()
     frames = with_array(frames, 3, "u1", lambda a: a.fill(0))
     frames = with_array(frames, 4, "<i4", lambda a: a.fill(-1))
-    assert assert_agree(pack_group(frames)) == GroupFacts("run-a", -1)
+    packed = pack_group(frames)
+    assert assert_agree(packed) == GroupFacts("run-a", -1, len(packed))
 
 
 def test_value_rules_only_apply_to_trained_tokens() -> None:
@@ -112,16 +122,64 @@ def test_value_rules_only_apply_to_trained_tokens() -> None:
 
 @pytest.mark.parametrize("changes, reason", [
     ({"schema": 99}, "schema"),
+    ({"schema": "1"}, "schema"),
+    ({"schema": None}, "schema"),
+    ({"schema": MISSING}, "schema"),
+    ({"schema": 1.0}, "ok"),  # == 1 in Python, so in both paths
+    ({"schema": True}, "ok"),
+    ({"rewards": MISSING}, "header"),
     ({"rewards": None}, "header"),
+    ({"rewards": 3}, "header"),
+    ({"rewards": [1.0, "x", 0.0]}, "header"),
+    ({"rewards": [1.0, [2], 0.0]}, "header"),
+    ({"rewards": ["1.5", True, 0]}, "ok"),  # float() takes them
+    ({"rewards": [1.0, None, 0.0]}, "reward"),
+    ({"rewards": [1.0, "nan", 0.0]}, "reward"),
+    ({"rewards": [1.0, "inf", 0.0]}, "reward"),
+    ({"rewards": {"a": 1, "b": 2, "c": 3}}, "header"),  # iterates the keys: float("a")
     ({"lengths": "twelve"}, "header"),
     ({"lengths": [12, 12]}, "length"),
     ({"lengths": [12, 0, 24]}, "length"),
-    ({"rewards": [1.0, None, 0.0]}, "reward"),
+    ({"lengths": [12, -5, 29]}, "length"),
+    ({"lengths": ["12", 12.9, 12]}, "ok"),  # int() takes them
+    ({"lengths": [12, 12, 10**30]}, "length"),  # past 64 bits: sizes cannot agree
+    ({"lengths": [12, -(10**30), 10**30 + 24]}, "length"),
+    ({"lengths": [2**62, 2**62, 2**62]}, "length"),
+    ({"lengths": [12, [1], 12]}, "header"),
+    ({"lengths": []}, "length"),
+    ({"lengths": MISSING}, "header"),
+    ({"finish_reasons": ["stop", "stop"]}, "length"),
+    ({"finish_reasons": 5}, "header"),
+    ({"finish_reasons": "abc"}, "ok"),  # three characters: three reasons
+    ({"group_id": MISSING}, "header"),
+    ({"prompt_id": MISSING}, "header"),
+    ({"group_id": 7, "prompt_id": [1]}, "ok"),  # str() takes anything
+    ({"rewards": [1.0, None, 0.0], "lengths": [12, 0, 24]}, "length"),  # decode's order
+    ({"rewards": [1.0, None, 0.0], "lengths": [1]}, "length"),
     ({"metadata": [1, 2]}, "header"),
+    ({"metadata": []}, "ok"),  # `or {}`: anything falsy is no metadata
+    ({"metadata": 0}, "ok"),
+    ({"metadata": "x"}, "header"),
+    ({"run_id": 12}, "ok"),
     ({"lengths": [12, 12, 13]}, "length"),  # arrays hold 36 tokens, the header says 37
 ])
 def test_header_rules_agree(changes: dict, reason: str) -> None:
-    assert assert_agree(pack_group(with_header(make_frames(), **changes)))[0] == reason
+    result = assert_agree(pack_group(with_header(make_frames(), **changes)))
+    assert (result[0] if isinstance(result, tuple) else "ok") == reason
+
+
+def test_header_values_that_are_not_objects_or_json_agree() -> None:
+    frames = make_frames()
+    for text in (b"{not json", b"[1, 2]", b"null", b"7", b'"s"', b"", b"\xff", b"{}",
+                 b'{"schema": 1}'):
+        assert assert_agree(pack_group([text, *frames[1:]]))[0] in {"header", "schema"}
+
+
+def test_the_size_bound_is_checked_first_by_both_paths() -> None:
+    packed = pack_group(make_frames())
+    assert assert_agree(packed, max_bytes=len(packed)) == reference(packed)
+    assert assert_agree(packed, max_bytes=len(packed) - 1)[0] == "oversized"
+    assert assert_agree(b"\x05", max_bytes=0)[0] == "oversized"  # before the packing
 
 
 def test_broken_headers_and_frame_counts_agree() -> None:
@@ -146,7 +204,9 @@ def test_the_unaligned_packing_of_old_spill_files_reads_the_same() -> None:
     frames = make_frames(tokens=13)
     head = struct.pack("<H5I", 5, *(len(f) for f in frames))
     unaligned = head + b"".join(frames)
-    assert assert_agree(unaligned) == assert_agree(pack_group(frames))
+    old, new = assert_agree(unaligned), assert_agree(pack_group(frames))
+    assert isinstance(old, GroupFacts) and isinstance(new, GroupFacts)
+    assert (old.run_id, old.min_version) == (new.run_id, new.min_version)
 
 
 def test_random_corruptions_agree() -> None:
