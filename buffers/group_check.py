@@ -32,7 +32,10 @@ try:  # the C scan reads little-endian values, as the wire format is
     from buffers import _groupscan
 except ImportError:  # not built: no compiler when the package was installed
     _groupscan = None
-COMPILED = _groupscan is not None and sys.byteorder == "little"
+# An extension built from an older _groupscan.c (an install not redone after a pull) has no
+# `check`: it is not used, and describe() says so.
+STALE = _groupscan is not None and not hasattr(_groupscan, "check")
+COMPILED = _groupscan is not None and not STALE and sys.byteorder == "little"
 
 
 @dataclass(frozen=True)
@@ -78,4 +81,6 @@ def describe() -> str:
     """For the broker's start-up log: which path checks groups."""
     if COMPILED:
         return "compiled (buffers._groupscan)"
+    if STALE:
+        return "numpy (buffers._groupscan is from an older source: reinstall, pip install -e .)"
     return "numpy (buffers._groupscan not built: no C compiler at install time?)"

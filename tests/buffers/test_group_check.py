@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,7 @@ import orjson
 import pytest
 
 from asyncrl.wire import TrajectoryGroup, WireError, decode_group, encode_group
+import buffers
 from buffers import group_check
 from buffers.group_check import GroupFacts, check_packed
 from buffers.packing import pack_group, unpack_group
@@ -228,3 +230,24 @@ def test_a_zmq_frame_is_checked_without_a_copy() -> None:
     zmq = pytest.importorskip("zmq")
     packed = pack_group(make_frames())
     assert check_packed(zmq.Frame(packed)) == check_packed(packed)
+
+
+def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """An install not redone after a pull keeps the old ``_groupscan`` (no ``check``): the
+    broker must fall back to the numpy path and say why, not fail every put."""
+    import importlib.util
+    import types
+
+    old = types.ModuleType("buffers._groupscan")
+    old.scan = lambda packed: None  # what the previous source exported
+    monkeypatch.setitem(sys.modules, "buffers._groupscan", old)
+    monkeypatch.setattr(buffers, "_groupscan", old, raising=False)
+    spec = importlib.util.spec_from_file_location("group_check_copy", group_check.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "group_check_copy", copy)  # dataclasses look it up
+    spec.loader.exec_module(copy)
+    assert copy.STALE and not copy.COMPILED
+    assert "older source" in copy.describe()
+    packed = pack_group(make_frames())
+    assert copy.check_packed(packed).run_id == "run-a"
