@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from asyncrl.wire import SCHEMA_VERSION, WireError, decode_group, value_error
+from asyncrl.wire import SCHEMA_VERSION, WireError, decode_group, oversized, value_error
 from buffers.packing import unpack_group
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def _check_numpy(packed: Any, max_bytes: int | None) -> GroupFacts:
     """The learner's own decode: the same rules, five numpy passes over the arrays."""
     nbytes = memoryview(packed).nbytes
     if max_bytes is not None and nbytes > max_bytes:
-        raise WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
+        raise oversized(nbytes, max_bytes)
     group = decode_group(unpack_group(packed))
     return GroupFacts(group.run_id, group.min_version(), nbytes)
 

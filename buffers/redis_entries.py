@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group
+from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group, oversized
 from buffers.group_check import check_packed
 from buffers.packing import pack_group, unpack_group
 from buffers.protocol import PutResult
@@ -42,7 +42,7 @@ def stage_put(frames: Sequence[Any], max_message_bytes: int, rejections: Rejecti
     try:  # frames may be memoryviews of the group's arrays: packed with one copy each
         size = sum(memoryview(f).nbytes for f in frames)
         if size > max_message_bytes:
-            raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
+            raise oversized(size, max_message_bytes)
         payload = pack_group(frames)
         group = check_packed(payload)  # decode_group's rules, in one C pass where built
     except WireError as exc:
@@ -71,12 +71,11 @@ def decode_entry(fields: dict[bytes, bytes], payload: bytes | None,
     if payload is None:
         raise WireError("frames", f"no payload under {fields.get(b'k')!r}")
     if len(payload) > max_message_bytes + PACKING_SLACK:  # before anything is decoded
-        raise WireError("oversized",
-                        f"{len(payload)} bytes > max_message_bytes {max_message_bytes}")
+        raise oversized(len(payload), max_message_bytes)
     frames = unpack_group(payload)
     size = sum(frame.nbytes for frame in frames)  # as the producer's client counted it
     if size > max_message_bytes:
-        raise WireError("oversized", f"{size} bytes > max_message_bytes {max_message_bytes}")
+        raise oversized(size, max_message_bytes)
     group = decode_group(frames)
     try:
         minv = int(fields.get(b"minv", b""))

@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from asyncrl.wire import WireError
+from asyncrl.wire import WireError, oversized
 from buffers.group_check import GroupFacts, check_packed
 from buffers.packing import pack_group, unpack_group
 
@@ -128,7 +128,7 @@ def check_put(payload: Sequence[Any], max_bytes: int) -> GroupFacts:
         return check_packed(payload[0], max_bytes)
     nbytes = sum(memoryview(f).nbytes for f in payload)
     if nbytes > max_bytes:
-        raise WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
+        raise oversized(nbytes, max_bytes)
     raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
 
 

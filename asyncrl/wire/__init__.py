@@ -6,12 +6,11 @@ from asyncrl.wire.group import (
     Rejections,
     TrajectoryGroup,
     WireError,
-    check_array_sizes,
-    check_frame_count,
     decode_group,
     decode_header,
     encode_group,
     encode_group_views,
+    oversized,
     value_error,
 )
 
@@ -21,11 +20,10 @@ __all__ = [
     "Rejections",
     "TrajectoryGroup",
     "WireError",
-    "check_array_sizes",
-    "check_frame_count",
     "decode_group",
     "decode_header",
     "encode_group",
     "encode_group_views",
+    "oversized",
     "value_error",
 ]

@@ -243,6 +243,12 @@ def value_error(reason: str) -> WireError:
     return WireError(reason, VALUE_ERRORS[reason])
 
 
+def oversized(nbytes: int, max_bytes: int) -> WireError:
+    """The rejection of a message over ``buffer.max_message_bytes`` (every buffer path, and
+    ``buffers/_groupscan.c``, words it so)."""
+    return WireError("oversized", f"{nbytes} bytes > max_message_bytes {max_bytes}")
+
+
 class Rejections:
     """Counts rejected messages by reason and logs each, rate-limited to the first few."""
 
