@@ -102,17 +102,19 @@ class GroupQueue(Generic[G]):
         ``[0, cutoff)`` (stale). O(queue), but only when there is one: see :meth:`has_below`."""
         if not self.has_below(cutoff):
             return []
-        stale = [g for g in self if 0 <= g.min_version < cutoff]
-        for group in stale:
-            self._forget(group)
-        for producer in list(self._by_producer):
-            kept = deque(item for item in self._by_producer[producer]
-                         if not 0 <= item[1].min_version < cutoff)
+        stale: list[tuple[int, G]] = []
+        for producer, items in list(self._by_producer.items()):
+            kept: deque[tuple[int, G]] = deque()
+            for item in items:
+                (stale if 0 <= item[1].min_version < cutoff else kept).append(item)
             if kept:
                 self._by_producer[producer] = kept
             else:
                 del self._by_producer[producer]
-        return stale
+        stale.sort(key=lambda item: item[0])  # queue order: places are arrival order
+        for _, group in stale:
+            self._forget(group)
+        return [group for _, group in stale]
 
     def remove(self, seq: int) -> G | None:
         """Remove and return the group with sequence number ``seq``, if queued."""
