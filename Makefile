@@ -8,6 +8,13 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: quickstart test test-fast bench clean
 
+# pytest-xdist workers for `make test`. Most tests are whole runs of several processes that
+# leave a core idle much of the time (imports, start-up, waits): two workers fill 2 cores.
+# A module-scoped fixture's tests share one worker (tests/conftest.py). TEST_WORKERS=0 runs
+# one test at a time.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 $(STAMP): pyproject.toml setup.py buffers/_groupscan.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -e ".[cpu,dev,sinks]"
@@ -23,10 +30,10 @@ quickstart: $(STAMP)
 	$(BIN)/asyncrl up configs/quickstart.toml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python bench/async_vs_sync.py

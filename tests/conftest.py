@@ -19,3 +19,17 @@ def _restore_root_logging() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``). A test
+    that uses a module-scoped fixture joins its module's group, so that fixture (a local Ray
+    cluster, the 9-process DeepSpeed comparison, a vLLM server) is built on one worker, once,
+    instead of once on every worker that happens to get one of the module's tests. The other
+    tests go to whichever worker is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)  # pytest's, not public: no info, no group
+        if info is None:
+            continue
+        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
