@@ -22,14 +22,23 @@ def _restore_root_logging() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``). A test
-    that uses a module-scoped fixture joins its module's group, so that fixture (a local Ray
-    cluster, the 9-process DeepSpeed comparison, a vLLM server) is built on one worker, once,
-    instead of once on every worker that happens to get one of the module's tests. The other
-    tests go to whichever worker is free."""
+    """For ``make test``'s pytest-xdist workers (``--dist loadgroup``):
+
+    - A test that uses a module-scoped fixture joins its module's group, so that fixture (a
+      local Ray cluster, the 9-process DeepSpeed comparison, a vLLM server) is built on one
+      worker, once, instead of on every worker that happens to get one of the module's tests.
+    - Modules with a ``slow`` test (whole runs of 30-90 s) come first, each module's tests kept
+      together and in order: the short tests then fill the end of the run on both workers,
+      where one worker's last long run would otherwise leave the other core idle."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)  # pytest's, not public: no info, no group
         if info is None:
             continue
         if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            item.add_marker(pytest.mark.xdist_group(_module(item)))
+    slow = {_module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _module(item) not in slow)  # stable
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
