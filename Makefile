@@ -10,10 +10,10 @@ STAMP := $(VENV)/.installed-stamp
 
 # pytest-xdist workers for `make test`. Most tests are whole runs of several processes that
 # leave a core idle much of the time (imports, start-up, waits): two workers fill 2 cores.
-# A module-scoped fixture's tests share one worker (tests/conftest.py). TEST_WORKERS=0 runs
-# one test at a time.
+# A file at a time per worker (its module-scoped fixtures built once), long files first
+# (tests/conftest.py). TEST_WORKERS=0 runs one test at a time.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 $(STAMP): pyproject.toml setup.py buffers/_groupscan.c
 	$(PYTHON) -m venv $(VENV)

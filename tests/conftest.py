@@ -22,23 +22,25 @@ def _restore_root_logging() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """For ``make test``'s pytest-xdist workers (``--dist loadgroup``):
+    """Long files first, for ``make test``'s pytest-xdist workers (``--dist loadfile
+    --no-loadscope-reorder``: a file at a time per worker, in this order).
 
-    - A test that uses a module-scoped fixture joins its module's group, so that fixture (a
-      local Ray cluster, the 9-process DeepSpeed comparison, a vLLM server) is built on one
-      worker, once, instead of on every worker that happens to get one of the module's tests.
-    - Modules with a ``slow`` test (whole runs of 30-90 s) come first, each module's tests kept
-      together and in order: the short tests then fill the end of the run on both workers,
-      where one worker's last long run would otherwise leave the other core idle."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)  # pytest's, not public: no info, no group
-        if info is None:
-            continue
-        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(_module(item)))
-    slow = {_module(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _module(item) not in slow)  # stable
+    First the files with a ``slow`` test (whole runs of 30-90 s), then those with a
+    module-scoped fixture (a Ray cluster, the 9-process DeepSpeed comparison, a vLLM server),
+    then the rest, each file's tests together and in order: the short files then fill the
+    end of the run on both workers, where one worker's last long file would otherwise leave
+    the other core idle."""
+    slow = {_file(item) for item in items if item.get_closest_marker("slow")}
+    fixtures = {_file(item) for item in items if _uses_module_fixture(item)}
+    items.sort(key=lambda item: (_file(item) not in slow, _file(item) not in fixtures))
 
 
-def _module(item: pytest.Item) -> str:
+def _file(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own, not public API
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
