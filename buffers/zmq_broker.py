@@ -6,7 +6,8 @@ the gate counters can never race. Requests that have to wait are parked
 puts while ``max_groups`` are held (backpressure). The rules live in
 :class:`~buffers.zmq_state.BrokerState`, the socket's hardening in
 :func:`~buffers.zmq_auth.bind_router`; this module only moves messages. Groups are received as
-``zmq.Frame`` objects, kept as such and sent on with ``copy=False``: never copied in Python.
+``zmq.Frame`` objects, kept as such and sent on with ``copy=False``: never copied in Python
+(:mod:`buffers.zmq_frames`: pyzmq's multipart calls without their Python layer).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from asyncrl.config.schema import BufferConfig
 from buffers import group_check
 from buffers.zmq_auth import CurveServer, bind_router
 from buffers.zmq_control import batch_stats, status_of
+from buffers.zmq_frames import recv_frames, send_frames
 from buffers.zmq_protocol import (
     ProtocolError,
     Reply,
@@ -50,6 +52,7 @@ COMMANDS = ("acquire", "put", "put_many", "release", "get_batch", "ack", "renew"
 TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
 DRAIN_MAX = 64  # requests handled per wake-up before the housekeeping runs again
 CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) leave the socket
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class ZmqBroker:
@@ -117,7 +120,7 @@ class ZmqBroker:
         assert self._socket is not None
         for _ in range(DRAIN_MAX):
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self._socket, _NOBLOCK)
             except zmq.Again:
                 return
             self._handle(frames)
@@ -160,7 +163,7 @@ class ZmqBroker:
 
     def _send(self, identity: bytes, request_id: bytes, reply: Reply) -> None:
         assert self._socket is not None
-        self._socket.send_multipart(encode_reply(identity, request_id, reply), copy=False)
+        send_frames(self._socket, encode_reply(identity, request_id, reply))
 
     def _answer(self, parked: Parked, reply: Reply) -> None:
         self._send(parked.identity, parked.request_id, reply)

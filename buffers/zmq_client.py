@@ -65,6 +65,7 @@ from asyncrl.wire import TrajectoryGroup, decode_group, encode_group_views
 from buffers import BufferStopped
 from buffers.protocol import Batch, Grant, PutResult
 from buffers.zmq_auth import apply_curve_client
+from buffers.zmq_frames import recv_frames, send_frames
 from buffers.zmq_protocol import (
     BrokerError,
     Reply,
@@ -198,8 +199,7 @@ class ZmqBufferClient:
         self._next_id += 1
         request_id = self._next_id.to_bytes(8, "little")
         try:
-            self._socket.send_multipart(encode_request(request_id, command, args, payload),
-                                        copy=False)
+            send_frames(self._socket, encode_request(request_id, command, args, payload))
         except zmq.Again:
             self._timed_out(command, "send")
         return request_id
@@ -230,7 +230,7 @@ class ZmqBufferClient:
                 if time.monotonic() < deadline:
                     continue
                 self._timed_out(command, "reply")
-            reply_id, reply = decode_reply(self._socket.recv_multipart(copy=False))
+            reply_id, reply = decode_reply(recv_frames(self._socket))
             if reply_id not in request_ids:
                 if reply_id in self._ahead:
                     self._early[reply_id] = reply  # a batch sent ahead: kept for its receive

@@ -2,7 +2,13 @@
 
 A fake socket collects the replies, so this times the broker's own interpreter work: decode
 the request, check 8 groups, accept them, serve and ack a batch of 8 (8 samples x 1k tokens).
-The requests' ``zmq.Frame`` objects are made in the loop (~10 µs a group on the 2-core VM).
+The requests' ``zmq.Frame`` objects are made in the loop (~10 µs a group on the 2-core VM),
+except the groups' frame: one ``zmq.Frame`` made once and put 8 times a request (a received
+frame costs the broker nothing to make; building one from ``bytes`` costs pyzmq's zero-copy
+bookkeeping, which is the producer's, not the broker's). ``BROKER_HOT_DISTINCT=N`` cycles
+through N requests' worth of distinct group frames instead (N = 64: 54 MB, past any cache, as
+fresh groups are). ``BROKER_HOT_GC=0`` disables the
+cyclic garbage collector, to see what it costs.
 
     .venv/bin/python bench/results/groupscan/broker_hot.py run|prof [CODE_ROOT]
 
@@ -11,6 +17,8 @@ of another commit can be timed with the same script; ``prof`` adds a cProfile li
 """
 
 import cProfile
+import gc
+import os
 import pstats
 import sys
 import time
@@ -49,7 +57,11 @@ def packed_group() -> bytes:
 
 
 def main() -> None:
-    packed = packed_group()
+    distinct = int(os.environ.get("BROKER_HOT_DISTINCT", "1"))
+    frames = [zmq.Frame(packed_group()) for _ in range(distinct * GROUPS)]
+    turn = 0
+    if os.environ.get("BROKER_HOT_GC") == "0":
+        gc.disable()
     broker = ZmqBroker(BufferConfig(max_groups=64, max_staleness=10**6), groups_per_step=8)
     socket = broker._socket = FakeSocket()
     count = 0
@@ -57,13 +69,17 @@ def main() -> None:
     def request(command: str, args: dict, payload: tuple = ()) -> list:
         nonlocal count
         count += 1
-        return [zmq.Frame(f) for f in (b"client", str(count).encode(), command.encode(),
-                                       orjson.dumps(args), *payload)]
+        head = [zmq.Frame(f) for f in (b"client", str(count).encode(), command.encode(),
+                                       orjson.dumps(args))]
+        return head + list(payload)
 
     def cycle(receipts: list[str]) -> list[str]:
         broker._handle(request("acquire", {"producer": "p0", "want": GROUPS,
                                            "engine_version": 0}))
-        broker._handle(request("put_many", {"producer": "p0"}, (packed,) * GROUPS))
+        nonlocal turn
+        turn = (turn + 1) % distinct
+        broker._handle(request("put_many", {"producer": "p0"},
+                               frames[turn * GROUPS:(turn + 1) * GROUPS]))
         args = {"consumer": "c", "count": GROUPS, "learner_version": 0, "timeout_s": 1.0}
         if receipts:
             args["ack"] = receipts
