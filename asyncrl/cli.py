@@ -11,7 +11,7 @@ from pathlib import Path
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
 from asyncrl.preflight import NotRunning
-from asyncrl.supervise import report_config_error
+from asyncrl.supervise import NO_ANSWER_EXIT, report_config_error
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except TimeoutError as exc:
         sys.stderr.write(f"asyncrl: {exc}\n")
-        return 3
+        return NO_ANSWER_EXIT
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.supervise import (CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason,
-                               report_config_error)
+from asyncrl.supervise import (CONFIG_ERROR_EXIT, NO_ANSWER_EXIT, RestartBudget, RestartPolicy,
+                               exit_reason, report_config_error)
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,9 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
             target(*args, stop_on_signals())
     except ConfigError as exc:  # the exit status tells the parent not to restart this child
         sys.exit(report_config_error(exc))
+    except TimeoutError as exc:  # e.g. learners.loop.BufferLost, raised on every rank
+        logger.error("%s stopped: %s", role, exc)
+        sys.exit(NO_ANSWER_EXIT)
 
 
 @contextmanager

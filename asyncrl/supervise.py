@@ -23,6 +23,11 @@ from asyncrl.config.schema import LauncherConfig
 CONFIG_ERROR_EXIT = 2
 """Exit status of a process stopped by a :class:`ConfigError` (as argparse's usage errors):
 every supervisor (`asyncrl up`, a role's children) takes it as "do not restart"."""
+NO_ANSWER_EXIT = 3
+"""Exit status of a process stopped by a :class:`TimeoutError`: something it needed (the
+buffer, mostly) did not answer. Reported in one line, as the CLI and a role's children do:
+the cause was logged where it happened, and a traceback per process (a learner's ranks all
+stop together) only buried it."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
     trained = step_records(metrics)[-1]["step"]
     assert trained < STEPS
     assert f"saved a checkpoint at version {trained}" in log, log
+    # each rank says why in one line (the cause logged before it), no traceback
+    assert "learner[0] stopped: " in log and "learner[1] stopped: " in log, log
+    assert "Traceback" not in log, log
     (version, path), = step_dirs(run_dir / "checkpoints")   # the only one: every_steps = 0
     assert version == trained and read_meta(path).counters["finished"] is False
 
