@@ -2,13 +2,12 @@
 
 A fake socket collects the replies, so this times the broker's own interpreter work: decode
 the request, check 8 groups, accept them, serve and ack a batch of 8 (8 samples x 1k tokens).
-The requests' ``zmq.Frame`` objects are made in the loop (~10 µs a group on the 2-core VM),
-except the groups' frame: one ``zmq.Frame`` made once and put 8 times a request (a received
-frame costs the broker nothing to make; building one from ``bytes`` costs pyzmq's zero-copy
-bookkeeping, which is the producer's, not the broker's). ``BROKER_HOT_DISTINCT=N`` cycles
-through N requests' worth of distinct group frames instead (N = 64: 54 MB, past any cache, as
-fresh groups are). ``BROKER_HOT_GC=0`` disables the
-cyclic garbage collector, to see what it costs.
+The requests' four small frames are made in the loop; the groups' 8 ``zmq.Frame`` objects are
+made once and sent again in every request (a received frame costs the broker nothing to make;
+building one from ``bytes`` costs pyzmq's zero-copy bookkeeping, ~15 µs a group on the 2-core
+VM, which is the producer's, not the broker's). ``BROKER_HOT_DISTINCT=N`` cycles through N
+requests' worth of distinct group frames instead (N = 64: 54 MB, past any cache, as fresh
+groups are). ``BROKER_HOT_GC=0`` disables the cyclic garbage collector, to see what it costs.
 
     .venv/bin/python bench/results/groupscan/broker_hot.py run|prof [CODE_ROOT]
 
@@ -66,7 +65,7 @@ def main() -> None:
     broker = ZmqBroker(BufferConfig(max_groups=64, max_staleness=10**6), groups_per_step=8)
     socket = broker._socket = FakeSocket()
     if hasattr(zmq_broker, "send_frames"):  # the broker sends through buffers.zmq_frames
-        zmq_broker.send_frames = lambda fake, frames: fake.send_multipart(frames)
+        zmq_broker.send_frames = lambda fake, reply: fake.send_multipart(reply)
     count = 0
 
     def request(command: str, args: dict, payload: tuple = ()) -> list:
