@@ -1,10 +1,12 @@
-"""What one Redis take costs with many groups queued (the earliest-deadline scan).
+"""What one Redis take costs with many groups queued.
 
-The Redis take script chooses its groups among every queued one (oldest version first), so
-its cost grows with what is queued. For each ``--queued`` size this fills a fresh namespace
-with that many small groups (versions 0-6, five producers), then times ``get_batch(8)``
-carrying the previous batch's ack, as a learner calls it: the round trip, median of
-``--takes``. With ``--slowlog`` it also reads Redis' own duration of each take script from
+The Redis take script chooses its groups among every queued one (oldest version first).
+It first read the whole index for that, so its cost grew with what was queued; it now
+merges the producers' heads from sorted sets (``buffers.redis_data_scripts.TAKE``), and
+this shows whether its cost still grows. For each ``--queued`` size this fills a fresh
+namespace with that many small groups (versions 0-6, five producers), then times
+``get_batch(8)`` carrying the previous batch's ack, as a learner calls it: the round trip,
+median of ``--takes``. With ``--slowlog`` it also reads Redis' own duration of each take script from
 ``SLOWLOG`` (this sets ``slowlog-log-slower-than 0`` on that server while it runs: use a
 private one). The namespace is deleted afterwards.
 

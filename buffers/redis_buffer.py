@@ -21,9 +21,10 @@ Choices worth knowing:
   finish, so a long answer started at version v arrives behind groups of v + 1; served by
   arrival it is consumed a step late and dropped as stale (a bias against long answers).
   ``XREADGROUP`` hands out a stream only in arrival order, so every take moves the unread
-  entries into the pending list of a reserved consumer (``~queued``) and claims the ones
-  it chose from there (``XCLAIM``); that costs the take a scan of the index (at most
-  ``max_groups`` entries of a few bytes).
+  entries into the pending list of a reserved consumer (``~queued``), files them in sorted
+  sets that keep each producer's entries in order, merges the producers' heads and claims
+  the ones it chose (``XCLAIM``): its cost does not grow with what is queued (reading the
+  whole index instead took Redis 8 ms at 4,096 queued groups, serving nobody meanwhile).
 - A served batch must be acked within ``reclaim_idle_s``, or another learner takes it over.
   ``get_batch(ack=batch)`` acks inside the take script: one round trip for both.
 - Consumer names are made unique per client (``name-pid-random``), so a restarted learner

@@ -33,6 +33,12 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
 ``ns:kv``          hash     key → orjson value (rendezvous, announcements, run/status)
 ``ns:kvseq``       hash     key → sequence number (starts above the clock in µs)
 ``ns:notify``      stream   one entry per set_key (field k), capped: wakes get_key long-polls
+``ns:queue``       zset     one member per entry in ``~queued``'s pending list, all scored 0
+                            and read in lex order: the producer (its length first), the id
+                            zero-padded, the id, minv; so one producer's entries are one
+                            range, in arrival order (the take merges the producers' heads)
+``ns:queuev``      zset     the same members scored by minv (stale ones are one range)
+``ns:queuep``      hash     producer → its members in ``ns:queue`` (> 0 only)
 =================  =======  ==================================================================
 
 Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order; the put script also
@@ -56,7 +62,7 @@ from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE,
 GROUP = "learners"
 QUEUE = "~queued"  # the consumer whose pending list holds the unread entries (see TAKE)
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "index", "rejected",
-             "hist", "kv", "kvseq", "notify")
+             "hist", "kv", "kvseq", "notify", "queue", "queuev", "queuep")
 PAYLOAD_INFIX = ":g:"  # payload keys are f"{namespace}{PAYLOAD_INFIX}{hex}"
 LEGACY_KEY_NAMES = ("groups",)  # the payload stream of earlier versions: reset deletes it
 NOTIFY_MAXLEN = 1000  # notifications only wake waiters; trimming them loses no data
@@ -89,7 +95,7 @@ class RedisKeys:
 PRELUDE = """
 local N_FIXED_KEYS = """ + str(len(KEY_NAMES)) + """
 local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_INDEX, K_REJECTED, K_HIST,
-      K_KV, K_KVSEQ, K_NOTIFY = unpack(KEYS, 1, N_FIXED_KEYS)
+      K_KV, K_KVSEQ, K_NOTIFY, K_QUEUE, K_QUEUEV, K_QUEUEP = unpack(KEYS, 1, N_FIXED_KEYS)
 local PAYLOAD_PREFIX = string.sub(K_STATE, 1, -#'state' - 2) .. '""" + PAYLOAD_INFIX + """'
 local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -172,12 +178,60 @@ local function drop_payload_of(f)  -- delete the payload an entry's fields name,
     if f[i] == 'k' and is_payload_key(f[i + 1]) then redis.call('DEL', f[i + 1]) end
   end
 end
-local function drop_payload(id)  -- delete the payload an index entry names, if any
+local function entry_facts(f)  -- an index entry's (oldest version or -1, producer or '')
+  local minv, p = nil, nil
+  if f[1] == 'minv' and f[3] == 'p' then minv, p = f[2], f[4]  -- as the put script writes
+  else
+    for i = 1, #f - 1, 2 do
+      if f[i] == 'minv' then minv = f[i + 1] elseif f[i] == 'p' then p = f[i + 1] end
+    end
+  end
+  local v = tonumber(minv or '')
+  if not v or v ~= v or v == math.huge or v == -math.huge then v = -1 end  -- nan, inf: none
+  return v, p or ''
+end
+
+-- The queue: the entries no learner has taken yet, kept in the order a take serves them
+-- from (see TAKE). K_QUEUE is a sorted set read by lex order, one member per entry:
+-- producer (length first, so one producer's members are one range), its id zero-padded
+-- (arrival order), then the id and oldest version. K_QUEUEV holds the same members scored
+-- by oldest version (stale ones are a range), K_QUEUEP counts each producer's members.
+local function pad(s, n) return string.rep('0', n - #s) .. s end
+local function id_order(id)  -- ids compare as strings in arrival order
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return pad(ms or '', 20) .. '-' .. pad(seq or '', 20)
+end
+local function producer_prefix(p) return string.format('%010d', #p) .. p end
+local function qmember(p, id, minv)
+  return producer_prefix(p) .. id_order(id) .. ' ' .. id .. ' ' .. tostring(minv)
+end
+local function qparse(m)  -- member -> {p, order, id, minv, m}
+  local n = tonumber(string.sub(m, 1, 10))
+  local order, id, minv = string.match(string.sub(m, 11 + n), '^(%S+) (%S+) (%S+)$')
+  return {p = string.sub(m, 11, 10 + n), order = order, id = id, minv = tonumber(minv), m = m}
+end
+local function enqueue(p, id, minv)
+  local m = qmember(p, id, minv)
+  if redis.call('ZADD', K_QUEUE, 0, m) == 1 then
+    if minv >= 0 then redis.call('ZADD', K_QUEUEV, minv, m) end
+    redis.call('HINCRBY', K_QUEUEP, p, 1)
+  end
+end
+local function unqueue(m, p)  -- m, of producer p, leaves the queue if it is there
+  if redis.call('ZREM', K_QUEUE, m) == 1 then
+    redis.call('ZREM', K_QUEUEV, m)
+    if redis.call('HINCRBY', K_QUEUEP, p, -1) <= 0 then redis.call('HDEL', K_QUEUEP, p) end
+  end
+end
+local function forget(id)  -- an entry about to go: its payload and its place in the queue
   local e = redis.call('XRANGE', K_INDEX, id, id)
-  if #e > 0 then drop_payload_of(e[1][2]) end
+  if #e == 0 then return end
+  drop_payload_of(e[1][2])
+  local minv, p = entry_facts(e[1][2])
+  unqueue(qmember(p, id, minv), p)
 end
 local function remove(id)  -- settled (or never delivered): entry and payload gone; 1 if it was
-  drop_payload(id)
+  forget(id)
   redis.call('XACK', K_INDEX, GROUP, id)
   return redis.call('XDEL', K_INDEX, id)
 end
@@ -185,7 +239,7 @@ local function ack_entries(first)  -- ARGV[first..]: (id, staleness) pairs; only
   local n = 0
   for i = first, #ARGV - 1, 2 do
     if redis.call('XACK', K_INDEX, GROUP, ARGV[i]) == 1 then
-      drop_payload(ARGV[i])
+      forget(ARGV[i])
       redis.call('XDEL', K_INDEX, ARGV[i])
       redis.call('HINCRBY', K_HIST, ARGV[i + 1], 1)
       n = n + 1
@@ -256,7 +310,7 @@ local function discard_unconsumed()
     drop_payload_of(e[2])
     n = n + 1
   end
-  redis.call('DEL', K_INDEX)
+  redis.call('DEL', K_INDEX, K_QUEUE, K_QUEUEV, K_QUEUEP)
   ensure_group()
   if n > 0 then redis.call('HINCRBY', K_STATE, 'discarded_at_done', n) end
   return n
