@@ -145,6 +145,21 @@ def test_an_entry_acked_behind_the_clients_back_is_never_served(redis_server, op
     assert c.status()["pending"] == 0
 
 
+def test_queued_entries_without_the_queue_sets_are_served_in_order(redis_server, open_client):
+    """A namespace whose queued entries are not in the take's sorted sets (written by a
+    version that had none, or the sets deleted) is rebuilt from the queue's pending list."""
+    c = open_client(groups_per_step=8, max_staleness=2)
+    for name, version in (("a", 1), ("b", 0), ("c", 0)):
+        c.put("w" if name != "c" else "v", make_group(name, version=version))
+    assert c.get_batch("learner", 8, 0, timeout_s=0.1) is None  # read into the queue
+    assert admin(redis_server).delete("asyncrl:t:queue", "asyncrl:t:queuev",
+                                      "asyncrl:t:queuep") == 3
+    batch = c.get_batch("learner", 3, 0, timeout_s=5.0)
+    assert [g.group_id for g in batch.groups] == ["c", "a", "b"]  # b waits behind w's a
+    c.ack("learner", batch)
+    assert c.status()["consumed"] == 3
+
+
 def test_a_consumer_never_reclaims_its_own_slow_batch(open_client):
     c = open_client(reclaim_idle_s=0.2)
     c.put("w", make_group("a"))
