@@ -148,12 +148,12 @@ for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', K_INDEX, GROUP)) do
   end
 end
 if redis.call('ZCARD', K_QUEUE) ~= n_queued then
-  redis.call('DEL', K_QUEUE, K_QUEUEV, K_QUEUEP)
+  redis.call('DEL', K_QUEUE, K_QUEUEV)
   if n_queued > 0 then
     for _, p in ipairs(redis.call('XPENDING', K_INDEX, GROUP, '-', '+', n_queued, QUEUE)) do
-      local e = redis.call('XRANGE', K_INDEX, p[1], p[1])
-      if #e > 0 then
-        local minv, producer = entry_facts(e[1][2])
+      local f = read_entry(p[1])
+      if f then
+        local minv, producer = entry_facts(f)
         enqueue(producer, p[1], minv)
       else
         redis.call('XACK', K_INDEX, GROUP, p[1])  -- its entry was deleted: nothing to serve
@@ -166,15 +166,14 @@ end
 local dropped, n_fresh, again_of = 0, 0, {}
 if learner_version - S - 1 >= 0 then
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_QUEUEV, 0, learner_version - S - 1)) do
-    local c = qparse(m)
-    unqueue(m, c.p)
-    dropped = dropped + remove(c.id)
+    unqueue(m)  -- remove() does too, but only while the entry is there
+    dropped = dropped + remove(qparse(m).id)
   end
 end
 for _, id in ipairs(reclaimable) do
-  local e = redis.call('XRANGE', K_INDEX, id, id)
-  if #e > 0 then
-    local minv, p = entry_facts(e[1][2])
+  local f = read_entry(id)
+  if f then
+    local minv, p = entry_facts(f)
     if stale(minv) then dropped = dropped + remove(id)
     else
       n_fresh = n_fresh + 1
@@ -230,14 +229,22 @@ if n_fresh >= need and need > 0 then
     end
     return top
   end
-  local producers = {}
-  for _, p in ipairs(redis.call('HKEYS', K_QUEUEP)) do producers[p] = true end
-  for p in pairs(again_of) do producers[p] = true end
-  for p in pairs(producers) do
-    local again = again_of[p] or {}
-    table.sort(again, function(x, y) return x.order < y.order end)
-    local s = {p = p, prefix = producer_prefix(p), again = again, next_again = 1}
-    s.queued = queued_head(s)
+  local producers, lower = {}, '-'
+  -- Each producer's first queued member, then on past the producer: its members are its
+  -- prefix and digits, all below prefix .. ':', and every other producer's lie beyond.
+  while true do
+    local r = redis.call('ZRANGEBYLEX', K_QUEUE, lower, '+', 'LIMIT', 0, 1)
+    if #r == 0 then break end
+    local c = qparse(r[1])
+    producers[c.p] = {p = c.p, prefix = producer_prefix(c.p), queued = c}
+    lower = '(' .. producers[c.p].prefix .. ':'
+  end
+  for p in pairs(again_of) do
+    producers[p] = producers[p] or {p = p, prefix = producer_prefix(p)}
+  end
+  for p, s in pairs(producers) do
+    s.again, s.next_again = again_of[p] or {}, 1
+    table.sort(s.again, function(x, y) return x.order < y.order end)
     local c = head(s)
     if c then push({key = c.minv, c = c, s = s}) end
   end
@@ -252,7 +259,7 @@ if n_fresh >= need and need > 0 then
       s.next_again = s.next_again + 1
     else  -- QUEUE's delivery was not one: the count stays 1
       claimed = redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, c.id, 'RETRYCOUNT', 1)
-      unqueue(c.m, s.p)
+      unqueue(c.m)
       s.queued = queued_head(s)
     end
     if claimed[1] then table.insert(entries, claimed[1]) end  -- else deleted behind our back

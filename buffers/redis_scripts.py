@@ -38,7 +38,6 @@ Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>`
                             zero-padded, the id, minv; so one producer's entries are one
                             range, in arrival order (the take merges the producers' heads)
 ``ns:queuev``      zset     the same members scored by minv (stale ones are one range)
-``ns:queuep``      hash     producer → its members in ``ns:queue`` (> 0 only)
 =================  =======  ==================================================================
 
 Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order; the put script also
@@ -62,7 +61,7 @@ from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE,
 GROUP = "learners"
 QUEUE = "~queued"  # the consumer whose pending list holds the unread entries (see TAKE)
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "index", "rejected",
-             "hist", "kv", "kvseq", "notify", "queue", "queuev", "queuep")
+             "hist", "kv", "kvseq", "notify", "queue", "queuev")
 PAYLOAD_INFIX = ":g:"  # payload keys are f"{namespace}{PAYLOAD_INFIX}{hex}"
 LEGACY_KEY_NAMES = ("groups",)  # the payload stream of earlier versions: reset deletes it
 NOTIFY_MAXLEN = 1000  # notifications only wake waiters; trimming them loses no data
@@ -95,7 +94,7 @@ class RedisKeys:
 PRELUDE = """
 local N_FIXED_KEYS = """ + str(len(KEY_NAMES)) + """
 local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_INDEX, K_REJECTED, K_HIST,
-      K_KV, K_KVSEQ, K_NOTIFY, K_QUEUE, K_QUEUEV, K_QUEUEP = unpack(KEYS, 1, N_FIXED_KEYS)
+      K_KV, K_KVSEQ, K_NOTIFY, K_QUEUE, K_QUEUEV = unpack(KEYS, 1, N_FIXED_KEYS)
 local PAYLOAD_PREFIX = string.sub(K_STATE, 1, -#'state' - 2) .. '""" + PAYLOAD_INFIX + """'
 local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -195,7 +194,7 @@ end
 -- from (see TAKE). K_QUEUE is a sorted set read by lex order, one member per entry:
 -- producer (length first, so one producer's members are one range), its id zero-padded
 -- (arrival order), then the id and oldest version. K_QUEUEV holds the same members scored
--- by oldest version (stale ones are a range), K_QUEUEP counts each producer's members.
+-- by oldest version (stale ones are a range).
 local function pad(s, n) return string.rep('0', n - #s) .. s end
 local function id_order(id)  -- ids compare as strings in arrival order
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -212,23 +211,23 @@ local function qparse(m)  -- member -> {p, order, id, minv, m}
 end
 local function enqueue(p, id, minv)
   local m = qmember(p, id, minv)
-  if redis.call('ZADD', K_QUEUE, 0, m) == 1 then
-    if minv >= 0 then redis.call('ZADD', K_QUEUEV, minv, m) end
-    redis.call('HINCRBY', K_QUEUEP, p, 1)
-  end
+  redis.call('ZADD', K_QUEUE, 0, m)
+  if minv >= 0 then redis.call('ZADD', K_QUEUEV, minv, m) end
 end
-local function unqueue(m, p)  -- m, of producer p, leaves the queue if it is there
-  if redis.call('ZREM', K_QUEUE, m) == 1 then
-    redis.call('ZREM', K_QUEUEV, m)
-    if redis.call('HINCRBY', K_QUEUEP, p, -1) <= 0 then redis.call('HDEL', K_QUEUEP, p) end
-  end
+local function unqueue(m)  -- m leaves the queue if it is there
+  redis.call('ZREM', K_QUEUE, m)
+  redis.call('ZREM', K_QUEUEV, m)
+end
+local function read_entry(id)  -- an index entry's fields, or nil if it is gone
+  local e = redis.call('XRANGE', K_INDEX, id, id)
+  return e[1] and e[1][2]
 end
 local function forget(id)  -- an entry about to go: its payload and its place in the queue
-  local e = redis.call('XRANGE', K_INDEX, id, id)
-  if #e == 0 then return end
-  drop_payload_of(e[1][2])
-  local minv, p = entry_facts(e[1][2])
-  unqueue(qmember(p, id, minv), p)
+  local f = read_entry(id)
+  if not f then return end
+  drop_payload_of(f)
+  local minv, p = entry_facts(f)
+  unqueue(qmember(p, id, minv))
 end
 local function remove(id)  -- settled (or never delivered): entry and payload gone; 1 if it was
   forget(id)
@@ -310,7 +309,7 @@ local function discard_unconsumed()
     drop_payload_of(e[2])
     n = n + 1
   end
-  redis.call('DEL', K_INDEX, K_QUEUE, K_QUEUEV, K_QUEUEP)
+  redis.call('DEL', K_INDEX, K_QUEUE, K_QUEUEV)
   ensure_group()
   if n > 0 then redis.call('HINCRBY', K_STATE, 'discarded_at_done', n) end
   return n
