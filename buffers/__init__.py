@@ -35,9 +35,9 @@ def stopped_by(exc: BaseException) -> BufferStopped | None:
 def unanswered(exc: BaseException) -> BaseException | None:
     """The failure ``exc`` is or was raised from (``raise ... from``) that says the buffer did
     not answer: a ZMQ request given up on (any :class:`TimeoutError`, :class:`BufferStopped`
-    included) or Redis gone, hung or unreachable (:func:`buffers.redis_connect.no_answer`).
+    included) or Redis gone, hung or unreachable (:func:`buffers.redis_stop.no_answer`).
     None for anything else, such as a request the buffer answered with a refusal."""
-    from buffers.redis_connect import no_answer
+    from buffers.redis_stop import no_answer
 
     return _raised_from(exc, lambda e: isinstance(e, TimeoutError) or no_answer(e))
 
@@ -75,7 +75,7 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     ``request_timeout_s`` and its re-sends (ZMQ) or redis-py's reconnect retries (Redis) for a
     broker or Redis that does not answer; it raises :class:`BufferStopped` instead (see
     :class:`~buffers.zmq_client.ZmqBufferClient` and
-    :class:`~buffers.redis_connect.StopGuard`), so a role whose buffer is gone for good still
+    :class:`~buffers.redis_stop.StopGuard`), so a role whose buffer is gone for good still
     stops promptly on a signal. A live one still answers: long polls run their course.
     """
     if config.type == "zmq":

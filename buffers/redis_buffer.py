@@ -50,8 +50,9 @@ Choices worth knowing:
   payload key, kept once filed, says so), an acquire holds its slots until the producer
   releases or goes silent.
 - A client given the role's ``stop`` event stops waiting for a Redis that does not answer
-  once it is set (:class:`~buffers.redis_connect.StopGuard`): no reconnect retries, about a
-  second per request, then :class:`~buffers.BufferStopped`. Long polls (``get_batch``,
+  once it is set (:class:`~buffers.redis_stop.StopGuard`): no reconnect retries, about a
+  second per request (one already waiting on a hung Redis too), then
+  :class:`~buffers.BufferStopped`. Long polls (``get_batch``,
   ``get_key``) still run to their ``timeout_s`` on a live Redis, and a put that finds the
   buffer full waits :data:`STOP_GRACE_S` more, not ``request_timeout_s``, as with ZMQ.
 """
@@ -74,12 +75,13 @@ from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, encode_group_views
 from buffers import BufferStopped
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING, Batch, Grant, PutResult
-from buffers.redis_connect import Client, StopGuard, connect, is_cluster, run_namespace
+from buffers.redis_connect import Client, connect, is_cluster, run_namespace
 from buffers.redis_consumer import RedisConsumer
 from buffers.redis_entries import StagedPut, put_results, stage_put
 from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
     RedisKeys
 from buffers.redis_status import assemble_status
+from buffers.redis_stop import StopGuard
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _request(method: F) -> F:
     """A request of the client: once its stop event is set, a Redis that does not answer
-    raises :class:`~buffers.BufferStopped` (see :class:`~buffers.redis_connect.StopGuard`)."""
+    raises :class:`~buffers.BufferStopped` (see :class:`~buffers.redis_stop.StopGuard`)."""
     @functools.wraps(method)
     def request(self: RedisBufferClient, *args: Any, **kwargs: Any) -> Any:
         with self._stop.answered(f"redis buffer {self.keys.namespace}: {method.__name__}"):
@@ -132,7 +134,12 @@ class RedisBufferClient:
         self._stage_ttl_ms = int((2 * config.request_timeout_s + STAGE_MARGIN_S) * 1000)
         self._consumer = RedisConsumer(self._redis, self._run, self.keys, config, self.gate,
                                        self._rejections, self._stop)
-        self.run_id = self._init(run_id)
+        try:
+            self.run_id = self._init(run_id)
+        except BaseException:
+            self._stop.close()
+            self._redis.close()
+            raise
         if run_id and self.run_id != run_id:
             logger.warning("namespace %s belongs to run %r, not %r", self.keys.namespace,
                            self.run_id, run_id)
@@ -153,6 +160,7 @@ class RedisBufferClient:
             logger.warning("redis buffer %s: consumers not tidied on close: %s",
                            self.keys.namespace, exc)
         finally:
+            self._stop.close()
             self._redis.close()
 
     def __enter__(self) -> RedisBufferClient:

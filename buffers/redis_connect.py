@@ -10,10 +10,8 @@ cluster is that one line too. Every key of a run must then live in one hash slot
 touch them together), so the run's namespace is wrapped in a hash tag, ``{asyncrl:run}``,
 unless it carries one already.
 
-A client given the role's stop event (:class:`StopGuard`) honours it as the ZMQ client does:
-until it is set nothing changes; once it is set, a Redis that does not answer costs a request
-about a second, not ``request_timeout_s`` and the reconnect retries, and the request raises
-:class:`~buffers.BufferStopped`.
+A client given the role's stop event does not retry a lost connection once it is set
+(:class:`ReconnectRetry`); the rest of what a stop means is :mod:`buffers.redis_stop`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import copy
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -31,14 +28,11 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
-from redis.exceptions import AuthenticationError, ClusterDownError, NoPermissionError, \
-    RedisClusterException, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from asyncrl.config.schema import BufferConfig
-from buffers import BufferStopped
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -46,8 +40,6 @@ logger = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
 CONNECT_TIMEOUT_CAP_S = 5.0
-STOP_TIMEOUT_S = 1.0  # once stopping: how long a connection waits to connect, or for a reply
-STOP_BLOCK_S = 0.5  # once stopping: the longest blocking read (XREAD BLOCK), within the above
 
 
 class ReconnectRetry(Retry):
@@ -170,85 +162,6 @@ def _cluster_enabled(client: redis.Redis, url: str) -> bool:
 
 def is_cluster(client: Client) -> bool:
     return isinstance(client, RedisCluster)
-
-
-class StopGuard:
-    """The owner's stop event as one Redis client applies it: the ZMQ client's rule (see
-    :mod:`buffers.zmq_client`), by other means, since redis-py blocks in its socket reads.
-
-    Until the event is set nothing changes. Once it is, a lost connection is not retried
-    (:class:`ReconnectRetry`), the first request that sees it bounds every connection to
-    :data:`STOP_TIMEOUT_S` (:func:`bound_timeouts`; a blocking read then waits at most
-    :data:`STOP_BLOCK_S` at a time), and a request that Redis did not answer raises
-    :class:`~buffers.BufferStopped` (:meth:`answered`). A live Redis answers within that, so
-    a stopping role still gets its last requests through. A request already waiting on its
-    socket when the event is set keeps that socket's timeout: a Redis killed outright closes
-    the connection at once, one that hangs costs up to ``request_timeout_s`` once.
-    """
-
-    def __init__(self, stop: threading.Event | None) -> None:
-        self._stop = stop
-        self._client: Client | None = None
-        self._bounded = False
-
-    def watch(self, client: Client) -> Client:
-        """Bound ``client``'s connections once stopping; returns it."""
-        self._client = client
-        return client
-
-    def stopping(self) -> bool:
-        """Whether the event is set; the first time it is seen set, the watched client's
-        connections are bounded."""
-        if self._stop is None or not self._stop.is_set():
-            return False
-        if not self._bounded and self._client is not None:
-            bound_timeouts(self._client, STOP_TIMEOUT_S)
-            self._bounded = True
-        return True
-
-    def block_ms(self, wait_s: float) -> int:
-        """Milliseconds for a blocking read that may wait ``wait_s``: capped once stopping,
-        so that it stays within the bounded socket timeout."""
-        return max(1, int(min(wait_s, STOP_BLOCK_S if self.stopping() else wait_s) * 1000))
-
-    @contextmanager
-    def answered(self, what: str) -> Iterator[None]:
-        """Around a request: once stopping, Redis not answering it is BufferStopped."""
-        self.stopping()  # bound the connections before the request goes out
-        try:
-            yield
-        except Exception as exc:
-            if not (no_answer(exc) and self.stopping()):
-                raise
-            raise BufferStopped(f"{what}: stopped waiting for Redis: stopping ({exc})") from exc
-
-
-def no_answer(exc: BaseException) -> bool:
-    """Whether ``exc`` says Redis did not answer (gone, hung, a cluster with no reachable
-    node), as opposed to an answer that refused the request (a script error, a bad login)."""
-    if isinstance(exc, AuthenticationError):
-        return False
-    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException,
-                            ClusterDownError))
-
-
-def bound_timeouts(client: Client, timeout_s: float) -> None:
-    """Make every connection of ``client`` wait at most ``timeout_s`` to connect and for each
-    reply: the settings of its pools (and, on a cluster, of the nodes it finds later) are
-    lowered, and their connections closed and dropped, so that the next command opens one
-    with them (a redis-py connection keeps the timeouts it was made with)."""
-    if is_cluster(client):
-        pools = [node.redis_connection.connection_pool for node in client.get_nodes()
-                 if node.redis_connection is not None]
-        settings = [client.nodes_manager.connection_kwargs]
-    else:
-        pools, settings = [client.connection_pool], []
-    for kwargs in [*settings, *(pool.connection_kwargs for pool in pools)]:
-        for name in ("socket_timeout", "socket_connect_timeout"):
-            kwargs[name] = min(kwargs.get(name) or timeout_s, timeout_s)
-    for pool in pools:
-        pool.disconnect()
-        pool.reset()
 
 
 def run_namespace(config: BufferConfig, run_id: str, cluster: bool) -> str:

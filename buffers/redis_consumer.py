@@ -22,10 +22,11 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError
 from buffers.protocol import Batch
-from buffers.redis_connect import Client, StopGuard
+from buffers.redis_connect import Client
 from buffers.redis_entries import decode_entry, entry_fields
 from buffers.redis_scripts import GROUP, RedisKeys
 from buffers.redis_status import batch_stats
+from buffers.redis_stop import StopGuard
 
 logger = logging.getLogger(__name__)
 

@@ -118,6 +118,56 @@ def test_a_hung_redis_costs_a_stopping_request_about_a_second(redis_server, open
         redis_server.proc.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.parametrize("request_kind", ["heartbeat", "long-poll"])
+def test_a_request_already_waiting_on_a_hung_redis_stops_when_the_event_is_set(
+        redis_server, open_client, request_kind):
+    """The request was sent before Redis hung and before the event was set: it waits on its
+    socket (30 s timeout), and the client's watcher cuts it short."""
+    stop = threading.Event()
+    client = open_client(stop)
+    client.heartbeat("worker-0", "rollout", {})
+    request = {"heartbeat": lambda: client.heartbeat("worker-0", "rollout", {}),
+               "long-poll": lambda: client.get_batch("learner", 1, 0, timeout_s=30.0)}
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(request[request_kind])
+            time.sleep(0.5)  # sent, and waiting for the reply
+            assert not waiting.done()
+            stop.set()
+            stopped_promptly(waiting, time.monotonic())
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_long_poll_waiting_on_a_live_redis_is_not_cut_short_by_the_stop(redis_server,
+                                                                          open_client):
+    """The watcher asks Redis, which answers: the poll goes on and gets the group put after
+    the event was set (a hung Redis is cut short, see above)."""
+    stop = threading.Event()
+    learner, producer = open_client(stop), open_client(None)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(learner.get_batch, "learner", 1, 0, 10.0)
+        time.sleep(0.3)
+        stop.set()
+        time.sleep(1.5)  # the watcher has seen the event and asked Redis by now
+        assert not waiting.done()
+        assert producer.put("worker-0", make_group("late")).accepted
+        batch = waiting.result(timeout=10)
+    assert batch is not None and [g.group_id for g in batch.groups] == ["late"]
+
+
+def test_the_stop_watcher_ends_with_its_client(redis_server, open_client):
+    def watchers() -> int:
+        return sum(t.name == "redis-stop-guard" for t in threading.enumerate())
+
+    before = watchers()
+    client = open_client(threading.Event())
+    assert watchers() == before + 1
+    client.close()
+    eventually(lambda: watchers() == before, 5.0, "the watcher ended")
+
+
 @pytest.mark.parametrize("with_event", [False, True], ids=["no-event", "event-never-set"])
 def test_without_the_event_set_a_killed_redis_fails_as_before(redis_server, open_client,
                                                               with_event):
