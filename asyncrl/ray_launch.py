@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from asyncrl.actor_paths import for_actors, python_path
 from asyncrl.config import Config, ConfigError
 from asyncrl.launch import RoleFailed, is_resuming, reopen_run, run_dir_note, write_run_dir
 from asyncrl.monitor import make_view
@@ -125,7 +126,7 @@ class RayLauncher:
     """Starts and supervises the roles on a Ray cluster; same contract as LocalLauncher."""
 
     def __init__(self, cfg: Config, out: IO[str] = sys.stdout) -> None:
-        self.cfg = _absolute_run_dir(cfg)
+        self.cfg = cfg
         self.out = out
         self.stop = threading.Event()
         self.policy = RestartPolicy.from_config(cfg.launcher)
@@ -158,6 +159,7 @@ class RayLauncher:
         good, 2 when one stopped on a config error. Raises :class:`ConfigError` before Ray
         starts for what :func:`check_startup` can check from here."""
         check_startup(self.cfg)
+        self.cfg = for_actors(self.cfg, Path.cwd())  # actors run elsewhere (asyncrl.actor_paths)
         address = self.cfg.launcher.address
         if not address or address.split(":")[0] in ("127.0.0.1", "localhost"):
             # Ray replaces a loopback address with the machine's external one unless this is
@@ -194,8 +196,8 @@ class RayLauncher:
     def _init_ray(self, ray: Any) -> None:
         """Join ``launcher.address``, or start a private single-node cluster kept small (no
         dashboard, a 256 MB object store: the roles pass no data through it)."""
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                           os.environ.get("PYTHONPATH")])),
+        env = {"PYTHONPATH": os.pathsep.join([str(ROOT), python_path(
+                   Path.cwd(), os.environ.get("PYTHONPATH"))]),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "ASYNCRL_LOG_LEVEL": os.environ.get("ASYNCRL_LOG_LEVEL", "INFO")}
         for key in ("HF_HUB_OFFLINE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
@@ -377,15 +379,6 @@ def _bundle(resources: Any) -> dict[str, float]:
 
 def _totals(resources: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-
-
-def _absolute_run_dir(cfg: Config) -> Config:
-    """Actors do not share the driver's working directory: resolve ``run.output_dir`` here."""
-    if cfg.run.output_dir.is_absolute():
-        return cfg
-    resolved = cfg.run.output_dir.resolve()
-    logger.info("run.output_dir %s resolved to %s for the actors", cfg.run.output_dir, resolved)
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"output_dir": resolved})})
 
 
 def _done(ray: Any, ref: Any) -> bool:

@@ -41,13 +41,16 @@ def ray_cluster() -> Iterator[str]:
         patch.setenv(key, value)
     env = {**role_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     log = open(Path(temp_dir) / "head.log", "wb")
+    head_cwd = Path(temp_dir) / "head" / "cwd"  # deeper than ROOT: '../..' differs from both
+    head_cwd.mkdir(parents=True)
     head = subprocess.Popen(
         [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
          "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--num-gpus=0",
          f"--object-store-memory={256 << 20}", "--include-dashboard=false",
          "--disable-usage-stats", f"--temp-dir={temp_dir}",
          f"--ray-client-server-port={free_port()}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=head_cwd)  # as a real cluster: its actors do not run in the driver's directory
     address = f"127.0.0.1:{port}"
     try:
         wait_for(lambda: b"Ray runtime started" in (Path(temp_dir) / "head.log").read_bytes()
@@ -137,11 +140,14 @@ def test_a_role_config_error_is_not_restarted_and_exits_2(
         ray_cluster: str, tmp_path: Path, processes: Processes) -> None:
     """As with the local launcher: a data file with one row cannot feed a second rollout
     worker (a config error only that worker meets, at its start). It is not restarted: the
-    run stops at once with exit status 2 and the error, naming its key."""
+    run stops at once with exit status 2 and the error, naming its key. The data path is
+    relative to the driver's directory, which is not the actors' (asyncrl.actor_paths): the
+    worker must still find the file to find it one row short."""
     data = tmp_path / "one_row.jsonl"
     data.write_text((ROOT / "examples" / "agent" / "data.jsonl").read_text().splitlines()[0])
+    relative = os.path.relpath(data, ROOT)  # `up` runs in ROOT
     up = processes.start("up", "up", str(ROOT / "examples" / "agent" / "single_turn.toml"),
-                         "--set", f"data.path={data}", "--set", "rollout.workers=2",
+                         "--set", f"data.path={relative}", "--set", "rollout.workers=2",
                          "--set", f"run.output_dir={tmp_path}", "--set", "run.name=raycfg",
                          "--set", "launcher.type=ray", "--set", f"launcher.address={ray_cluster}",
                          "--set", "launcher.restart_backoff_s=0.5")
@@ -149,6 +155,7 @@ def test_a_role_config_error_is_not_restarted_and_exits_2(
     log = processes.log("up")
     assert ("run stopped: rollout[1] stopped on a configuration error (not restarted): "
             "data.path: no rows for worker 1 of 2 (1 rows)") in log, log[-3000:]
+    assert f"data.path resolved to {data} for the actors" in log
     assert "restart 1/" not in log
     assert not re.search(r"^final held-out greedy eval", log, re.M)  # the driver's summary
     wait_for(lambda: not _role_actors(), 30, "every role actor to exit")
