@@ -126,9 +126,12 @@ def test_up_and_monitor_in_tmux(tmp_path: Path, tmux: Tmux) -> None:
         assert re.fullmatch(r"\d+%", cells[-1]), cells  # engine idle ratio
     assert re.search(r"^│ 0 █+ +[\d,]+", text, re.M), text  # staleness histogram, bar of s=0
     assert not re.search(r"^│ [3-9] ", text, re.M), text  # no consumed group beyond s = 2
+    # The reward curve may share its line with another panel (the time bars, also drawn in
+    # block characters): read the sparkline that follows the label.
     reward = next(line for line in text.splitlines() if "│ reward" in line)
     drawn = int(re.search(r"curves · steps 1–(\d+)", text).group(1))
-    assert len(re.search(f"[{SPARK_CHARS}]+", reward).group()) == min(drawn, 32), reward
+    spark = re.search(f"│ reward +([{SPARK_CHARS}]+)", reward)
+    assert spark and len(spark.group(1)) == min(drawn, 32), reward
     assert re.search(r"idle: learner \d+% · engines \d+%", text), text
     assert re.search(r"waiting for data +█* +\d\.\d{3}s", text), text
 
