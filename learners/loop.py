@@ -50,8 +50,17 @@ class BufferLost(TimeoutError):
     broker lost for good cost up to ``checkpoint.every_steps`` steps of training. On the rank
     whose request failed it is raised from that failure. A :class:`TimeoutError`, as the
     failure itself was: a one-rank learner still exits with status 3 (the buffer could not
-    be reached; the supervisor of several ranks exits 1), and a stop on a signal
-    (:class:`~buffers.BufferStopped`, the cause) stays a quiet exit."""
+    be reached; the supervisor of several ranks exits 1).
+
+    ``stopping``: some rank was stopping when they agreed (a signal, or the eval target
+    reached). Then the lost buffer only cut short a stop that was asked for: every rank saves
+    its steps and ends as a stop does, quietly and with status 0, whichever rank's request
+    failed: the agreement, not each rank's own failure, says so, or a rank that only heard of
+    the loss from another would exit as if the buffer had been lost mid-run."""
+
+    def __init__(self, message: str, stopping: bool = False) -> None:
+        super().__init__(message)
+        self.stopping = stopping
 
 
 class _Lost:
@@ -78,10 +87,11 @@ class _Lost:
             self.cause = exc
             return default
 
-    def error(self) -> BufferLost:
-        """What every rank raises once they agreed that one of them lost the buffer."""
+    def error(self, stopping: bool) -> BufferLost:
+        """What every rank raises once they agreed that one of them lost the buffer;
+        ``stopping``: whether they also agreed to stop."""
         error = BufferLost(f"the buffer stopped answering: {self.cause}" if self.cause else
-                           "another learner rank lost the buffer")
+                           "another learner rank lost the buffer", stopping)
         error.__cause__ = self.cause
         return error
 
@@ -128,11 +138,13 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         resumed_at = trainer.version
         try:
             _train(ctx, trainer, driver, stop, checkpointer)
-        except BufferLost:
+        except BufferLost as lost:
             buffer_lost = True
             stop.set()  # the role is stopping: its threads' buffer requests give up at once
-            _save_before_exit(cfg, trainer, checkpointer, resumed_at)
-            raise
+            _save_before_exit(cfg, trainer, checkpointer, resumed_at, lost.stopping)
+            if not lost.stopping:
+                raise
+            return  # a stop, as asked: no export or final eval (they need the buffer's run)
         if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
             logger.info("stopped before training a step: no checkpoint, export or final eval")
             return
@@ -154,18 +166,21 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
             shutdown_learner_group()
 
 
-def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int) -> None:
+def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int,
+                      stopping: bool) -> None:
     """Every rank, the buffer lost: checkpoint the steps taken (COLLECTIVE), so that a learner
     restarted once the buffer is back resumes from the last one, not from the last periodic
     checkpoint. A step whose ack the buffer never got keeps its groups pending there: they
-    are delivered and trained again (at-least-once), as after a learner crash."""
+    are delivered and trained again (at-least-once), as after a learner crash. ``stopping``:
+    the ranks were stopping anyway (:class:`BufferLost`), which is no error."""
+    log, lost = ((logger.info, "stopped while the buffer did not answer") if stopping
+                 else (logger.error, "the buffer was lost"))
     if trainer.version == resumed_at:
-        logger.error("the buffer was lost before a step was trained: nothing to save")
+        log("%s before a step was trained: nothing to save", lost)
         return
     checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}), "finished": False})
-    logger.error("the buffer was lost: saved a checkpoint at version %d in %s; start the "
-                 "learner again once the buffer is back and it resumes there", trainer.version,
-                 cfg.run_dir / cfg.checkpoint.dir)
+    log("%s: saved a checkpoint at version %d in %s; start the learner again once the buffer "
+        "answers and it resumes there", lost, trainer.version, cfg.run_dir / cfg.checkpoint.dir)
 
 
 def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -> None:
@@ -270,7 +285,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         stopping, header, gone = _end_of_step(ctx, driver, trainer.version,
                                               should_stop or stop.is_set(), lost)
         if gone:
-            raise lost.error()
+            raise lost.error(stopping)
         if stopping:
             break
 
@@ -326,7 +341,7 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
         got, stopping, gone = _agree_any([batch is not None, stop.is_set(),
                                           lost.cause is not None], ctx.world)
         if gone:
-            raise lost.error()
+            raise lost.error(stopping)
         if got and not stopping:
             return batch if driver is not None else True
         if not got:
@@ -400,7 +415,7 @@ def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopp
                                     dtype=torch.float64), shares.reshape(-1)])
     flags = gather_rows(flags).max(0).values   # the others' zeros leave rank 0's values
     if flags[2]:
-        return True, None, True
+        return bool(flags[0]), None, True
     if flags[0]:
         return True, None, False
     return False, (flags[3:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None), False

@@ -11,7 +11,9 @@ are the real ones."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,17 +35,26 @@ def _sets(output_dir: Path) -> list[str]:
     return [arg for value in values for arg in ("--set", value)]
 
 
-def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
-        tmp_path: Path, processes: Processes) -> None:
+def _training(tmp_path: Path, processes: Processes, steps: int
+              ) -> tuple[subprocess.Popen, subprocess.Popen, subprocess.Popen, str]:
+    """Buffer, two-rank learner and rollout started, once the learner trained ``steps``:
+    the three processes and the buffer's address."""
     sets = _sets(tmp_path)
-    run_dir = tmp_path / "lost"
     buffer, address = processes.start_buffer(str(SIM), *sets)
     learner = processes.start("learner", "learner", str(SIM), *sets, "--buffer", address)
     rollout = processes.start("rollout", "rollout", str(SIM), *sets, "--buffer", address)
-    metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: len(step_records(metrics)) >= 4 or learner.poll() is not None, 180,
-             "four steps")
+    metrics = tmp_path / "lost" / "metrics.jsonl"
+    wait_for(lambda: len(step_records(metrics)) >= steps or learner.poll() is not None, 180,
+             f"{steps} steps")
     assert learner.poll() is None, processes.log("learner")
+    return buffer, learner, rollout, address
+
+
+def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
+        tmp_path: Path, processes: Processes) -> None:
+    sets = _sets(tmp_path)
+    run_dir, metrics = tmp_path / "lost", tmp_path / "lost" / "metrics.jsonl"
+    buffer, learner, rollout, address = _training(tmp_path, processes, 4)
 
     for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
         os.killpg(proc.pid, signal.SIGKILL)
@@ -72,3 +83,31 @@ def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
     assert steps == list(range(1, STEPS + 1)), steps   # no step lost, none trained twice
     assert read_meta(step_dirs(run_dir / "checkpoints")[-1][1]).counters["finished"] is True
     assert rollout.wait(timeout=60) == 0, processes.log("rollout-2")
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_two_rank_learner_stopped_while_its_buffer_is_gone_exits_quietly(
+        tmp_path: Path, processes: Processes, fault: signal.Signals) -> None:
+    """Ctrl-C to a learner of two ranks whose buffer is gone (killed) or hangs (a stopped
+    process, a partition): both ranks save the steps they trained and exit as a stop does,
+    status 0 and no error, whichever rank's request went unanswered. Before, the rank that
+    only heard of the loss from the other exited as if the buffer had been lost mid-run
+    (status 3, an error line), and so the learner exited 1."""
+    run_dir, metrics = tmp_path / "lost", tmp_path / "lost" / "metrics.jsonl"
+    buffer, learner, rollout, _ = _training(tmp_path, processes, 3)
+
+    os.killpg(rollout.pid, signal.SIGKILL)
+    os.killpg(buffer.pid, fault)
+    os.killpg(learner.pid, signal.SIGINT)   # Ctrl-C on the learner's terminal
+    assert learner.wait(timeout=30) == 0, processes.log("learner")
+    log = processes.log("learner")
+    assert "Traceback" not in log and " ERROR " not in log, log   # a stop, as asked
+    trained = step_records(metrics)[-1]["step"]
+    # Whether the stop or the loss reached the ranks' agreement first is a race (a killed
+    # buffer is usually first); when it was the loss, both ranks say so as a stop.
+    if "stopped while the buffer did not answer" in log:
+        for rank in (0, 1):
+            assert re.search(rf"learner\[{rank}\] INFO .*stopped while the buffer did not "
+                             rf"answer: saved a checkpoint at version {trained}", log), log
+    (version, path), = step_dirs(run_dir / "checkpoints")   # every_steps = 0: the stop's own
+    assert version == trained and read_meta(path).counters["finished"] is False
