@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO-2/3 trainer (``learner.backend = "deepspeed"``, stage ``learner.zero_stage``).
 
 Same protocol and the SAME objective as the FSDP2 trainer (``learners.backends.base.Trainer``):
-it subclasses :class:`Fsdp2Trainer` only to reuse its backend-neutral pieces (frozen logprobs,
-global metrics, mismatch, ``save_pretrained``) and replaces the model setup, the update and the
-state-dict gather. Every public method is COLLECTIVE, as in FSDP2.
+both run the micro-batched step of :mod:`learners.backends.micro_steps` (frozen logprobs,
+objective, global metrics, mismatch) and write the HF export with its ``save_hf_dir``; this
+module owns the model setup, the update and the state-dict gather. Every public method is
+COLLECTIVE, as in FSDP2.
 
 Gradient scaling (verified by ``tests/unit/test_deepspeed.py``): ZeRO's gradient reduction
 AVERAGES over the data-parallel ranks, exactly like FSDP2's reduce-scatter, so the loss is again
@@ -14,7 +15,7 @@ The optimizer is torch's AdamW passed as a client optimizer: DeepSpeed's own CPU
 ~50 s g++ build on first use. ZeRO still wraps it (flat fp32 partitions per rank).
 
 Micro-batching (``learner.micro_batch_tokens``, ``learner.packing``) is FSDP2's loop with
-DeepSpeed's accumulation boundary set by hand (:meth:`DeepSpeedTrainer.train_step`). Not
+DeepSpeed's accumulation boundary set by hand (:class:`EngineBackward`). Not
 supported yet (raises): the GAE critic (it is built on FSDP2). The frozen KL reference is an
 unsharded replica on every rank (no optimizer state; under ZeRO-3 this costs one model copy
 per rank).
@@ -46,7 +47,7 @@ except ImportError as exc:  # optional dependency
                       "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8") from exc
 
 from asyncrl.config.schema import LearnerConfig
-from learners.backends.fsdp2 import Fsdp2Trainer, merge_token_stats
+from learners.backends.micro_steps import MicroSteps, merge_token_stats, save_hf_dir
 from learners.batching import TrainBatch
 from learners.dist import resolve_device
 from learners.step_metrics import step_metrics
@@ -88,14 +89,31 @@ def ds_config(cfg: LearnerConfig, zero_overrides: dict[str, Any] | None = None
     }
 
 
-class DeepSpeedTrainer(Fsdp2Trainer):
+class EngineBackward:
+    """Micro-batches through the DeepSpeed engine: its forward sets up ZeRO's backward hooks,
+    its backward accumulates, and the accumulation boundary is True only for the last micro-
+    batch, so ZeRO reduces and steps once."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def policy(self) -> nn.Module:
+        return self.engine
+
+    def begin_micro(self, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+
+    def backward(self, loss: Tensor) -> None:
+        self.engine.backward(loss)
+
+
+class DeepSpeedTrainer:
     """One learner rank: a DeepSpeed engine around the HF model and torch AdamW."""
 
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
                  zero_overrides: dict[str, Any] | None = None) -> None:
-        # Deliberately not super().__init__: that would build FSDP2-sharded modules.
         if cfg.loss.advantage == "gae":
             raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
         self.cfg = cfg
@@ -104,16 +122,17 @@ class DeepSpeedTrainer(Fsdp2Trainer):
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version
-        self.critic = None
         self.engine = self._build_engine(model_path, dtype, zero_overrides)
         # The HF module, for the no-grad forwards (ZeRO-3's gather hooks live on the module) and
-        # the inherited save_pretrained.
+        # the HF export.
         self.model: nn.Module = self.engine.module
         self.optimizer = self.engine.optimizer
         self.reference: nn.Module | None = None
         if cfg.loss.kl_coef > 0:
             self.reference = self._load(reference_path or model_path, dtype)
             self.reference.requires_grad_(False)
+        self.steps = MicroSteps(cfg, self.device, self.model, EngineBackward(self.engine),
+                                self.reference)
         logger.info("rank %d/%d: %s under ZeRO-%d, version %d, loss %s/%s/%s, reference %s",
                     self.rank, self.world, type(self.model).__name__, cfg.zero_stage, version,
                     cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
@@ -162,35 +181,24 @@ class DeepSpeedTrainer(Fsdp2Trainer):
         """One optimizer step on this rank's share of the global batch; metrics are global and
         identical on every rank (``timing/train_step`` is the slowest rank's).
 
-        The share runs as FSDP2's micro-batches (``learner.micro_batch_tokens``, packed or
-        padded) through the same loop (:meth:`Fsdp2Trainer._accumulate`); DeepSpeed's
-        accumulation boundary is set by hand for each one (True only for the last), so ZeRO
-        reduces and steps once, and the loss keeps our GLOBAL normalisation (DeepSpeed's
-        ``gradient_accumulation_steps`` stays 1 and never rescales it)."""
+        The share runs as FSDP2's micro-batches through the same loop
+        (:class:`~learners.backends.micro_steps.MicroSteps`, :class:`EngineBackward`); the loss
+        keeps our GLOBAL normalisation (DeepSpeed's ``gradient_accumulation_steps`` stays 1 and
+        never rescales it)."""
         start = time.perf_counter()
         batch = batch.to(self.device)
-        global_units = self._global_units(batch)
+        global_units = self.steps.global_units(batch)
         # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
-        loss_sum, stats, mismatch = self._accumulate(
+        loss_sum, stats, mismatch = self.steps.accumulate(
             batch, self.world / global_units.clamp(min=1.0))
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
         metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)
-        metrics.update(self._mismatch_metrics(mismatch))
+        metrics.update(self.steps.mismatch_metrics(mismatch))
         metrics["actor/grad_norm"] = float(self.engine.get_global_grad_norm())
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
+        metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
-
-    def _policy(self) -> nn.Module:
-        """Through the engine: its forward sets up the ZeRO backward hooks for the step."""
-        return self.engine
-
-    def _begin_micro(self, last: bool) -> None:
-        self.engine.set_gradient_accumulation_boundary(last)
-
-    def _backward(self, loss: Tensor) -> None:
-        self.engine.backward(loss)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full weights on CPU, HF names; rank 0 gets every tensor, others an EMPTY dict.
@@ -206,6 +214,14 @@ class DeepSpeedTrainer(Fsdp2Trainer):
                 state.setdefault(name, tensor.detach().to("cpu", copy=True))
         return state
 
+    def save_pretrained(self, path: str | Path,
+                        state: dict[str, Tensor] | None = None) -> None:
+        """Write an HF ``from_pretrained`` directory (rank 0 writes; every rank calls and
+        returns once it is complete). ``state``: this version's :meth:`full_state_dict`, if
+        the caller already gathered it."""
+        save_hf_dir(self.model, self.full_state_dict() if state is None else state,
+                    self.model_path, path, self.version)
+
 
 def checkpoint_weights(path: str | Path) -> dict[str, Tensor]:
     """The full fp32 weights (HF names, CPU) of a ``step_<V>`` written by this backend, read
@@ -216,4 +232,4 @@ def checkpoint_weights(path: str | Path) -> dict[str, Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)
 
 
-__all__ = ["DS_TAG", "DeepSpeedTrainer", "checkpoint_weights", "ds_config"]
+__all__ = ["DS_TAG", "DeepSpeedTrainer", "EngineBackward", "checkpoint_weights", "ds_config"]

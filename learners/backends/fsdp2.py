@@ -21,7 +21,6 @@ mismatch (``mismatch/…``, ``learners.mismatch``) and warns past
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -37,27 +36,18 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config.schema import LearnerConfig, LoraConfig
 from learners.batching import TrainBatch
 from learners.critic import Critic, ValueModel
+from learners.backends.micro_steps import (
+    MicroSteps,
+    PlainBackward,
+    merge_token_stats,
+    save_hf_dir,
+)
 from learners.dist import resolve_device
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
-from learners.losses.aggregation import aggregation_weights
-from learners.losses.objective import objective
-from learners.losses.policy import masked_mean
-from learners.mismatch import (
-    merge_mismatch_sums,
-    mismatch_metrics,
-    mismatch_sums,
-    reduce_mismatch,
-    warn_if_mismatched,
-)
-from learners.packing import micro_batches, token_logprobs_and_entropy
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
-
-# Non-weight files copied next to a saved checkpoint so that an engine can load the directory.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def token_logprobs(model: nn.Module, batch: TrainBatch) -> Tensor:
@@ -135,6 +125,8 @@ class Fsdp2Trainer:
             shard_model(value_model, self.world, self.device.type,
                         compute_dtype(cfg, self.device), cfg.activation_checkpointing)
             self.critic = Critic(value_model, cfg, self.world)
+        self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
+                                self.reference, self.reference_is_base)
         logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
                     "loss %s/%s/%s, reference %s", self.rank, self.world,
                     type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
@@ -162,115 +154,28 @@ class Fsdp2Trainer:
         """One optimizer step on this rank's share of the global batch; metrics are global and
         identical on every rank (``timing/train_step`` is the slowest rank's).
 
-        The share runs as micro-batches of ``learner.micro_batch_tokens`` (packed or padded,
-        ``learners.packing``) with gradients accumulated. Every micro-batch's loss is divided by
-        the GLOBAL unit count of the whole step, known before the first backward, so the sum of
-        the micro-batches' gradients is exactly the gradient of the unbatched step."""
+        The share runs as micro-batches with gradients accumulated, each loss divided by the
+        step's GLOBAL unit count (:mod:`learners.backends.micro_steps`)."""
         start = time.perf_counter()
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
             batch, critic_metrics = self.critic.advantages_and_update(batch)
-        global_units = self._global_units(batch)
+        global_units = self.steps.global_units(batch)
         # × world: FSDP2 averages gradients over ranks; we want their sum (module docstring).
         scale = self.world / global_units.clamp(min=1.0)
-        loss_sum, stats, mismatch = self._accumulate(batch, scale)
+        loss_sum, stats, mismatch = self.steps.accumulate(batch, scale)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)
-        metrics.update(self._mismatch_metrics(mismatch))
+        metrics.update(self.steps.mismatch_metrics(mismatch))
         metrics.update(critic_metrics)
         metrics["actor/grad_norm"] = float(_full(grad_norm))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["timing/train_step"] = self._max_over_ranks(time.perf_counter() - start)
+        metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
-
-    def _accumulate(self, batch: TrainBatch, scale: Tensor
-                    ) -> tuple[Tensor, list[dict[str, Tensor]], Tensor | None]:
-        """Forward and backward every micro-batch of this rank's share, each loss times
-        ``scale``; the summed loss, per-micro statistics and mismatch sums. Backends differ
-        only in the module they run (:meth:`_policy`) and how a backward accumulates
-        (:meth:`_backward`), so DeepSpeed runs this same loop."""
-        loss_sum, stats, mismatch = torch.zeros((), device=self.device), [], None
-        plan = self._micro_batches(batch)
-        for index, micro in enumerate(plan):
-            last = index == len(plan) - 1
-            self._begin_micro(last)
-            proximal, ref = self._frozen_logprobs(micro)
-            logprobs, entropy = token_logprobs_and_entropy(self._policy(), micro,
-                                                           self.cfg.packing)
-            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
-            micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
-            self._backward(micro_loss * scale)
-            loss_sum += micro_loss.detach()
-            stats.append(micro_stats)
-            mismatch = merge_mismatch_sums(mismatch, self._mismatch_sums(logprobs.detach(), micro))
-        return loss_sum, stats, mismatch
-
-    def _policy(self) -> nn.Module:
-        """The module whose forward the loss differentiates."""
-        return self.model
-
-    def _begin_micro(self, last: bool) -> None:
-        """Before a micro-batch's forward; ``last``: its backward ends the accumulation."""
-
-    def _backward(self, loss: Tensor) -> None:
-        loss.backward()
-
-    def _global_units(self, batch: TrainBatch) -> Tensor:
-        """The step's aggregation units over every rank's share (tokens, samples or groups)."""
-        _, units = aggregation_weights(batch.loss_mask, batch.group_index,
-                                       self.cfg.loss.aggregation, batch.group_tokens)
-        units = units.detach().clone()
-        dist.all_reduce(units)
-        return units
-
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """This rank's micro-batches, padded with zero-weight ones to the most any rank has:
-        FSDP's all-gathers need every rank to run the same number of forwards and backwards."""
-        plan = micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.packing)
-        count = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return plan + [batch.as_pad()] * (int(count.item()) - len(plan))
-
-    @torch.no_grad()
-    def _frozen_logprobs(self, batch: TrainBatch) -> tuple[Tensor | None, Tensor | None]:
-        """Before the update: proximal logprobs under the current weights (decoupled PPO) and
-        the reference's logprobs (KL). Collective (FSDP all-gathers) whenever configured."""
-        packing = self.cfg.packing
-        proximal = None
-        if self.cfg.loss.policy_loss == "decoupled_ppo":
-            proximal = packed_or_padded_logprobs(self.model, batch, packing)
-        ref = None
-        if self.reference is not None:
-            ref = packed_or_padded_logprobs(self.reference, batch, packing)
-        elif self.reference_is_base:
-            with self.model.disable_adapter():
-                ref = packed_or_padded_logprobs(self.model, batch, packing)
-        return proximal, ref
-
-    def _mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
-        high = self.cfg.loss.clip_eps_high
-        return mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask,
-                             self.cfg.clip_eps, self.cfg.clip_eps if high is None else high)
-
-    def _mismatch_metrics(self, sums: Tensor) -> dict[str, float]:
-        """Global train-vs-rollout mismatch from this rank's sums; warns past the bound."""
-        metrics = mismatch_metrics(reduce_mismatch(sums))
-        if self.rank == 0:
-            warn_if_mismatched(metrics, self.cfg.loss.mismatch_warn_abs_logp)
-        return metrics
-
-    def _mismatch(self, logprobs: Tensor, batch: TrainBatch) -> dict[str, float]:
-        """Global train-vs-rollout mismatch of the pre-update logprobs of one whole batch."""
-        return self._mismatch_metrics(self._mismatch_sums(logprobs, batch))
-
-    def _max_over_ranks(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return float(tensor.item())
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full, unsharded weights on CPU, HF parameter names. COLLECTIVE.
@@ -302,36 +207,7 @@ class Fsdp2Trainer:
         """
         if state is None:
             state = self.full_state_dict()
-        if self.rank == 0:
-            path = Path(path)
-            path.mkdir(parents=True, exist_ok=True)
-            # The HF model, not a peft wrapper (which would write the adapters alone): the
-            # state is merged, so the directory loads with plain ``from_pretrained``.
-            hf_model(self.model).save_pretrained(path, state_dict=state)
-            for name in _TOKENIZER_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, path / name)
-            logger.info("saved version %d to %s", self.version, path)
-        dist.barrier()
-
-
-def merge_token_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Objective stats of several micro-batches as those of their union: ``tokens`` and
-    ``*_sum`` add, ``*_max``/``*_min`` take the extreme, the rest are token means (weighted by
-    each part's ``tokens``). A pad micro-batch (no tokens) changes nothing."""
-    tokens = torch.stack([p["tokens"] for p in parts])
-    merged = {"tokens": tokens.sum()}
-    for key in parts[0]:
-        values = torch.stack([p[key].float() for p in parts])
-        if key.endswith("_sum"):
-            merged[key] = values.sum()
-        elif key.endswith("_max"):
-            merged[key] = values.max()
-        elif key.endswith("_min"):
-            merged[key] = values.min()
-        elif key != "tokens":
-            merged[key] = (values * tokens).sum() / tokens.sum().clamp(min=1.0)
-    return merged
+        save_hf_dir(self.model, state, self.model_path, path, self.version)
 
 
 def _full(value: Tensor) -> Tensor:

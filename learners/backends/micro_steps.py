@@ -1,0 +1,207 @@
+"""The micro-batched step that the FSDP2 and DeepSpeed backends share.
+
+One optimizer step on a rank's share of the global batch runs as micro-batches of
+``learner.micro_batch_tokens`` (packed or padded, ``learners.packing``), each one's forward under
+the configured objective and its backward accumulating gradients. Every micro-batch's loss is
+divided by the GLOBAL unit count of the whole step (tokens, samples or groups), known before the
+first backward, so the sum of the micro-batches' gradients is the gradient of the unbatched step.
+
+The backends differ only in the module whose forward the loss differentiates, in what happens
+before a micro-batch (DeepSpeed's accumulation boundary) and in how a backward accumulates: a
+:class:`Backward` says that. Everything else here is the same for both, so both compute the
+same objective, statistics and train-vs-rollout mismatch. A component rather than a base class:
+DeepSpeed builds none of FSDP2's sharded modules, and a subclass would inherit a constructor
+it must not call.
+
+Every method that reduces over ranks is COLLECTIVE, as the trainers' are.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from asyncrl.config.schema import LearnerConfig
+from learners.batching import TrainBatch
+from learners.lora import hf_model
+from learners.losses.aggregation import aggregation_weights
+from learners.losses.objective import objective
+from learners.losses.policy import masked_mean
+from learners.mismatch import (
+    merge_mismatch_sums,
+    mismatch_metrics,
+    mismatch_sums,
+    reduce_mismatch,
+    warn_if_mismatched,
+)
+from learners.packing import micro_batches, token_logprobs_and_entropy
+from learners.packing import token_logprobs as packed_or_padded_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Non-weight files copied next to a saved checkpoint so that an engine can load the directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+class Backward(Protocol):
+    """How one backend runs a micro-batch's forward and backward."""
+
+    def policy(self) -> nn.Module:
+        """The module whose forward the loss differentiates."""
+        ...
+
+    def begin_micro(self, last: bool) -> None:
+        """Before a micro-batch's forward; ``last``: its backward ends the accumulation."""
+        ...
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate ``loss``'s gradients."""
+        ...
+
+
+class PlainBackward:
+    """``loss.backward()`` through ``model`` itself (FSDP2: its hooks reduce the gradients)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def policy(self) -> nn.Module:
+        return self.model
+
+    def begin_micro(self, last: bool) -> None:
+        pass
+
+    def backward(self, loss: Tensor) -> None:
+        loss.backward()
+
+
+class MicroSteps:
+    """One rank's forwards and backwards of a step, and the step's global reductions.
+
+    ``model``: the policy, run without gradients for the proximal logprobs (decoupled PPO).
+    ``reference``: the frozen KL reference, if it is a module of its own; ``reference_is_base``:
+    it is ``model`` with its LoRA adapters off (peft's ``disable_adapter``)."""
+
+    def __init__(self, cfg: LearnerConfig, device: torch.device, model: nn.Module,
+                 runner: Backward, reference: nn.Module | None = None,
+                 reference_is_base: bool = False) -> None:
+        self.cfg, self.device, self.model, self.runner = cfg, device, model, runner
+        self.reference, self.reference_is_base = reference, reference_is_base
+        self.rank = dist.get_rank()
+
+    def global_units(self, batch: TrainBatch) -> Tensor:
+        """The step's aggregation units over every rank's share (tokens, samples or groups)."""
+        _, units = aggregation_weights(batch.loss_mask, batch.group_index,
+                                       self.cfg.loss.aggregation, batch.group_tokens)
+        units = units.detach().clone()
+        dist.all_reduce(units)
+        return units
+
+    def accumulate(self, batch: TrainBatch, scale: Tensor
+                   ) -> tuple[Tensor, list[dict[str, Tensor]], Tensor | None]:
+        """Forward and backward every micro-batch of this rank's share, each loss times
+        ``scale``; the summed loss, per-micro statistics and mismatch sums."""
+        loss_sum, stats, mismatch = torch.zeros((), device=self.device), [], None
+        plan = self.micro_batches(batch)
+        for index, micro in enumerate(plan):
+            self.runner.begin_micro(index == len(plan) - 1)
+            proximal, ref = self.frozen_logprobs(micro)
+            logprobs, entropy = token_logprobs_and_entropy(self.runner.policy(), micro,
+                                                           self.cfg.packing)
+            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
+            micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
+            self.runner.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach()
+            stats.append(micro_stats)
+            mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))
+        return loss_sum, stats, mismatch
+
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """This rank's micro-batches, padded with zero-weight ones to the most any rank has:
+        sharded all-gathers need every rank to run the same number of forwards and backwards."""
+        plan = micro_batches(batch, self.cfg.micro_batch_tokens, self.cfg.packing)
+        count = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return plan + [batch.as_pad()] * (int(count.item()) - len(plan))
+
+    @torch.no_grad()
+    def frozen_logprobs(self, batch: TrainBatch) -> tuple[Tensor | None, Tensor | None]:
+        """Before the update: proximal logprobs under the current weights (decoupled PPO) and
+        the reference's logprobs (KL). Collective (sharded all-gathers) whenever configured."""
+        packing = self.cfg.packing
+        proximal = None
+        if self.cfg.loss.policy_loss == "decoupled_ppo":
+            proximal = packed_or_padded_logprobs(self.model, batch, packing)
+        ref = None
+        if self.reference is not None:
+            ref = packed_or_padded_logprobs(self.reference, batch, packing)
+        elif self.reference_is_base:
+            with self.model.disable_adapter():
+                ref = packed_or_padded_logprobs(self.model, batch, packing)
+        return proximal, ref
+
+    def mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
+        high = self.cfg.loss.clip_eps_high
+        return mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask,
+                             self.cfg.clip_eps, self.cfg.clip_eps if high is None else high)
+
+    def mismatch_metrics(self, sums: Tensor) -> dict[str, float]:
+        """Global train-vs-rollout mismatch from this rank's sums; warns past the bound."""
+        metrics = mismatch_metrics(reduce_mismatch(sums))
+        if self.rank == 0:
+            warn_if_mismatched(metrics, self.cfg.loss.mismatch_warn_abs_logp)
+        return metrics
+
+    def max_over_ranks(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor.item())
+
+
+def merge_token_stats(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Objective stats of several micro-batches as those of their union: ``tokens`` and
+    ``*_sum`` add, ``*_max``/``*_min`` take the extreme, the rest are token means (weighted by
+    each part's ``tokens``). A pad micro-batch (no tokens) changes nothing."""
+    tokens = torch.stack([p["tokens"] for p in parts])
+    merged = {"tokens": tokens.sum()}
+    for key in parts[0]:
+        values = torch.stack([p[key].float() for p in parts])
+        if key.endswith("_sum"):
+            merged[key] = values.sum()
+        elif key.endswith("_max"):
+            merged[key] = values.max()
+        elif key.endswith("_min"):
+            merged[key] = values.min()
+        elif key != "tokens":
+            merged[key] = (values * tokens).sum() / tokens.sum().clamp(min=1.0)
+    return merged
+
+
+def save_hf_dir(model: nn.Module, state: dict[str, Tensor], source: Path, path: str | Path,
+                version: int) -> None:
+    """Write an HF ``from_pretrained`` directory from ``state`` (the full weights, gathered on
+    rank 0, which alone writes; every rank calls, and returns once it is complete: a barrier).
+    Tokenizer files found next to the source model (``source``) are copied too, so engines
+    can load it."""
+    if dist.get_rank() == 0:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        # The HF model, not a peft wrapper (which would write the adapters alone): the state
+        # is merged, so the directory loads with plain ``from_pretrained``.
+        hf_model(model).save_pretrained(path, state_dict=state)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, path / name)
+        logger.info("saved version %d to %s", version, path)
+    dist.barrier()
+
+
+__all__ = ["Backward", "MicroSteps", "PlainBackward", "TOKENIZER_FILES", "merge_token_stats",
+           "save_hf_dir"]
