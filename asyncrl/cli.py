@@ -11,7 +11,7 @@ from pathlib import Path
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
 from asyncrl.preflight import NotRunning
-from asyncrl.supervise import NO_ANSWER_EXIT, report_config_error
+from asyncrl.supervise import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as exc:
         sys.stderr.write(f"asyncrl: {exc}\n")
         return NO_ANSWER_EXIT
+    except GroupLeft as exc:  # a node's only learner rank, another node's rank gone
+        sys.stderr.write(f"asyncrl: {exc}\n")
+        return GROUP_LEFT_EXIT
 
 
 if __name__ == "__main__":

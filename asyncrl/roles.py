@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.supervise import (CONFIG_ERROR_EXIT, NO_ANSWER_EXIT, RestartBudget, RestartPolicy,
-                               exit_reason, report_config_error)
+from asyncrl.supervise import (CONFIG_ERROR_EXIT, GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft,
+                               RestartBudget, RestartPolicy, exit_reason, report_config_error)
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,9 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
     except TimeoutError as exc:  # e.g. learners.loop.BufferLost, raised on every rank
         logger.error("%s stopped: %s", role, exc)
         sys.exit(NO_ANSWER_EXIT)
+    except GroupLeft as exc:  # the rank that left is the cause (_run_children reports it)
+        logger.error("%s stopped: %s", role, exc)
+        sys.exit(GROUP_LEFT_EXIT)
 
 
 @contextmanager
@@ -296,7 +299,9 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
         child.start()
     failed = None
     while not stop.wait(0.2):
-        for child in children:
+        # A rank that left because another left (GROUP_LEFT_EXIT) is looked at last: the one
+        # that left first, dead by then, is the cause to report.
+        for child in sorted(children, key=lambda c: c.proc.exitcode == GROUP_LEFT_EXIT):
             if child.restart_at is not None and time.monotonic() >= child.restart_at:
                 child.start()
             elif child.crashed():

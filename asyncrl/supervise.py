@@ -28,6 +28,16 @@ NO_ANSWER_EXIT = 3
 buffer, mostly) did not answer. Reported in one line, as the CLI and a role's children do:
 the cause was logged where it happened, and a traceback per process (a learner's ranks all
 stop together) only buried it."""
+GROUP_LEFT_EXIT = 4
+"""Exit status of a learner rank whose process group broke because another rank left it
+(killed, crashed, its node gone): a consequence, not a cause. Reported in one line; a
+supervisor that ran the rank that left names that one as the cause."""
+
+
+class GroupLeft(RuntimeError):
+    """A collective failed because another rank of the process group left it. What failed
+    says nothing about this rank, so no traceback: its message names the rank and the
+    transport's error."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,8 @@ def exit_reason(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code == GROUP_LEFT_EXIT:
+        return "left: another rank of its process group left"
     return f"exit code {code}"
 
 

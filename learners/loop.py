@@ -113,9 +113,10 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     import torch
 
     from asyncrl.models import prepare_model_dir
+    from asyncrl.supervise import GroupLeft
     from learners.backends import make_trainer
     from learners.checkpoint import Checkpointer
-    from learners.dist import init_learner_group, shutdown_learner_group
+    from learners.dist import init_learner_group, peer_left, shutdown_learner_group
 
     stop = stop or threading.Event()
     torch.set_num_threads(cfg.learner.threads)
@@ -129,7 +130,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
                                 timeout_s=cfg.learner.collective_timeout_s)
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address, stop), f"learner-{rank}",
                       address, stop)
-    driver, buffer_lost = None, False
+    driver, buffer_lost, left = None, False, None
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
@@ -157,13 +158,21 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
                                 state=None if sends_adapters(cfg) else state)
         if driver is not None:
             driver.finish(state, trainer.version, done=not stop.is_set())
+    except Exception as exc:
+        left = peer_left(exc)
+        if left is None:
+            raise
+        # Another rank's process is gone: the rank that left is the cause, and the supervisor
+        # that ran it says why; this one only says that it followed.
+        raise GroupLeft(f"learner rank {rank}/{world}: another rank left the process group "
+                        f"({left})") from None
     finally:
         try:
             if driver is not None:
                 driver.close(buffer_lost)
         finally:  # every rank leaves the group (a barrier), whatever rank 0's close raised
             ctx.client.close()
-            shutdown_learner_group()
+            shutdown_learner_group(barrier=left is None)
 
 
 def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int,

@@ -35,7 +35,7 @@ def _sets(output_dir: Path) -> list[str]:
     return [arg for value in values for arg in ("--set", value)]
 
 
-def _training(tmp_path: Path, processes: Processes, steps: int
+def training_two_ranks(tmp_path: Path, processes: Processes, steps: int
               ) -> tuple[subprocess.Popen, subprocess.Popen, subprocess.Popen, str]:
     """Buffer, two-rank learner and rollout started, once the learner trained ``steps``:
     the three processes and the buffer's address."""
@@ -54,7 +54,7 @@ def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
         tmp_path: Path, processes: Processes) -> None:
     sets = _sets(tmp_path)
     run_dir, metrics = tmp_path / "lost", tmp_path / "lost" / "metrics.jsonl"
-    buffer, learner, rollout, address = _training(tmp_path, processes, 4)
+    buffer, learner, rollout, address = training_two_ranks(tmp_path, processes, 4)
 
     for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
         os.killpg(proc.pid, signal.SIGKILL)
@@ -94,7 +94,7 @@ def test_a_two_rank_learner_stopped_while_its_buffer_is_gone_exits_quietly(
     only heard of the loss from the other exited as if the buffer had been lost mid-run
     (status 3, an error line), and so the learner exited 1."""
     run_dir, metrics = tmp_path / "lost", tmp_path / "lost" / "metrics.jsonl"
-    buffer, learner, rollout, _ = _training(tmp_path, processes, 3)
+    buffer, learner, rollout, _ = training_two_ranks(tmp_path, processes, 3)
 
     os.killpg(rollout.pid, signal.SIGKILL)
     os.killpg(buffer.pid, fault)
