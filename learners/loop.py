@@ -406,7 +406,8 @@ def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopp
     two collectives fewer per step, each costing the slowest rank's scheduling delay
     (5-20 ms for 8 ranks on 2 busy cores in bench/pipeline.py). Returns ``(stop,
     header, gone)``; ``header`` is None when the batch is not there yet (``_next_batch``
-    waits); ``gone``: a rank lost the buffer (:class:`BufferLost`)."""
+    waits); ``gone``: a rank lost the buffer (:class:`BufferLost`), and then ``stop`` says
+    whether any rank was stopping as well (``BufferLost.stopping``)."""
     import torch
 
     from learners.dist import gather_rows

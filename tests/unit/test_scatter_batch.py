@@ -74,11 +74,13 @@ def _check_end_of_step(rank: int, world: int, port: int) -> None:
         assert torch.equal(got.input_ids, split_batch(batch, world)[rank].input_ids)
         assert _end_of_step(ctx, driver, 6, False, _Lost()) == (False, None, False)  # not yet
         assert _end_of_step(ctx, driver, 5, rank == world - 1, _Lost()) == (True, None, False)
-        # one rank's buffer request got no answer: every rank learns it, batch or not
+        # one rank's buffer request got no answer: every rank learns it, batch or not, and
+        # whether any rank was stopping as well (then the loss ends the learner as a stop)
         lost = _Lost()
         if rank == 1:
             lost.cause = TimeoutError("no reply")
-        assert _end_of_step(ctx, driver, 5, False, lost) == (True, None, True)
+        assert _end_of_step(ctx, driver, 5, False, lost) == (False, None, True)
+        assert _end_of_step(ctx, driver, 5, rank == 2, lost) == (True, None, True)
     finally:
         dist.destroy_process_group()
 
