@@ -36,7 +36,7 @@ def _sets(output_dir: Path) -> list[str]:
 
 
 def training_two_ranks(tmp_path: Path, processes: Processes, steps: int
-              ) -> tuple[subprocess.Popen, subprocess.Popen, subprocess.Popen, str]:
+                       ) -> tuple[subprocess.Popen, subprocess.Popen, subprocess.Popen, str]:
     """Buffer, two-rank learner and rollout started, once the learner trained ``steps``:
     the three processes and the buffer's address."""
     sets = _sets(tmp_path)
