@@ -22,6 +22,8 @@ to one consumer that takes batches of ``--batch`` groups:
 
 The backend consumer keeps ``--take-depth`` batch requests in flight (default 1, what the
 learner's prefetcher does; :class:`buffers.take_ahead.TakeAhead`); Redis serves one at a time.
+Producers of the put-many rows keep ``--put-depth`` ``put_many`` calls in flight (default 1,
+what a rollout worker does; :class:`buffers.put_ahead.PutAhead`; Redis: one at a time).
 
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
 runs in this process, the ZMQ broker in another). Every process, raw or backend, keeps large
@@ -88,6 +90,7 @@ class Spec:
     chunk: int = 8  # groups per put_many in the put-many rows: one engine batch of a worker
     gate_poll_s: float = 0.002  # a producer refused a grant asks again after this long
     take_depth: int = 1  # the consumer's get_batch requests in flight (TakeAhead)
+    put_depth: int = 1  # each producer's put_many calls in flight (PutAhead)
 
 
 def make_group(spec: Spec, name: str) -> TrajectoryGroup:
@@ -116,9 +119,12 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
     (fewer round trips than a worker, so the rows measure puts), and whatever was granted is
     put, as a worker puts what it generated: a producer that waited for a whole chunk's
     grant would starve when producers × chunk exceeds ``max_groups``."""
+    from buffers.put_ahead import PutAhead
+
     client = make_client()
     name, sent, granted = f"p{index}", 0, 0
     chunk = spec.put_many if hasattr(client, "put_many") else 0
+    puts = PutAhead(client, name, spec.put_depth)
     groups = [make_group(spec, "g") for _ in range(max(1, chunk))]
     while not stop.is_set():
         if not granted:
@@ -131,7 +137,7 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
             group.group_id, sent = f"{name}-{sent}", sent + 1
         try:
             if chunk:
-                client.put_many(name, batch)
+                puts.put_many(batch)
             else:
                 client.put(name, batch[0])
         except TimeoutError:
@@ -624,6 +630,9 @@ def main() -> int:
     parser.add_argument("--take-depth", type=int, default=1,
                         help="the consumer's get_batch requests in flight (zmq rows; "
                              "buffers.take_ahead.TakeAhead)")
+    parser.add_argument("--put-depth", type=int, default=1,
+                        help="each producer's put_many calls in flight (put-many rows; "
+                             "buffers.put_ahead.PutAhead)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",
@@ -649,7 +658,8 @@ def main() -> int:
         for producers in args.producers:
             spec = Spec(tokens, args.samples, args.batch, args.max_groups, args.redis_url,
                         io_threads=args.io_threads, chunk=args.put_many,
-                        gate_poll_s=args.gate_poll_s, take_depth=args.take_depth)
+                        gate_poll_s=args.gate_poll_s, take_depth=args.take_depth,
+                        put_depth=args.put_depth)
             run_config(ctx, spec, producers, args)
     return 0
 

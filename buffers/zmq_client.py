@@ -41,6 +41,10 @@ A consumer may keep several ``get_batch`` requests in flight
 :class:`buffers.take_ahead.TakeAhead` uses them): the broker serves one consumer's requests in
 the order they were sent, and replies that arrive while another request waits are kept for
 theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
+A producer may likewise keep several ``put_many`` calls in flight
+(:meth:`ZmqBufferClient.send_put_many`, :meth:`ZmqBufferClient.receive_puts`;
+:class:`buffers.put_ahead.PutAhead` uses them), never re-sent: one lost with its connection is
+in doubt, as a put that timed out.
 
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
@@ -92,6 +96,18 @@ class NoReply(TimeoutError):
 
 
 @dataclass(eq=False)
+class PendingPut:
+    """A ``put_many`` call sent and not yet answered (:meth:`ZmqBufferClient.send_put_many`).
+
+    ``sent``: its requests (id, groups in it), in order; ``replies``: theirs, kept as they
+    come while the client waits for something else. A request of the call that is neither
+    answered nor still awaited by the client was lost with its connection: in doubt."""
+
+    sent: list[tuple[bytes, int]]
+    replies: dict[bytes, Reply]
+
+
+@dataclass(eq=False)
 class PendingBatch:
     """A ``get_batch`` request sent and not yet answered (:meth:`ZmqBufferClient.send_get_batch`).
 
@@ -111,12 +127,15 @@ class ZmqBufferClient:
     def __init__(self, address: str, timeout_s: float = 30.0,
                  context: zmq.Context | None = None, curve_keys_dir: str | None = None,
                  curve_name: str = "client", reconnect_s: float = 0.0,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, put_window: int = PUT_WINDOW) -> None:
         """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
         ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
         ``reconnect_s``: how long to keep re-sending a safe request that got no reply.
         ``stop``: the owner's stop event; once set, requests stop waiting for a broker that
-        does not answer (see the module docstring)."""
+        does not answer (see the module docstring). ``put_window``: at most this many put
+        requests (about a megabyte each) in flight, over all :meth:`send_put_many` calls."""
+        if put_window < 1:
+            raise ValueError(f"put_window {put_window} must be >= 1")
         self.address = address
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
@@ -129,6 +148,10 @@ class ZmqBufferClient:
         self._generation = 0  # moves on whenever requests in flight may have been lost
         self._ahead: dict[bytes, PendingBatch] = {}  # get_batch requests sent, not received
         self._early: dict[bytes, Reply] = {}  # their replies, come while another one waited
+        # put_many requests sent and not answered, oldest first, each with its call; cleared
+        # when a connection drops (their calls are then in doubt: puts are never re-sent)
+        self._puts: dict[bytes, PendingPut] = {}
+        self.put_window = put_window
 
     @classmethod
     def from_config(cls, config: BufferConfig, address: str | None = None,
@@ -194,6 +217,7 @@ class ZmqBufferClient:
             recv_monitor_message(self._monitor)
             if self._ahead:
                 self._generation += 1
+            self._puts.clear()  # their replies are lost with the connection
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
@@ -205,18 +229,17 @@ class ZmqBufferClient:
         return request_id
 
     def _receive(self, request_ids: set[bytes], command: str, wait_s: float = 0.0,
-                 want: int = 0) -> dict[bytes, Reply]:
-        """Replies to ``want`` (default: all) of ``request_ids``, each checked; a late
+                 check: bool = True) -> dict[bytes, Reply]:
+        """The replies to ``request_ids``, each checked (``check``) for a refusal; a late
         reply to a request given up on is discarded."""
-        replies = {i: self._checked(command, self._early.pop(i))
-                   for i in request_ids if i in self._early}
+        replies = {i: self._early.pop(i) for i in request_ids if i in self._early}
         start = time.monotonic()
         deadline = start + self.timeout_s + wait_s
         stop_deadline = start + wait_s + STOP_GRACE_S  # once stopping (see the module doc)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
-        while len(replies) < (want or len(request_ids)):
+        while len(replies) < len(request_ids):
             remaining = deadline - time.monotonic()
             if self._stop is not None:
                 remaining = min(remaining, STOP_POLL_S)
@@ -234,10 +257,15 @@ class ZmqBufferClient:
             if reply_id not in request_ids:
                 if reply_id in self._ahead:
                     self._early[reply_id] = reply  # a batch sent ahead: kept for its receive
+                elif reply_id in self._puts:  # a put sent ahead: kept for its call
+                    self._puts.pop(reply_id).replies[reply_id] = reply
                 else:
                     logger.debug("discarding a late reply to request %s", reply_id.hex())
                 continue
-            replies[reply_id] = self._checked(command, reply)
+            replies[reply_id] = reply
+        if check:
+            for reply in replies.values():
+                self._checked(command, reply)
         return replies
 
     def _checked(self, command: str, reply: Reply) -> Reply:
@@ -258,6 +286,7 @@ class ZmqBufferClient:
         self._disconnect()
         self._socket, self._monitor = self._connect()
         self._generation += 1  # batch requests sent ahead went with the old socket
+        self._puts.clear()  # and puts in flight: in doubt
         if self._stopping():
             raise BufferStopped(f"buffer broker {self.address}: stopped waiting for the "
                                 f"{stage} to {command!r}: stopping ({why or 'no answer'})")
@@ -282,39 +311,85 @@ class ZmqBufferClient:
                           [pack_group(frames)], wait_s=PUT_MARGIN_S).body
         return PutResult(accepted=body["accepted"], reason=body["reason"])
 
-    def put_many(self, producer: str, groups: Sequence[TrajectoryGroup],
-                 window: int = PUT_WINDOW) -> list[PutResult]:
+    def put_many(self, producer: str, groups: Sequence[TrajectoryGroup]) -> list[PutResult]:
         """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>`: groups go in
-        ``put_many`` requests of about :data:`PUT_CHUNK_BYTES` (one group's frame each),
-        up to ``window`` requests in flight, so packing and sending overlap the broker's
+        ``put_many`` requests of about :data:`PUT_CHUNK_BYTES` (one group's frame each), up
+        to ``put_window`` requests in flight, so packing and sending overlap the broker's
         work while the broker still takes them in order (parking them, in order, while it
         is full). Small groups so cost one round trip per chunk instead of one per group.
 
         All or error, as the protocol says: a request that waited ``timeout_s`` for room,
         or no reply at all, raises :class:`TimeoutError` with the groups in doubt (requests
         already sent may still be accepted after it; the rest are never sent)."""
-        if window < 1:
-            raise ValueError(f"window {window} must be >= 1")
+        return self.receive_puts(self.send_put_many(producer, groups))
+
+    def send_put_many(self, producer: str, groups: Sequence[TrajectoryGroup]) -> PendingPut:
+        """Send a :meth:`put_many` without waiting for its results; :meth:`receive_puts`
+        gives them. Calls in flight together keep their order at the broker (one socket), so
+        FIFO per producer holds across them, and backpressure still holds: at most
+        ``put_window`` requests of all calls are in flight, so this waits for the oldest
+        answer before sending more (about ``put_window`` MB in socket buffers at most).
+
+        Why: a producer that waits for each call's answer leaves itself idle for a round trip
+        per call and the broker idle while it packs the next (bench/RESULTS.md: the ZMQ
+        row of one producer of 1k-token groups). A failure seen while sending (a request of
+        any call refused, for room within ``timeout_s`` or otherwise, or no answer) raises
+        here as in :meth:`put_many` and sends nothing more, with this call's groups in doubt;
+        the calls in flight raise from their own :meth:`receive_puts`."""
         args = {"producer": producer, "timeout_s": self.timeout_s}
-        sent: list[tuple[bytes, int]] = []  # request id, groups in it
-        replies: dict[bytes, Reply] = {}
-        self._forget_drops()
-        for chunk in _packed_chunks(groups, PUT_CHUNK_BYTES):
-            if len(sent) - len(replies) >= window:
-                replies.update(self._receive({i for i, _ in sent} - replies.keys(), "put_many",
-                                             PUT_MARGIN_S, want=1))
-            sent.append((self._send("put_many", args, chunk), len(chunk)))
-        if len(replies) < len(sent):
-            replies.update(self._receive({i for i, _ in sent} - replies.keys(), "put_many",
-                                         PUT_MARGIN_S))
-        results: list[PutResult] = []
-        for request_id, count in sent:
-            answers = replies[request_id].body.get("results")
-            if not isinstance(answers, list) or len(answers) != count:
-                raise BrokerError(f"buffer broker {self.address}: put_many of {count} groups "
-                                  f"answered {answers!r}")
-            results += [PutResult(accepted=bool(ok), reason=str(reason)) for ok, reason in answers]
-        return results
+        pending = PendingPut([], {})
+        self._forget_drops()  # a drop heard now lost the answers of the calls in flight
+        try:
+            for chunk in _packed_chunks(groups, PUT_CHUNK_BYTES):
+                while len(self._puts) >= self.put_window:
+                    oldest = next(iter(self._puts))
+                    owner = self._puts.pop(oldest)
+                    reply = self._receive({oldest}, "put_many", PUT_MARGIN_S, check=False)
+                    owner.replies.update(reply)  # the answer is its own call's
+                    if not reply[oldest].ok:  # none after a refused one: FIFO per producer
+                        self._checked("put_many", reply[oldest])
+                request_id = self._send("put_many", args, chunk)
+                pending.sent.append((request_id, len(chunk)))
+                self._puts[request_id] = pending
+        except BaseException:
+            self.forget_puts(pending)
+            raise
+        return pending
+
+    def receive_puts(self, pending: PendingPut) -> list[PutResult]:
+        """The results of a :meth:`send_put_many`, one per group in order (all or error, as
+        :meth:`put_many`). A request of the call lost with its connection raises
+        :class:`TimeoutError` at once (in doubt): puts are never re-sent."""
+        try:
+            waiting = {i for i, _ in pending.sent if i not in pending.replies and i in self._puts}
+            if waiting:
+                for request_id in waiting:
+                    del self._puts[request_id]
+                pending.replies.update(self._receive(waiting, "put_many", PUT_MARGIN_S,
+                                                     check=False))
+            results: list[PutResult] = []
+            for request_id, count in pending.sent:
+                if request_id not in pending.replies:
+                    raise NoReply(f"buffer broker {self.address}: the answer to a put_many of "
+                                  f"{count} groups was lost (its connection dropped, or a "
+                                  "request before it got no answer): its groups are in doubt "
+                                  "(puts are never re-sent)")
+                answers = self._checked("put_many", pending.replies[request_id]).body.get(
+                    "results")
+                if not isinstance(answers, list) or len(answers) != count:
+                    raise BrokerError(f"buffer broker {self.address}: put_many of {count} "
+                                      f"groups answered {answers!r}")
+                results += [PutResult(accepted=bool(ok), reason=str(reason))
+                            for ok, reason in answers]
+            return results
+        finally:
+            self.forget_puts(pending)
+
+    def forget_puts(self, pending: PendingPut) -> None:
+        """Give up on a :meth:`send_put_many` (its groups in doubt): later answers to it are
+        discarded."""
+        for request_id, _ in pending.sent:
+            self._puts.pop(request_id, None)
 
     def release(self, producer: str, count: int) -> None:
         self._call("release", {"producer": producer, "count": count})

@@ -316,6 +316,16 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
 
 
 @pytest.fixture
+def zmq(tmp_path: Path) -> Iterator[Backend]:
+    """The ZMQ backend alone, for what only it does (requests in flight on one client)."""
+    backend = Backend("zmq", tmp_path)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+@pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private, started ``redis-server`` (AOF on); add flags with ``redis_server.extra``
     and ``restart()`` to apply them."""

@@ -25,6 +25,7 @@ import pytest
 from asyncrl.wire import encode_group
 from buffers import Batch, Buffer, BufferClient, ControlPlane, PutResult
 from buffers.lease import keep_leased
+from buffers.put_ahead import PutAhead
 from buffers.take_ahead import TakeAhead
 from tests.buffers import eventually, make_group
 from tests.buffers.conftest import ROOT, child_env
@@ -378,6 +379,30 @@ def test_put_many_answers_each_group_in_order_and_keeps_fifo(backend):
     assert take_all(c, len(order), count=1) == order
     status = c.status()
     assert (status["accepted"], status["consumed"], status["depth"]) == (13, 13, 0)
+
+
+def test_puts_in_flight_answer_each_group_in_order_and_keep_fifo(backend):
+    """A producer with three ``put_many`` calls in flight (ZMQ; Redis puts one at a time):
+    other requests in between keep their own replies, every group gets its result in order,
+    a bad group is still rejected with its reason, and the groups come out in put order."""
+    d = backend.start(groups_per_step=16, max_message_bytes=4096)
+    c = d.client()
+    puts = PutAhead(c, "a", depth=3)
+    assert puts.depth == (3 if backend.name == "zmq" else 1)
+    calls = [[make_group("a-0")], [make_group("a-1")],
+             [make_group("a-2"), make_group("big", tokens=300), make_group("a-3")],
+             [make_group("a-4")], [make_group("a-5")]]
+    results: list[PutResult] = []
+    for groups in calls:
+        results += puts.put_many(groups)
+        assert c.acquire("a", 0, 0).granted == 0 and c.status()["run_status"]  # in between
+        assert puts.in_flight <= puts.depth - 1
+    results += puts.flush()
+    assert puts.in_flight == 0 and puts.flush() == []
+    assert [r.accepted for r in results] == [True, True, True, False, True, True, True]
+    assert results[3].reason == "oversized"
+    order = [f"a-{i}" for i in range(6)]
+    assert take_all(c, len(order), count=1) == order
 
 
 def test_put_many_mixed_groups_get_per_group_results_and_counted_rejections(backend):

@@ -1,7 +1,8 @@
 """CI smoke test of bench/buffer_throughput.py (issue 3): the benchmark runs end to end, at
 tiny scale, through both real backends and their raw transports, and prints every ratio.
 
-The consumer keeps 3 batch requests in flight (``--take-depth``; Redis: one at a time).
+The consumer keeps 3 batch requests in flight (``--take-depth``) and each producer 2
+``put_many`` calls (``--put-depth``; Redis: one at a time for both).
 
 Producers putting chunks of 8 groups into a buffer bounded at 6 is the case where a producer
 that waited for a grant covering its whole chunk starved (0 groups/s; so did 4 producers of
@@ -28,7 +29,8 @@ def test_buffer_benchmark_reports_every_row(redis_server: RedisServer) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "buffer_throughput.py"), "--seconds", "0.3",
          "--repeats", "1", "--tokens", "64", "--samples", "2", "--producers", "4",
-         "--max-groups", "6", "--batch", "2", "--take-depth", "3", "--redis-url", redis_server.url, "--only", *ROWS],
+         "--max-groups", "6", "--batch", "2", "--take-depth", "3", "--put-depth", "2",
+         "--redis-url", redis_server.url, "--only", *ROWS],
         env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {cells[3]: cells for line in proc.stdout.splitlines()

@@ -5,26 +5,15 @@ restart sent again in order."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from buffers.take_ahead import TakeAhead
 from buffers.zmq_client import ZmqBufferClient
 from tests.buffers import eventually, make_group
-from tests.buffers.conftest import Backend
 from tests.buffers.test_contract import ids
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def zmq(tmp_path: Path):
-    backend = Backend("zmq", tmp_path)
-    try:
-        yield backend
-    finally:
-        backend.close()
 
 
 def test_replies_in_flight_are_kept_across_other_requests(zmq):

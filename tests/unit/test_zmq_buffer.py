@@ -67,8 +67,8 @@ def broker() -> Iterator[Callable[..., str]]:
 def client() -> Iterator[Callable[..., ZmqBufferClient]]:
     clients: list[ZmqBufferClient] = []
 
-    def open_client(address: str, timeout_s: float = 5.0) -> ZmqBufferClient:
-        clients.append(ZmqBufferClient(address, timeout_s=timeout_s))
+    def open_client(address: str, timeout_s: float = 5.0, **kwargs: Any) -> ZmqBufferClient:
+        clients.append(ZmqBufferClient(address, timeout_s=timeout_s, **kwargs))
         return clients[-1]
 
     yield open_client
@@ -98,10 +98,10 @@ def test_put_then_get_in_fifo_order(broker, client):
 
 def test_put_many_pipelines_puts_and_keeps_their_order(broker, client):
     address = broker(groups_per_step=8, max_groups=3)
-    producer, learner = client(address), client(address)
+    producer, learner = client(address, put_window=4), client(address)
     groups = [make_group(f"g{i}") for i in range(6)]
     with ThreadPoolExecutor(1) as pool:  # 6 puts into room for 3: the rest wait their turn
-        future = pool.submit(producer.put_many, "w", groups, 4)
+        future = pool.submit(producer.put_many, "w", groups)
         taken = []
         while len(taken) < 6:
             batch = learner.get_batch("l", 1, 0, timeout_s=5.0)
@@ -157,9 +157,9 @@ def test_put_many_is_one_request_with_a_result_per_group_in_order(broker, client
 def test_put_many_chunks_requests_by_bytes(broker, client, monkeypatch):
     monkeypatch.setattr("buffers.zmq_client.PUT_CHUNK_BYTES", 1)  # one group per request
     address = broker(groups_per_step=8)
-    producer, learner = client(address), client(address)
+    producer, learner = client(address, put_window=2), client(address)
     assert all(r.accepted for r in producer.put_many("w", [make_group(f"g{i}")
-                                                           for i in range(5)], window=2))
+                                                           for i in range(5)]))
     assert [g.group_id for g in learner.get_batch("l", 5, 0, timeout_s=5.0).groups] == \
         [f"g{i}" for i in range(5)]
 
