@@ -651,6 +651,10 @@ def main() -> int:
         os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = mp.get_context("spawn")
+    print(f"Settings: max_groups {args.max_groups}, batch {args.batch}, put_many of "
+          f"{args.put_many} with {args.put_depth} call(s) in flight per producer, "
+          f"{args.take_depth} batch request(s) in flight, {args.seconds:g} s x "
+          f"{args.repeats} per row, {os.cpu_count()} CPUs\n")
     print("| group | producers | backend | groups/s (min–max) | MB/s | vs raw | "
           "vs 2-hop / kv | CPU cores: producers / server (main thread) / consumer |")
     print("|---|---|---|---:|---:|---:|---:|---|")
