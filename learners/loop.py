@@ -34,6 +34,7 @@ from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer, stopped_by, unanswered
 from buffers.lease import keep_leased
 from buffers.protocol import DONE, RUN_STATUS_KEY
+from learners.checkpoint import CheckpointMeta
 from learners.lora import engine_state, sends_adapters
 
 logger = logging.getLogger(__name__)
@@ -135,29 +136,34 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
         driver = _RankZero(ctx, model_dir) if rank == 0 else None
-        _resume(ctx, checkpointer, trainer, driver)
+        reached = _reached_before(cfg, _resume(ctx, checkpointer, trainer, driver))
         resumed_at = trainer.version
+        if driver is not None:
+            driver.reached = reached
         try:
-            _train(ctx, trainer, driver, stop, checkpointer)
+            if reached is None:
+                _train(ctx, trainer, driver, stop, checkpointer)
         except BufferLost as lost:
             buffer_lost = True
             stop.set()  # the role is stopping: its threads' buffer requests give up at once
-            _save_before_exit(cfg, trainer, checkpointer, resumed_at, lost.stopping)
+            _save_before_exit(cfg, trainer, checkpointer, resumed_at, lost.stopping, driver)
             if not lost.stopping:
                 raise
             return  # a stop, as asked: no export or final eval (they need the buffer's run)
         if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
             logger.info("stopped before training a step: no checkpoint, export or final eval")
             return
-        # A stop (signal) leaves the run resumable; the end of training marks it finished.
-        checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}),
-                                    "finished": not stop.is_set()})
+        # A stop (signal) leaves the run resumable; the end of training marks it finished, as
+        # does the eval target reached, signal or not (rank 0 writes the meta and decides).
+        done = not stop.is_set() or (driver is not None and driver.reached is not None)
+        checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}, driver),
+                                    "finished": done})
         state = engine_state(trainer, cfg)  # collective
         # The engines' full weights are the export's: gathered once (not with adapters alone).
         trainer.save_pretrained(cfg.run_dir / "final",
                                 state=None if sends_adapters(cfg) else state)
         if driver is not None:
-            driver.finish(state, trainer.version, done=not stop.is_set())
+            driver.finish(state, trainer.version, done=done)
     except Exception as exc:
         left = peer_left(exc)
         if left is None:
@@ -176,24 +182,29 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
 
 
 def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int,
-                      stopping: bool) -> None:
+                      stopping: bool, driver: _RankZero | None) -> None:
     """Every rank, the buffer lost: checkpoint the steps taken (COLLECTIVE), so that a learner
     restarted once the buffer is back resumes from the last one, not from the last periodic
     checkpoint. A step whose ack the buffer never got keeps its groups pending there: they
     are delivered and trained again (at-least-once), as after a learner crash. ``stopping``:
-    the ranks were stopping anyway (:class:`BufferLost`), which is no error."""
+    the ranks were stopping anyway (:class:`BufferLost`), which is no error. When the stop
+    was the eval target reached, the checkpoint says so (:func:`_counters`): the learner
+    started again only finishes the run, as it would have without the loss."""
     log, lost = ((logger.info, "stopped while the buffer did not answer") if stopping
                  else (logger.error, "the buffer was lost"))
     if trainer.version == resumed_at:
         log("%s before a step was trained: nothing to save", lost)
         return
-    checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}), "finished": False})
+    checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}, driver),
+                                "finished": False})
     log("%s: saved a checkpoint at version %d in %s; start the learner again once the buffer "
         "answers and it resumes there", lost, trainer.version, cfg.run_dir / cfg.checkpoint.dir)
 
 
-def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -> None:
+def _resume(ctx: RankContext, checkpointer, trainer,
+            driver: _RankZero | None) -> CheckpointMeta | None:
     """Load the checkpoint to resume from, if any (COLLECTIVE); rank 0 then re-syncs engines.
+    Returns its meta, None on a fresh start.
 
     A buffer that outlived the learner may hold a later version B than the checkpoint's V: the
     steps V+1..B were lost with the learner, but versions were published and the buffer's gate
@@ -207,7 +218,7 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     meta = checkpointer.resume(trainer)
     if meta is None:
         _check_fresh_buffer(ctx)
-        return
+        return None
     consumed = int(meta.counters.get("groups_consumed", groups_consumed(ctx.cfg, meta.version)))
     # Every rank asks (it is idempotent) and gets the same answer: no one publishes now.
     buffer_version = ctx.client.restore_progress(trainer.version, consumed)
@@ -220,6 +231,29 @@ def _resume(ctx: RankContext, checkpointer, trainer, driver: _RankZero | None) -
     state = engine_state(trainer, ctx.cfg)  # collective
     if driver is not None:
         driver.resumed(state, trainer.version)
+    return meta
+
+
+def _reached_before(cfg: Config, meta: CheckpointMeta | None) -> dict[str, Any] | None:
+    """The eval target reached before the checkpoint was saved (its ``eval_target``), when it
+    still meets ``eval.stop_at_accuracy``; else None. Such a checkpoint is unfinished only
+    because the run was stopped (a signal, the buffer lost) in the step that reached the
+    target: resumed, the learner finishes the run (export, final eval, the run marked done)
+    without training on. Every rank reads the same meta and so decides the same. A target
+    raised since, or taken out, trains on."""
+    recorded = meta.counters.get("eval_target") if meta is not None else None
+    target = cfg.eval.stop_at_accuracy
+    if not recorded:
+        return None
+    if target is None or recorded["score"] < target:
+        logger.info("the eval target was reached at version %d (val score %.3f), but "
+                    "eval.stop_at_accuracy is now %s: training on", recorded["version"],
+                    recorded["score"], "unset" if target is None else target)
+        return None
+    logger.info("the eval target was reached at version %d (val score %.3f >= "
+                "eval.stop_at_accuracy %.3f) before the run stopped: finishing it without "
+                "training on", recorded["version"], recorded["score"], target)
+    return recorded
 
 
 def _check_fresh_buffer(ctx: RankContext) -> None:
@@ -290,7 +324,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if driver is not None:
             should_stop = driver.after_step(trainer.version, state, metrics, stats,
                                             timers.pop(), lost)
-        checkpointer.after_step(trainer, _counters(cfg, trainer.version, stats))
+        checkpointer.after_step(trainer, _counters(cfg, trainer.version, stats, driver))
         stopping, header, gone = _end_of_step(ctx, driver, trainer.version,
                                               should_stop or stop.is_set(), lost)
         if gone:
@@ -372,11 +406,16 @@ def groups_consumed(cfg: Config, version: int) -> int:
     return version * cfg.learner.groups_per_step
 
 
-def _counters(cfg: Config, version: int, stats: dict) -> dict[str, Any]:
+def _counters(cfg: Config, version: int, stats: dict,
+              driver: _RankZero | None = None) -> dict[str, Any]:
     """The data position and the buffer's gate counters at this step, for ``meta.json``: the
-    buffer keeps the live ones; these say where a resumed run picks up."""
+    buffer keeps the live ones; these say where a resumed run picks up. On rank 0 (which
+    writes the meta), once the eval target was reached, ``eval_target``: where and with
+    which score (:func:`_reached_before` reads it)."""
+    reached = driver.reached if driver is not None else None
     return {"groups_consumed": groups_consumed(cfg, version),
-            "buffer": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}
+            "buffer": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+            **({"eval_target": reached} if reached else {})}
 
 
 def _consumed_versions(groups, version: int, max_staleness: int) -> dict[str, Any]:
@@ -486,6 +525,8 @@ class _RankZero:
         self.last_eval: dict[str, float] = {}
         self.last_record: dict[str, Any] = {}
         self.version = 0  # the latest version handed to the publisher
+        # the eval that reached eval.stop_at_accuracy: {"version", "score", "target"}
+        self.reached: dict[str, Any] | None = None
 
     def resumed(self, state, version: int) -> None:
         """After a restart from a checkpoint, engines that outlived the learner hold weights it
@@ -522,7 +563,9 @@ class _RankZero:
         _log_step(record)
         target = self.cfg.eval.stop_at_accuracy
         score = val_score(record)
-        return target is not None and score is not None and score >= target
+        if target is not None and score is not None and score >= target:
+            self.reached = {"version": version, "score": float(score), "target": target}
+        return self.reached is not None
 
     def evaluate(self, state, version: int) -> dict[str, float]:
         self.eval_engine.load_weights(state.items(), version=version)

@@ -6,7 +6,8 @@ Real processes through the CLI, as on separate machines: ``asyncrl buffer`` (SIG
 nothing restarts it), ``asyncrl learner`` with two ranks in one gloo group, ``asyncrl
 rollout`` (killed with the buffer, started again with it). The simulated engines and
 learner (configs/sim.toml) keep it quick; the learner loop, the checkpoint and the ZMQ buffer
-are the real ones."""
+are the real ones. The tests of a stop in the step that reached the eval target run the
+learner in this process instead (:func:`_reaching_the_target` says why)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import os
 import re
 import signal
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from asyncrl.config import Config
 from learners.checkpoint import read_meta, step_dirs
 from tests.integration.conftest import ROOT, Processes, step_records, wait_for
 
@@ -111,3 +115,112 @@ def test_a_two_rank_learner_stopped_while_its_buffer_is_gone_exits_quietly(
                              rf"answer: saved a checkpoint at version {trained}", log), log
     (version, path), = step_dirs(run_dir / "checkpoints")   # every_steps = 0: the stop's own
     assert version == trained and read_meta(path).counters["finished"] is False
+
+
+
+
+def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch,
+                         at_first_batch: Callable[[subprocess.Popen, subprocess.Popen,
+                                                   threading.Event], None]
+                         ) -> tuple[Config, list[str]]:
+    """A one-rank learner, run in this process until it returns, whose every step evaluates
+    and meets ``eval.stop_at_accuracy``, against a real buffer and rollout fleet.
+    ``at_first_batch(buffer, rollout, stop)`` runs on a thread once the buffer delivered the
+    first batch, within that step's ~4 s of simulated training (``stop``: the learner's stop
+    event, as a signal sets it). Returns the config and its ``--set`` arguments.
+
+    The learner runs here so that its evaluator can be a stand-in that scores 1.0: the sim
+    model never learns, and these races need the target met at a known step."""
+    import rollouters.eval
+    from asyncrl.config import load_config
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.dist import free_port
+    from learners.loop import run_learner_rank
+
+    monkeypatch.setattr(rollouters.eval, "make_evaluator",
+                        lambda cfg, model_dir: lambda engine: {"val/test_score/copy": 1.0})
+    values = [f"run.output_dir={tmp_path}", "run.name=lost", f"learner.total_steps={STEPS}",
+              "learner.ranks=1", "learner.groups_per_step=8", "rollout.workers=4",
+              "sim.mean_tokens=32", "sim.train_token_s=2e-3", "checkpoint.every_steps=0",
+              "checkpoint.resume=true", "eval.every_steps=1", "eval.stop_at_accuracy=1",
+              "buffer.request_timeout_s=2", "buffer.reconnect_s=2", "buffer.spill_path=auto"]
+    sets = [arg for value in values for arg in ("--set", value)]
+    cfg = load_config(str(SIM), values)
+    buffer, address = processes.start_buffer(str(SIM), *sets)
+    rollout = processes.start("rollout", "rollout", str(SIM), *sets, "--buffer", address)
+    stop = threading.Event()
+
+    def watch() -> None:
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            wait_for(lambda: client.status()["pending"] > 0, 120, "the learner's first batch")
+        at_first_batch(buffer, rollout, stop)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run_learner_rank(cfg, 0, 1, address, free_port(), stop)
+    finally:
+        watcher.join()
+    return cfg, sets
+
+
+def test_a_learner_that_reached_its_eval_target_as_the_buffer_was_lost_finishes_on_resume(
+        tmp_path: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The eval target is reached in the step whose ack the lost buffer never answers: the
+    learner stops, saving an unfinished checkpoint as it must (the run cannot be marked done:
+    the buffer is gone). Started again, it only finishes the run: export, final eval, the run
+    marked done. Before, the checkpoint did not say the target was reached, and the resumed
+    learner trained on until an eval reached it again (a second step here)."""
+    from learners.dist import free_port
+    from learners.loop import run_learner_rank
+
+    def kill(buffer: subprocess.Popen, rollout: subprocess.Popen, _) -> None:
+        for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    caplog.set_level("INFO")
+    cfg, sets = _reaching_the_target(tmp_path, processes, monkeypatch, kill)  # a stop: returns
+    run_dir, metrics = cfg.run_dir, cfg.run_dir / "metrics.jsonl"
+    assert "stopped while the buffer did not answer: saved a checkpoint at version 1" in \
+        caplog.text, caplog.text
+    assert [r["step"] for r in step_records(metrics)] == [1]
+    (version, path), = step_dirs(run_dir / "checkpoints")
+    counters = read_meta(path).counters
+    assert version == 1 and counters["finished"] is False, counters
+    assert counters["eval_target"] == {"version": 1, "score": 1.0, "target": 1.0}, counters
+    assert not (run_dir / "eval.json").exists()
+
+    caplog.clear()
+    address = (tmp_path / "buffer.addr").read_text().strip()
+    (tmp_path / "buffer.addr").unlink()
+    port = address.rsplit(":", 1)[1]
+    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.port={port}")
+    rollout = processes.start("rollout-2", "rollout", str(SIM), *sets, "--buffer", address)
+    run_learner_rank(cfg, 0, 1, address, free_port())
+    assert "resuming at version 1" in caplog.text, caplog.text
+    assert "finishing it without training on" in caplog.text, caplog.text
+    assert [r["step"] for r in step_records(metrics)] == [1]   # no step trained again
+    assert read_meta(step_dirs(run_dir / "checkpoints")[-1][1]).counters["finished"] is True
+    assert (run_dir / "eval.json").exists() and (run_dir / "final").is_dir()
+    assert rollout.wait(timeout=60) == 0, processes.log("rollout-2")   # the run marked done
+
+
+def test_a_stop_in_the_step_that_reached_the_eval_target_finishes_the_run(
+        tmp_path: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the step whose eval reaches the target (the buffer alive): the run is
+    finished all the same, marked done and its checkpoint so, and `asyncrl up` would start a
+    new run rather than resume a finished one. Before, it was left resumable."""
+    def signal_the_learner(buffer, rollout, stop: threading.Event) -> None:
+        stop.set()   # what the learner role's SIGINT handler does
+
+    cfg, _ = _reaching_the_target(tmp_path, processes, monkeypatch, signal_the_learner)
+    run_dir = cfg.run_dir
+    assert [r["step"] for r in step_records(run_dir / "metrics.jsonl")] == [1]
+    (version, path), = step_dirs(run_dir / "checkpoints")
+    counters = read_meta(path).counters
+    assert version == 1 and counters["finished"] is True, counters
+    assert counters["eval_target"] == {"version": 1, "score": 1.0, "target": 1.0}, counters
+    assert (run_dir / "eval.json").exists() and (run_dir / "final").is_dir()
+    assert processes.procs[1].wait(timeout=60) == 0, processes.log("rollout")  # marked done

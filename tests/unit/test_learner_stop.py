@@ -31,3 +31,20 @@ def test_a_learner_stopped_before_its_first_step_exports_nothing(tmp_path):
     run_dir = cfg.run_dir
     assert not (run_dir / "final").exists() and not (run_dir / "eval.json").exists()
     assert not list(run_dir.glob("checkpoints/step_*"))
+
+
+@pytest.mark.parametrize(("target", "finishes"), [(0.9, True), (0.8, True), (0.95, False),
+                                                  (None, False)])
+def test_a_resume_finishes_only_while_the_recorded_score_meets_the_target(target, finishes):
+    """A checkpoint saved when the eval target was reached (a stop in that very step) resumes
+    into the run's end, unless ``eval.stop_at_accuracy`` was raised past the recorded score,
+    or unset, since: then it trains on. A checkpoint without the record trains on."""
+    from learners.checkpoint import CheckpointMeta
+    from learners.loop import _reached_before
+
+    cfg = load_config(None, [f"eval.stop_at_accuracy={target}"] if target is not None else [])
+    recorded = {"version": 7, "score": 0.9, "target": 0.9}
+    meta = CheckpointMeta(7, 0.0, "", 1, counters={"eval_target": recorded})
+    assert _reached_before(cfg, meta) == (recorded if finishes else None)
+    assert _reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
+    assert _reached_before(cfg, None) is None
