@@ -63,15 +63,18 @@ class RoleFailed(RuntimeError):
 def is_resuming(cfg: Config) -> bool:
     """`up` continues a run when the learner will resume one: ``--resume PATH``, or an
     unfinished checkpoint in the run directory with ``checkpoint.resume`` on (a finished run's
-    checkpoints are archived and a new run starts)."""
+    checkpoints are archived and a new run starts).
+
+    Finished means marked so by the learner's end of the run (export, final eval, the run
+    marked done), not a checkpoint at ``learner.total_steps``: a learner that died or lost
+    its buffer after the last step's checkpoint never exported or evaluated. Resumed, it
+    trains no step and does that end; a new run would have archived the steps instead."""
     from learners.checkpoint import read_meta, resume_point
 
     path = resume_point(cfg.checkpoint, cfg.run_dir)
     if path is None:
         return False
-    meta = read_meta(path)
-    finished = meta.counters.get("finished", False) or meta.version >= cfg.learner.total_steps
-    return bool(cfg.checkpoint.path) or not finished
+    return bool(cfg.checkpoint.path) or not read_meta(path).counters.get("finished", False)
 
 
 def run_dir_note(cfg: Config) -> str:

@@ -4,6 +4,7 @@ AdamW moments, version, RNG), partial saves are never 'latest', and old ones are
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,8 +180,13 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     assert spill.exists()                       # and the broker will replay its journal
     assert not is_resuming(load_config(QUICKSTART,
                                        [*overrides, "checkpoint.resume=false"]))
-    checkpoint._update_counters(step, {"finished": True})
+    last = _fake_checkpoint(cfg.run_dir / "checkpoints", 20)
+    assert is_resuming(cfg)     # the last step, saved by every_steps: not finished (no export)
+    checkpoint._update_counters(last, {"finished": True})
     assert not is_resuming(cfg)                 # a finished run: `up` starts a new one
+    shutil.rmtree(last)
+    checkpoint._update_counters(step, {"finished": True})
+    assert not is_resuming(cfg)
     assert is_resuming(load_config(QUICKSTART,
                                    [*overrides, f'checkpoint.path="{step}"']))
     write_run_dir(cfg, resuming=False)

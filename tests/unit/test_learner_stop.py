@@ -48,3 +48,40 @@ def test_a_resume_finishes_only_while_the_recorded_score_meets_the_target(target
     assert _reached_before(cfg, meta) == (recorded if finishes else None)
     assert _reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
     assert _reached_before(cfg, None) is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the save before the group
+def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs_end(tmp_path):
+    """The learner died (or lost its buffer) after the checkpoint of its last step, before
+    the run's end: `asyncrl up` resumes it (it used to archive it and start a new run), and the
+    learner trains no step, exports, runs the final eval and marks the run done."""
+    from asyncrl.launch import is_resuming
+    from asyncrl.models import prepare_model_dir
+    from buffers.protocol import DONE, RUN_STATUS_KEY
+    from buffers.zmq_client import ZmqBufferClient
+    from learners import loop
+    from learners.backends import make_trainer
+    from learners.checkpoint import Checkpointer, read_meta, step_dirs
+
+    cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
+                             "weights.transport=sim", f"run.output_dir={tmp_path}",
+                             "run.name=last", "learner.total_steps=3", "checkpoint.resume=true"])
+    trainer = make_trainer(prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed),
+                           cfg.learner, "cpu", sim=cfg.sim, lora=cfg.model.lora)
+    trainer.version = 3
+    Checkpointer(cfg).save(trainer, loop._counters(cfg, 3, {}))   # as checkpoint.every_steps
+    assert is_resuming(cfg)
+
+    address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
+                                               cfg.run.name)
+    try:
+        run_learner_rank(cfg, 0, 1, address, free_port())
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            assert client.get_key(RUN_STATUS_KEY)[1] == {"status": DONE}
+    finally:
+        stop_broker()
+    (version, path), = step_dirs(cfg.run_dir / "checkpoints")
+    assert version == 3 and read_meta(path).counters["finished"] is True
+    assert (cfg.run_dir / "final").is_dir() and (cfg.run_dir / "eval.json").exists()
+    assert not is_resuming(cfg)
