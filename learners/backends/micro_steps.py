@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from asyncrl.config.schema import LearnerConfig
 from learners.batching import TrainBatch
+from learners.export_dir import replace_dir
 from learners.lora import hf_model
 from learners.losses.aggregation import aggregation_weights
 from learners.losses.objective import objective
@@ -191,14 +192,15 @@ def save_hf_dir(model: nn.Module, state: dict[str, Tensor], source: Path, path: 
     Tokenizer files found next to the source model (``source``) are copied too, so engines
     can load it."""
     if dist.get_rank() == 0:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        # The HF model, not a peft wrapper (which would write the adapters alone): the state
-        # is merged, so the directory loads with plain ``from_pretrained``.
-        hf_model(model).save_pretrained(path, state_dict=state)
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, path / name)
+        def write(directory: Path) -> None:
+            # The HF model, not a peft wrapper (which would write the adapters alone): the
+            # state is merged, so the directory loads with plain ``from_pretrained``.
+            hf_model(model).save_pretrained(directory, state_dict=state)
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copy2(source / name, directory / name)
+
+        replace_dir(path, write)   # never half-written (learners.export_dir)
         logger.info("saved version %d to %s", version, path)
     dist.barrier()
 

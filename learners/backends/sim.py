@@ -23,6 +23,7 @@ from torch import Tensor
 
 from asyncrl.config.schema import LearnerConfig, SimConfig
 from learners.batching import TrainBatch
+from learners.export_dir import replace_dir
 from learners.dist import gather_rows
 from learners.step_metrics import metric_row, reduce_metric_rows
 
@@ -76,7 +77,7 @@ class SimTrainer:
     def save_pretrained(self, path: str | Path,
                         state: dict[str, Tensor] | None = None) -> None:
         if self.rank == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
+            replace_dir(path, lambda directory: self.model.save_pretrained(directory,
+                                                                           state_dict=state))
         if self.world > 1:
             dist.barrier()
