@@ -10,12 +10,9 @@ directory is always either the previous export or the new one, whole.
 
 from __future__ import annotations
 
-import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 def replace_dir(path: str | Path, write: Callable[[Path], None]) -> Path:

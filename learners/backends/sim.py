@@ -23,8 +23,8 @@ from torch import Tensor
 
 from asyncrl.config.schema import LearnerConfig, SimConfig
 from learners.batching import TrainBatch
-from learners.export_dir import replace_dir
 from learners.dist import gather_rows
+from learners.export_dir import replace_dir
 from learners.step_metrics import metric_row, reduce_metric_rows
 
 logger = logging.getLogger(__name__)
