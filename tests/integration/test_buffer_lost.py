@@ -117,8 +117,6 @@ def test_a_two_rank_learner_stopped_while_its_buffer_is_gone_exits_quietly(
     assert version == trained and read_meta(path).counters["finished"] is False
 
 
-
-
 def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pytest.MonkeyPatch,
                          at_first_batch: Callable[[subprocess.Popen, subprocess.Popen,
                                                    threading.Event], None]
