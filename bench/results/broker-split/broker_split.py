@@ -9,7 +9,11 @@ handlers' own time (``_handle`` less the sends inside it), and the housekeeping.
 main-thread CPU per group moved, and the row's MB/s.
 
     .venv/bin/python bench/results/broker-split/broker_split.py [--tokens 1024] \
-        [--producers 4] [--seconds 5] [--take-depth 4] [--max-groups 256] [CODE_ROOT]
+        [--producers 4] [--seconds 5] [--take-depth 4] [--max-groups 256] \
+        [--put-depth 1] [--spill-dir DIR] [CODE_ROOT]
+
+With ``--spill-dir`` the broker journals to a spill file there, and the spill file's appends
+(every record) and its ``writev`` calls are timed too, in CPU and in wall time.
 
 ``CODE_ROOT`` (default: this checkout) goes first on ``sys.path``, so that a ``git archive``
 copy of another commit can be measured with the same script. ``BROKER_SPLIT_PROF=FILE`` also
@@ -65,8 +69,9 @@ def split_broker(spec: Any, address_queue: Any, stop: Any) -> None:
     from asyncrl.config.schema import BufferConfig
     from buffers.zmq_broker import ZmqBroker
 
+    spill = f"{spec.spill_dir}/split-{os.getpid()}.spill" if spec.spill_dir else ""
     config = BufferConfig(port=0, max_staleness=10**9, max_groups=spec.max_groups,
-                          reclaim_idle_s=600.0, io_threads=spec.io_threads)
+                          reclaim_idle_s=600.0, io_threads=spec.io_threads, spill_path=spill)
     broker = ZmqBroker(config, groups_per_step=1, run_id="")
     address = broker.bind()
     spent: dict[str, float] = defaultdict(float)
@@ -94,6 +99,22 @@ def split_broker(spec: Any, address_queue: Any, stop: Any) -> None:
             finally:
                 spent[_name] += time.thread_time() - start
         setattr(broker, name, timed)
+    journal = broker.state.journal
+    if journal is not None:   # the spill file's appends (every record), and the writes alone
+        from buffers import zmq_spill
+
+        for owner, name, label in ((journal, "_append", "spill append"),
+                                   (zmq_spill, "write_all", "spill writev")):
+            function = getattr(owner, name)
+
+            def timed_spill(*args: Any, _function: Any = function, _label: str = label) -> Any:
+                start, wall = time.thread_time(), time.perf_counter()
+                try:
+                    return _function(*args)
+                finally:
+                    spent[_label] += time.thread_time() - start
+                    spent[f"{_label} (wall)"] += time.perf_counter() - wall
+            setattr(owner, name, timed_spill)
     for command, handler in list(broker._handlers.items()):
         def timed_handler(request: Any, _handler: Any = handler, _name: str = command) -> Any:
             start = time.thread_time()
@@ -143,6 +164,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--take-depth", type=int, default=4)
     parser.add_argument("--max-groups", type=int, default=256)
+    parser.add_argument("--spill-dir", default="", help="journal to a spill file there")
+    parser.add_argument("--put-depth", type=int, default=1,
+                        help="each producer's put_many calls in flight (PutAhead)")
     args = parser.parse_args()
     sys.path.insert(0, args.code_root)
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -154,7 +178,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp()) / "split.json"
     os.environ["BROKER_SPLIT_OUT"] = str(out)
     spec = bt.Spec(tokens=args.tokens, samples=8, batch=8, max_groups=args.max_groups,
-                   redis_url="", put_many=8, take_depth=args.take_depth)
+                   redis_url="", put_many=8, take_depth=args.take_depth,
+                   spill_dir=args.spill_dir, put_depth=args.put_depth)
     rate, cpu = bt.bench_zmq(mp.get_context("spawn"), spec, args.producers, args.seconds)
     spent = json.loads(out.read_text())
     groups = spent.pop("accepted")
@@ -165,7 +190,8 @@ def main() -> None:
             "housekeeping": spent["_housekeeping"],
             "rest of the loop": spent["total"] - spent["poll"] - spent["recv_multipart"]
             - spent["_handle"] - spent["_housekeeping"], "total": spent["total"]}
-    rows.update({k: v for k, v in spent.items() if k.startswith(("command ", "C check"))})
+    rows.update({k: v for k, v in spent.items()
+                 if k.startswith(("command ", "C check", "spill "))})
     mb = rate * bt.group_bytes(spec) / 1e6
     print(f"{args.tokens} tokens, {args.producers} producers, take depth {args.take_depth}: "
           f"{rate:,.0f} groups/s, {mb:,.0f} MB/s; broker main thread "
