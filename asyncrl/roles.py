@@ -50,6 +50,25 @@ def setup_logging(role: str) -> None:
     level = os.environ.get("ASYNCRL_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, stream=sys.stderr, force=True,
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    quiet_deepspeed_on_cpu()
+
+
+def quiet_deepspeed_on_cpu() -> None:
+    """With a CPU build of torch, tell DeepSpeed its accelerator (``DS_ACCELERATOR=cpu``)
+    unless the user did. Why: transformers imports accelerate, which imports DeepSpeed when
+    it is installed (it is a dependency), and DeepSpeed's detection then printed ``[WARNING]
+    Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it.`` into the output of every run on a CPU machine, the quickstart's included, although
+    nothing is wrong. A CPU build can only run DeepSpeed on the CPU; CUDA builds are left to
+    DeepSpeed's own detection. The environment is inherited by the role processes."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        cpu_build = version("torch").endswith("+cpu")
+    except PackageNotFoundError:
+        return
+    if cpu_build:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def die_with_parent() -> None:

@@ -63,3 +63,32 @@ def test_progress_line_shows_what_users_watch() -> None:
     line = progress_line(STATUS)
     assert line.startswith("v7") and "score 0.500" in line and "gen 1,234 tok/s" in line
     assert "train 900 tok/s" in line and "val 0.750" in line and "stale mean 0.25 max 1" in line
+
+
+def test_a_role_on_a_cpu_build_of_torch_prints_no_deepspeed_accelerator_warning() -> None:
+    """transformers imports accelerate, which imports DeepSpeed: its accelerator detection
+    warned "Setting accelerator to CPU. If you have GPU ..." into every CPU run's output (the
+    quickstart's first screen). A role's logging setup tells it the CPU build's accelerator;
+    a value the user set is kept."""
+    import importlib.metadata
+    import os
+
+    if not importlib.metadata.version("torch").endswith("+cpu"):
+        import pytest
+
+        pytest.skip("a CUDA build of torch: DeepSpeed's own detection applies")
+    detect = ("from asyncrl.roles import setup_logging; setup_logging('x'); import os; "
+              "from deepspeed.accelerator import get_accelerator; "
+              "print(os.environ['DS_ACCELERATOR'], get_accelerator().device_name())")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", detect], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["cpu", "cpu"]
+    assert "Setting accelerator to CPU" not in done.stderr, done.stderr
+    env["DS_ACCELERATOR"] = "xpu"   # a user's own setting is kept as it is
+    kept = subprocess.run([sys.executable, "-c", "from asyncrl.roles import setup_logging; "
+                           "setup_logging('x'); import os; print(os.environ['DS_ACCELERATOR'])"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert kept.stdout.strip() == "xpu", kept.stderr
