@@ -154,6 +154,8 @@ def split_broker(spec: Any, address_queue: Any, stop: Any) -> None:
         spent["accepted"] = broker.state.accepted
         Path(os.environ["BROKER_SPLIT_OUT"]).write_text(json.dumps(spent))
         broker.close()
+        if spill:
+            Path(spill).unlink(missing_ok=True)
 
 
 def main() -> None:
