@@ -3,9 +3,10 @@
 Why: ``save_pretrained`` writes into its directory file by file. A learner killed during an
 export (the final one is written after the last step, and a resumed run writes it again)
 left a directory with a ``config.json`` and truncated or missing weights: it looked like a
-model, and ``from_pretrained`` or an engine then failed on it, or a re-export into it kept
-files of the old one (a shard count that changed). Written to a sibling and renamed, the
-directory is always either the previous export or the new one, whole.
+model, and ``from_pretrained`` or an engine then failed on it; and a re-export into it kept
+the files of the old one that ``save_pretrained`` does not replace (it removes its own stale
+shards, not, say, a LoRA adapter's ``adapter_config.json``). Written to a sibling and
+renamed, the directory is always either the previous export or the new one, whole.
 """
 
 from __future__ import annotations
