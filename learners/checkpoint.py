@@ -10,9 +10,17 @@ Layout under the checkpoint directory (``<run dir>/<checkpoint.dir>``)::
         meta.json        version, time, config hash, format, per-rank RNG states, counters,
                          the LoRA setting it was trained with
     step_<V>.tmp/        a checkpoint being written: never read, removed by the next save
+    superseded-<time>/   checkpoints of later versions than a learner started from, moved
+                         aside by it (never read, never pruned)
 
 A checkpoint is written to ``step_<V>.tmp`` and renamed to ``step_<V>`` only once complete, so
-a learner killed mid-save leaves the previous checkpoint as the latest. The model/optimizer part
+a learner killed mid-save leaves the previous checkpoint as the latest.
+
+A learner that starts from version V (a fresh start: 0) moves the directory's checkpoints of
+later versions to ``superseded-<time>/``: they are another line of training (``--resume`` of
+an earlier checkpoint, a fresh start with ``checkpoint.resume = false``). Left in place, the
+newest ``keep`` would have been theirs, so pruning removed the new line's checkpoints as they
+were saved, and a restarted learner resumed the old line. The model/optimizer part
 is DCP (resharding: any world size may load it) unless the backend saves its own
 (:class:`~learners.backends.base.NativeCheckpoint`: DeepSpeed, whose partitioned optimizer state
 only it can write; it loads at the same world size). ``meta.json`` records which (``format``).
@@ -247,12 +255,48 @@ def save(trainer: Any, directory: Path, *, keep: int, cfg_hash: str = "",
         meta = CheckpointMeta(trainer.version, time.time(), cfg_hash, len(rng), rng,
                               counters or {}, state_format(trainer), lora or {})
         (tmp / META).write_text(json.dumps(asdict(meta)))
-        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same version
-        tmp.rename(final)
+        _swap_in(tmp, final)
         _prune(directory, keep)
         logger.info("checkpoint of version %d saved to %s", trainer.version, final)
     _barrier()
     return final
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``. A checkpoint already there (a copied-in
+    one of the same version) is renamed away first and removed once the new one is in
+    place, never before: killed in between, the new one is left at ``.tmp``, the old one
+    at ``.old``, and the previous version is the latest."""
+    old = final.with_name(f"{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_after(directory: Path, version: int) -> Path | None:
+    """Move the checkpoints of versions after ``version`` (all of them for -1) into a new
+    ``superseded-<time>/`` in ``directory``; returns it, None when there were none.
+
+    Why: a learner that starts from ``version`` trains another line from there. The later
+    checkpoints are the abandoned line's: kept, they were what a restart resumed, and the
+    newest ``keep`` that pruning spares. They are moved, not removed (they may be wanted)."""
+    later = [path for v, path in step_dirs(Path(directory)) if v > version]
+    if not later:
+        return None
+    name = f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, n = Path(directory) / name, 1
+    while aside.exists():  # two starts within a second
+        n += 1
+        aside = Path(directory) / f"{name}.{n}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    logger.warning("%s: %s of later versions than this learner starts from (%d) moved to %s "
+                   "(another line of training: not resumed from, not pruned)", directory,
+                   ", ".join(p.name for p in later), max(version, 0), aside)
+    return aside
 
 
 def _prune(directory: Path, keep: int) -> None:
@@ -304,17 +348,26 @@ class Checkpointer:
         self.saved_version = -1
 
     def resume(self, trainer: Any) -> CheckpointMeta | None:
-        """Load :func:`resume_point`'s checkpoint into ``trainer``; None on a fresh start."""
+        """Load :func:`resume_point`'s checkpoint into ``trainer``; None on a fresh start.
+        The directory's checkpoints of later versions are moved aside (:func:`set_aside_after`)."""
         path = resume_point(self.cfg, self.run_dir)
         if path is None:
+            self._set_aside_after(-1)
             return None
         meta = load(trainer, path, self.lora)
+        self._set_aside_after(meta.version)
         if meta.config_hash and meta.config_hash != self.hash:
             logger.warning("checkpoint %s was written under a different model/learner config "
                            "(hash %s, now %s)", path, meta.config_hash, self.hash)
         self.saved_version = meta.version
         logger.info("resuming at version %d from %s", meta.version, path)
         return meta
+
+    def _set_aside_after(self, version: int) -> None:
+        """COLLECTIVE: rank 0 moves, the others wait (they save into the same directory)."""
+        if _rank() == 0:
+            set_aside_after(self.directory, version)
+        _barrier()
 
     def after_step(self, trainer: Any, counters: dict[str, Any]) -> None:
         """Checkpoint every ``every_steps`` and export HF every ``hf_every_steps``."""

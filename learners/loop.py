@@ -224,9 +224,10 @@ def _resume(ctx: RankContext, checkpointer, trainer,
     buffer_version = ctx.client.restore_progress(trainer.version, consumed)
     ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming", "version": trainer.version})
     if buffer_version > trainer.version:
-        logger.warning("checkpoint version %d is behind the buffer's %d (steps %d..%d were lost "
-                       "with the learner): continuing as version %d", trainer.version,
-                       buffer_version, trainer.version + 1, buffer_version, buffer_version)
+        why = ("--resume of an earlier checkpoint" if ctx.cfg.checkpoint.path else
+               f"steps {trainer.version + 1}..{buffer_version} were lost with the learner")
+        logger.warning("checkpoint version %d is behind the buffer's %d (%s): continuing as "
+                       "version %d", trainer.version, buffer_version, why, buffer_version)
         trainer.version = buffer_version
     state = engine_state(trainer, ctx.cfg)  # collective
     if driver is not None:

@@ -233,3 +233,72 @@ def test_a_resume_under_another_lora_setting_is_refused_before_any_state(tmp_pat
                                                                  "deepspeed"))
     with pytest.raises(ValueError, match="'deepspeed' state"):
         checkpoint.load(_DcpTrainer(), old, checkpoint.lora_record(LoraConfig()))
+
+
+def _checkpointer(tmp_path: Path, *overrides: str) -> checkpoint.Checkpointer:
+    from asyncrl.config import load_config
+
+    cfg = load_config(QUICKSTART, [f"run.output_dir={tmp_path}", "run.name=r",
+                                   "checkpoint.keep=3", *overrides])
+    return checkpoint.Checkpointer(cfg)
+
+
+def _lines(checkpointer: checkpoint.Checkpointer) -> dict[int, str]:
+    return {v: checkpoint.read_meta(p).counters["line"]
+            for v, p in checkpoint.step_dirs(checkpointer.directory)}
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_learner_started_from_an_earlier_checkpoint_sets_the_later_ones_aside(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Resumed from step_3 of a line that went on to step_5 (``--resume``), the learner
+    trains another line. Before, the old step_5 stayed the newest: a restart resumed the old
+    line, and pruning kept the old line's checkpoints before the new one's."""
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    trainer = Fsdp2Trainer(tiny_model_dir, CFG, "cpu")
+    first = _checkpointer(tmp_path)
+    for version in (2, 3, 4, 5):
+        trainer.version = version
+        first.save(trainer, {"line": "old"})
+    assert _lines(first) == {3: "old", 4: "old", 5: "old"}
+    resumed = _checkpointer(tmp_path, f'checkpoint.path="{first.directory / "step_3"}"')
+    assert resumed.resume(trainer).version == 3 and trainer.version == 3
+    trainer.version = 4
+    resumed.save(trainer, {"line": "new"})
+    assert _lines(resumed) == {3: "old", 4: "new"}
+    assert checkpoint.latest(resumed.directory) == resumed.directory / "step_4"
+    (aside,) = resumed.directory.glob("superseded-*")
+    assert {p.name: checkpoint.read_meta(p).counters["line"] for p in aside.iterdir()} == {
+        "step_4": "old", "step_5": "old"}  # moved, not removed
+
+    fresh = _checkpointer(tmp_path, "checkpoint.resume=false")  # a new line from version 0
+    assert fresh.resume(trainer) is None
+    trainer.version = 1
+    fresh.save(trainer, {"line": "fresh"})
+    assert _lines(fresh) == {1: "fresh"}
+    assert len(list(fresh.directory.glob("superseded-*"))) == 2
+
+
+def test_a_save_over_a_checkpoint_of_the_same_version_removes_it_only_once_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between its two renames, the new checkpoint is at ``.tmp`` and the old one at
+    ``.old``, both whole (before: the old one was removed first)."""
+    final = _fake_checkpoint(tmp_path, 5, line="old")
+    tmp = _fake_checkpoint(tmp_path / "t", 5, line="new").rename(tmp_path / "step_5.tmp")
+    real_rename = Path.rename
+
+    def killed(self: Path, target):
+        if self == tmp:
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._swap_in(tmp, final)
+    assert checkpoint.read_meta(tmp_path / "step_5.old").counters == {"line": "old"}
+    assert checkpoint.read_meta(tmp).counters == {"line": "new"}
+    monkeypatch.undo()
+    checkpoint._swap_in(tmp, final)
+    assert checkpoint.read_meta(final).counters == {"line": "new"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5", "t"]
