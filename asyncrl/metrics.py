@@ -47,6 +47,7 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -56,20 +57,78 @@ from typing import Any
 
 import orjson
 
+logger = logging.getLogger(__name__)
+
 
 class MetricsWriter:
-    """Appends one JSON object per line and flushes it, so a crash loses at most one line."""
+    """Appends one JSON object per line and flushes it, so a crash loses at most one line.
+
+    A file that a crash left with a torn last line is cut back to its last whole line when
+    opened: appended to as it was, the next record joined the torn one and was lost too."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        _cut_torn_tail(path)
         self._file = path.open("ab")
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         self._file.flush()
 
+    def started_from(self, version: int) -> None:
+        """The learner goes on from ``version``: the records of later steps (and what follows
+        them) move to ``metrics.superseded-<time>.jsonl`` (:func:`set_aside_after`)."""
+        self._file.close()
+        set_aside_after(self.path, version)
+        self._file = self.path.open("ab")
+
     def close(self) -> None:
         self._file.close()
+
+
+def _cut_torn_tail(path: Path) -> None:
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as file:
+            file.truncate(data.rfind(b"\n") + 1)
+
+
+def _step_after(line: bytes, version: int) -> bool:
+    try:
+        step = orjson.loads(line).get("step")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(step, int) and step > version
+
+
+def set_aside_after(path: Path, version: int) -> Path | None:
+    """Move the records from the first one of a step after ``version`` on (the final eval's
+    record after it included) to ``metrics.superseded-<time>.jsonl`` beside ``path``;
+    returns that file, None when there were none.
+
+    Why: a learner that goes on from ``version`` (a checkpoint behind the last record, with
+    a buffer that did not outlive the learner; a fresh start with ``checkpoint.resume =
+    false``) writes those steps again, and ``metrics.jsonl`` then held two records of each,
+    which the plots and the monitor drew as one zigzag curve. Records are in step order, as
+    one learner line writes them, and this keeps them so."""
+    if not path.exists():
+        return None
+    lines = path.read_bytes().splitlines(keepends=True)
+    cut = next((i for i, line in enumerate(lines) if _step_after(line, version)), len(lines))
+    if cut == len(lines):
+        return None
+    aside = path.with_name(f"{path.stem}.superseded-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    with aside.open("ab") as file:  # two starts within a second: both sets are kept
+        file.writelines(lines[cut:])
+    kept = path.with_name(f".{path.name}.tmp")
+    kept.write_bytes(b"".join(lines[:cut]))
+    kept.replace(path)
+    logger.warning("%s: the records of steps after %d moved to %s (this learner goes on "
+                   "from version %d)", path, version, aside.name, version)
+    return aside
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -27,6 +27,10 @@ OPTIONAL = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "w
 class MetricSink(Protocol):
     def write(self, record: Mapping[str, Any]) -> None: ...
 
+    def started_from(self, version: int) -> None:
+        """The learner goes on from ``version``, before its first record: records of later
+        steps that the sink holds (a crashed learner's, an earlier run's) are another line."""
+
     def close(self) -> None: ...
 
 
@@ -67,9 +71,16 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: Path) -> None:
         _import("tensorboard", "tensorboard")
-        writer_module = _import("tensorboard", "torch.utils.tensorboard")
-        self.writer = writer_module.SummaryWriter(log_dir=str(log_dir))
+        self._summary_writer = _import("tensorboard", "torch.utils.tensorboard").SummaryWriter
+        self.log_dir = log_dir
+        self.writer = self._summary_writer(log_dir=str(log_dir))
         self.step = 0
+
+    def started_from(self, version: int) -> None:
+        """TensorBoard's own way: events of steps after ``version`` are purged from view."""
+        self.writer.close()
+        self.writer = self._summary_writer(log_dir=str(self.log_dir), purge_step=version + 1)
+        self.step = version
 
     def write(self, record: Mapping[str, Any]) -> None:
         if isinstance(record.get("step"), int):
@@ -97,6 +108,9 @@ class WandbSink:
             self.step = record["step"]
         self.run.log(scalars(record), step=self.step)
 
+    def started_from(self, version: int) -> None:
+        """Nothing to do: every ``asyncrl`` start is a wandb run of its own."""
+
     def close(self) -> None:
         self.run.finish()
 
@@ -110,6 +124,10 @@ class Sinks:
     def write(self, record: Mapping[str, Any]) -> None:
         for sink in self.sinks:
             sink.write(record)
+
+    def started_from(self, version: int) -> None:
+        for sink in self.sinks:
+            sink.started_from(version)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -140,6 +140,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         resumed_at = trainer.version
         if driver is not None:
             driver.reached = reached
+            driver.writer.started_from(resumed_at)  # later steps' records: another line
         try:
             if reached is None:
                 _train(ctx, trainer, driver, stop, checkpointer)

@@ -55,8 +55,10 @@ def test_a_resume_finishes_only_while_the_recorded_score_meets_the_target(target
 def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs_end(tmp_path):
     """The learner died (or lost its buffer) after the checkpoint of its last step, before
     the run's end: `asyncrl up` resumes it (it used to archive it and start a new run), and the
-    learner trains no step, exports, runs the final eval and marks the run done."""
+    learner trains no step, exports, runs the final eval and marks the run done. Records of
+    steps after the checkpoint's (the buffer did not outlive the learner) are set aside."""
     from asyncrl.launch import is_resuming
+    from asyncrl.metrics import read_jsonl
     from asyncrl.models import prepare_model_dir
     from buffers.protocol import DONE, RUN_STATUS_KEY
     from buffers.zmq_client import ZmqBufferClient
@@ -72,6 +74,10 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     trainer.version = 3
     Checkpointer(cfg).save(trainer, loop._counters(cfg, 3, {}))   # as checkpoint.every_steps
     assert is_resuming(cfg)
+    # The dead learner's records: the steps 4 and 5 of a line the buffer lost (this broker is
+    # a fresh one, seeded with version 3), and a last line torn by its death.
+    metrics = cfg.run_dir / "metrics.jsonl"
+    metrics.write_bytes(b"".join(b'{"step": %d}\n' % s for s in range(1, 6)) + b'{"step": 6,')
 
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
@@ -85,3 +91,6 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     assert version == 3 and read_meta(path).counters["finished"] is True
     assert (cfg.run_dir / "final").is_dir() and (cfg.run_dir / "eval.json").exists()
     assert not is_resuming(cfg)
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, "final"]
+    (aside,) = cfg.run_dir.glob("metrics.superseded-*.jsonl")
+    assert [r["step"] for r in read_jsonl(aside)] == [4, 5]
