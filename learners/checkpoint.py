@@ -14,16 +14,16 @@ Layout under the checkpoint directory (``<run dir>/<checkpoint.dir>``)::
                          aside by it (never read, never pruned)
 
 A checkpoint is written to ``step_<V>.tmp`` and renamed to ``step_<V>`` only once complete, so
-a learner killed mid-save leaves the previous checkpoint as the latest.
+a learner killed mid-save leaves the previous checkpoint as the latest. The model/optimizer part
+is DCP (resharding: any world size may load it) unless the backend saves its own
+(:class:`~learners.backends.base.NativeCheckpoint`: DeepSpeed, whose partitioned optimizer state
+only it can write; it loads at the same world size). ``meta.json`` records which (``format``).
 
 A learner that starts from version V (a fresh start: 0) moves the directory's checkpoints of
 later versions to ``superseded-<time>/``: they are another line of training (``--resume`` of
 an earlier checkpoint, a fresh start with ``checkpoint.resume = false``). Left in place, the
 newest ``keep`` would have been theirs, so pruning removed the new line's checkpoints as they
-were saved, and a restarted learner resumed the old line. The model/optimizer part
-is DCP (resharding: any world size may load it) unless the backend saves its own
-(:class:`~learners.backends.base.NativeCheckpoint`: DeepSpeed, whose partitioned optimizer state
-only it can write; it loads at the same world size). ``meta.json`` records which (``format``).
+were saved, and a restarted learner resumed the old line.
 
 Where each part of the async state lives (issue 5, item 5):
 
