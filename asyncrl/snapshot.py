@@ -7,6 +7,7 @@ Pure functions of what they are given; :mod:`asyncrl.dashboard` draws them and
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class History:
     # learner steps faster than a monitor refreshes, and heartbeats carry only the last step.
     metrics_path: Path | None = None
     metrics_offset: int = 0
+    metrics_inode: int = 0  # a new file (a learner set records aside) is read again, whole
 
     def add(self, record: Mapping[str, Any]) -> None:
         """Append one learner metrics record (a heartbeat or a ``metrics.jsonl`` line)."""
@@ -77,15 +79,22 @@ class History:
 
     def follow(self) -> None:
         """Add the complete lines appended to ``metrics_path`` since the last call (a torn
-        last line waits for the next call; a file that shrank was restarted: read it again)."""
+        last line waits for the next call). A file that shrank, or was replaced (a learner
+        that went on from an earlier step set the later records aside,
+        :func:`asyncrl.metrics.set_aside_after`), is read again from its start, and the steps
+        seen before are forgotten: kept, they hid the new records of the same steps."""
         import orjson
 
         if self.metrics_path is None:
             return
         try:
             with self.metrics_path.open("rb") as f:
-                if f.seek(0, 2) < self.metrics_offset:
-                    self.metrics_offset = 0
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.metrics_inode or f.seek(0, 2) < self.metrics_offset:
+                    if self.metrics_offset:
+                        self.steps.clear()
+                        self.series.clear()
+                    self.metrics_offset, self.metrics_inode = 0, inode
                 f.seek(self.metrics_offset)
                 data = f.read()
         except OSError:

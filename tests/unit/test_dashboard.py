@@ -222,6 +222,23 @@ def test_history_follows_the_metrics_file_between_refreshes(tmp_path: Path) -> N
     assert list(history.steps) == [1, 2, 4, 5] and history.get("reward") == [0.1, 0.2, 0.4, 0.5]
 
 
+def test_history_reads_a_metrics_file_again_once_records_were_set_aside(tmp_path: Path):
+    """A learner that went on from step 3 moved the records of steps 4-5 aside (a new file):
+    its own records of steps 4-5 are drawn. Before, steps 4-5 were already seen, and the new
+    ones were skipped until step 6."""
+    from asyncrl.metrics import set_aside_after
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "{REWARD}": 0.{s}}}\n' for s in range(1, 6)))
+    history = History.from_metrics(path)
+    assert list(history.steps) == [1, 2, 3, 4, 5]
+    set_aside_after(path, 3)
+    with path.open("a") as f:
+        f.write(f'{{"step": 4, "{REWARD}": 0.9}}\n')
+    history.follow()
+    assert list(history.steps) == [1, 2, 3, 4] and history.get("reward") == [0.1, 0.2, 0.3, 0.9]
+
+
 def test_engine_idle_is_recent_once_two_heartbeats_were_seen() -> None:
     """Over its life an engine was held 20 s of 100; since the last refresh, 9 s of 10."""
     status, _ = snapshot()
