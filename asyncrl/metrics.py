@@ -88,12 +88,17 @@ class MetricsWriter:
 
 
 def _cut_torn_tail(path: Path) -> None:
+    """Only the last byte is read, unless it is torn (a learner start reads no whole file)."""
     if not path.exists():
         return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with path.open("r+b") as file:
-            file.truncate(data.rfind(b"\n") + 1)
+    with path.open("r+b") as file:
+        if file.seek(0, 2) == 0:
+            return
+        file.seek(-1, 2)
+        if file.read(1) == b"\n":
+            return
+        file.seek(0)
+        file.truncate(file.read().rfind(b"\n") + 1)
 
 
 def _step_after(line: bytes, version: int) -> bool:

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from learners.backends.base import NativeCheckpoint
+from learners.export_dir import swap_in
 
 logger = logging.getLogger(__name__)
 
@@ -264,15 +265,10 @@ def save(trainer: Any, directory: Path, *, keep: int, cfg_hash: str = "",
 
 def _swap_in(tmp: Path, final: Path) -> None:
     """Rename the complete ``tmp`` to ``final``. A checkpoint already there (a copied-in
-    one of the same version) is renamed away first and removed once the new one is in
-    place, never before: killed in between, the new one is left at ``.tmp``, the old one
-    at ``.old``, and the previous version is the latest."""
-    old = final.with_name(f"{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
+    one of the same version) goes to ``step_<V>.old`` and is removed only once the new one
+    is in place (:func:`~learners.export_dir.swap_in`): killed in between, the previous
+    version is the latest."""
+    swap_in(tmp, final, final.with_name(f"{final.name}.old"))
 
 
 def set_aside_after(directory: Path, version: int) -> Path | None:

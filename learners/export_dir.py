@@ -24,17 +24,25 @@ def replace_dir(path: str | Path, write: Callable[[Path], None]) -> Path:
     the old at ``.old``, both whole. Returns ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    swap_in(tmp, path, path.with_name(f".{path.name}.old"))
+    return path
+
+
+def swap_in(tmp: Path, path: Path, old: Path) -> None:
+    """Put the complete directory ``tmp`` in place of ``path``: the one there, if any, is
+    renamed to ``old`` first and removed only once the new one is in place (a leftover
+    ``old`` of a killed call goes first). Killed between the two renames, the new directory
+    is at ``tmp`` and the previous one at ``old``, both whole; never neither."""
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
-    return path
