@@ -221,8 +221,9 @@ def _resume(ctx: RankContext, checkpointer, trainer,
         _check_fresh_buffer(ctx)
         return None
     consumed = int(meta.counters.get("groups_consumed", groups_consumed(ctx.cfg, meta.version)))
-    # Every rank asks (it is idempotent) and gets the same answer: no one publishes now.
-    buffer_version = ctx.client.restore_progress(trainer.version, consumed)
+    # Every rank asks (it is idempotent); no one publishes now, so they get the same answer.
+    buffer_version = _agree_max(ctx, ctx.client.restore_progress(trainer.version, consumed),
+                                "the buffer's version at resume")
     ctx.client.heartbeat(ctx.member, "learner", {"state": "resuming", "version": trainer.version})
     if buffer_version > trainer.version:
         why = ("--resume of an earlier checkpoint" if ctx.cfg.checkpoint.path else
@@ -265,8 +266,9 @@ def _check_fresh_buffer(ctx: RankContext) -> None:
     and train on that run's groups. Stop at once instead, saying what to do (every rank gets
     the same answer, so they stop together)."""
     cfg = ctx.cfg
-    version = int(ctx.client.heartbeat(ctx.member, "learner",
-                                       {"state": "starting", "version": 0})["version"])
+    version = _agree_max(ctx, int(ctx.client.heartbeat(
+        ctx.member, "learner", {"state": "starting", "version": 0})["version"]),
+        "the buffer's version at a fresh start")
     if version == 0:
         return
     if cfg.buffer.type == "redis":
@@ -470,6 +472,29 @@ def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopp
     if flags[0]:
         return True, None, False
     return False, (flags[3:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None), False
+
+
+def _agree_max(ctx: RankContext, value: int, what: str) -> int:
+    """The largest of the ranks' ``value``, on every rank (one all-gather). COLLECTIVE.
+
+    Why: where each rank asks the buffer for itself (the version at resume, at a fresh
+    start), the ranks should get the same answer, and what they do next depends on it: the
+    version they train on, or whether they stop. A buffer restarted between two ranks'
+    requests could answer them differently; ranks that went on with different versions
+    would publish under numbers that do not match their weights, and a rank that stopped
+    alone would leave the others waiting in their next collective for ever. Differing
+    answers are logged."""
+    import torch
+
+    from learners.dist import gather_rows
+
+    if ctx.world == 1:
+        return value
+    values = gather_rows(torch.tensor([value], dtype=torch.int64)).reshape(-1).tolist()
+    if len(set(values)) > 1:
+        logger.warning("%s differed between the learner's ranks (%s): going on with the "
+                       "largest, %d", what, values, max(values))
+    return int(max(values))
 
 
 def _agree_any(flags: list[bool], world: int) -> list[bool]:
