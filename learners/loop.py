@@ -263,8 +263,8 @@ def _check_fresh_buffer(ctx: RankContext) -> None:
     """A learner with no checkpoint starts at version 0. A buffer already past that holds
     an earlier run of this name (a spill file replayed, a Redis namespace kept by a hand-run
     broker): going on would publish versions the buffer has passed (refused at the first step)
-    and train on that run's groups. Stop at once instead, saying what to do (every rank gets
-    the same answer, so they stop together)."""
+    and train on that run's groups. Stop at once instead, saying what to do (the ranks agree
+    on the answer, :func:`_agree_max`, so they stop together)."""
     cfg = ctx.cfg
     version = _agree_max(ctx, int(ctx.client.heartbeat(
         ctx.member, "learner", {"state": "starting", "version": 0})["version"]),
