@@ -44,7 +44,13 @@ def test_zero_staleness_is_on_policy(tmp_path: Path, processes: Processes) -> No
     assert "timing/weight_sync" not in records[0]
     for record in records[1:]:
         assert record["weights/version"] == record["step"] - 1, record
-        assert record["timing/weight_sync"] > 0 and record["weights/members"] == 2
+        assert record["timing/weight_sync"] > 0, record
+    # Both engines receive every version once both have joined, and none is evicted. An
+    # engine may join after the first versions were sent (engines join whenever they are up:
+    # on a loaded CI machine one started after version 1 went to the other alone), so the
+    # engines served never fall and reach both.
+    members = [int(r["weights/members"]) for r in records[1:]]
+    assert members == sorted(members) and members[0] >= 1 and members[-1] == 2, members
     assert "final held-out greedy eval" in processes.log("up")
 
 
