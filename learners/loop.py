@@ -474,6 +474,17 @@ def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopp
     return False, (flags[3:].reshape(ctx.world, 2).to(torch.int64) if flags[1] else None), False
 
 
+def _every_rank(values: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``values``, one row per rank, on every rank (one all-gather). COLLECTIVE."""
+    import torch
+
+    from learners.dist import gather_rows
+
+    if world == 1:
+        return [values]
+    return gather_rows(torch.tensor(values, dtype=torch.int64)).tolist()
+
+
 def _agree_max(ctx: RankContext, value: int, what: str) -> int:
     """The largest of the ranks' ``value``, on every rank (one all-gather). COLLECTIVE.
 
@@ -484,29 +495,16 @@ def _agree_max(ctx: RankContext, value: int, what: str) -> int:
     would publish under numbers that do not match their weights, and a rank that stopped
     alone would leave the others waiting in their next collective for ever. Differing
     answers are logged."""
-    import torch
-
-    from learners.dist import gather_rows
-
-    if ctx.world == 1:
-        return value
-    values = gather_rows(torch.tensor([value], dtype=torch.int64)).reshape(-1).tolist()
+    values = [row[0] for row in _every_rank([value], ctx.world)]
     if len(set(values)) > 1:
         logger.warning("%s differed between the learner's ranks (%s): going on with the "
                        "largest, %d", what, values, max(values))
-    return int(max(values))
+    return max(values)
 
 
 def _agree_any(flags: list[bool], world: int) -> list[bool]:
     """Each flag OR-ed over the ranks (one all-gather). COLLECTIVE."""
-    import torch
-
-    from learners.dist import gather_rows
-
-    if world == 1:
-        return flags
-    rows = gather_rows(torch.tensor([float(f) for f in flags]))
-    return [bool(v) for v in rows.max(0).values.tolist()]
+    return [any(column) for column in zip(*_every_rank([int(f) for f in flags], world))]
 
 
 class _RankZero:
