@@ -324,8 +324,11 @@ def resume_point(cfg: Any, run_dir: Path) -> Path | None:
     on, else None (a fresh start). ``cfg`` is the ``checkpoint`` config section."""
     if cfg.path:
         path = Path(cfg.path)
-        if not (path / META).is_file():
-            raise FileNotFoundError(f"--resume {path}: not a checkpoint (no {META})")
+        if not (path / META).is_file():  # a config error: one line, not a traceback
+            from asyncrl.config import ConfigError
+
+            raise ConfigError(f"checkpoint.path (--resume): {path} is not a checkpoint (no "
+                              f"{META}); give a checkpoints/step_<V> directory")
         return path
     return latest(Path(run_dir) / cfg.dir) if cfg.resume else None
 
@@ -355,7 +358,13 @@ class Checkpointer:
         if meta.config_hash and meta.config_hash != self.hash:
             logger.warning("checkpoint %s was written under a different model/learner config "
                            "(hash %s, now %s)", path, meta.config_hash, self.hash)
-        self.saved_version = meta.version
+        # Saved here only when it is this run's own: resumed from elsewhere (``--resume`` of
+        # another run's checkpoint), a run that trains no step (total_steps reached) saves
+        # its end as a checkpoint of its own; it used to update the counters of
+        # ``checkpoints/step_<V>`` here, which did not exist (FileNotFoundError on rank 0).
+        own = self.directory / f"step_{meta.version}"
+        if own.exists() and own.resolve() == Path(path).resolve():
+            self.saved_version = meta.version
         logger.info("resuming at version %d from %s", meta.version, path)
         return meta
 

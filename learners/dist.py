@@ -7,6 +7,7 @@ explicit, so a learner entry point reads ``init → train → shutdown``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 
@@ -42,12 +43,22 @@ def broadcast_host(cfg, address: str | None) -> str:
     return host
 
 
-def resolve_device(device: str, rank: int) -> torch.device:
-    """``"auto"`` → CUDA if available, else CPU; a CUDA rank uses GPU ``rank % count``."""
+def resolve_device(device: str, rank: int, key: str = "learner.device") -> torch.device:
+    """``"auto"`` → CUDA if available, else CPU; a CUDA rank uses GPU ``rank % count``.
+    ``key``: the setting ``device`` came from, named when no GPU is there for it (this used to
+    fail with ``ZeroDivisionError: integer modulo by zero``, after minutes of restarts)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if count == 0:
+            from asyncrl.config import ConfigError
+
+            raise ConfigError(f"{key}: 'cuda', but this process sees no CUDA device (torch "
+                              f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); set "
+                              f"it to 'cpu' or 'auto'")
+        return torch.device("cuda", rank % count)
     return torch.device(device)
 
 

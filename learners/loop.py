@@ -131,7 +131,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
                                 timeout_s=cfg.learner.collective_timeout_s)
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address, stop), f"learner-{rank}",
                       address, stop)
-    driver, buffer_lost, left = None, False, None
+    driver, buffer_lost, failed = None, False, False
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
@@ -141,9 +141,10 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         if driver is not None:
             driver.reached = reached
             driver.writer.started_from(resumed_at)  # later steps' records: another line
+        stopped = False  # as every rank agreed: a rank's own stop event may be its alone
         try:
             if reached is None:
-                _train(ctx, trainer, driver, stop, checkpointer)
+                stopped = _train(ctx, trainer, driver, stop, checkpointer)
         except BufferLost as lost:
             buffer_lost = True
             stop.set()  # the role is stopping: its threads' buffer requests give up at once
@@ -151,12 +152,15 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
             if not lost.stopping:
                 raise
             return  # a stop, as asked: no export or final eval (they need the buffer's run)
-        if stop.is_set() and trainer.version == resumed_at:  # e.g. a rollout config error
+        if stopped and trainer.version == resumed_at:  # e.g. a rollout config error
             logger.info("stopped before training a step: no checkpoint, export or final eval")
             return
         # A stop (signal) leaves the run resumable; the end of training marks it finished, as
         # does the eval target reached, signal or not (rank 0 writes the meta and decides).
-        done = not stop.is_set() or (driver is not None and driver.reached is not None)
+        # ``stopped``, not the rank's own event: a signal to one node's ranks stops them all,
+        # and rank 0, not signalled itself, marked the unfinished run finished (done, its
+        # rollouts told to end, and never resumed).
+        done = not stopped or (driver is not None and driver.reached is not None)
         checkpointer.save(trainer, {**_counters(cfg, trainer.version, {}, driver),
                                     "finished": done})
         state = engine_state(trainer, cfg)  # collective
@@ -166,6 +170,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         if driver is not None:
             driver.finish(state, trainer.version, done=done)
     except Exception as exc:
+        failed = True
         left = peer_left(exc)
         if left is None:
             raise
@@ -173,13 +178,21 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         # that ran it says why; this one only says that it followed.
         raise GroupLeft(f"learner rank {rank}/{world}: another rank left the process group "
                         f"({left})") from None
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             if driver is not None:
                 driver.close(buffer_lost)
-        finally:  # every rank leaves the group (a barrier), whatever rank 0's close raised
+        finally:  # every rank leaves the group, whatever rank 0's close raised
             ctx.client.close()
-            shutdown_learner_group(barrier=left is None)
+            # The barrier only on the way out of a run: a rank leaving on an error of its own
+            # (a failed weight delivery, eval, ack...) met the others in another collective
+            # and all waited out collective_timeout_s (300 s), the others then failing with a
+            # gloo timeout instead of the real cause. Without it, its exit closes their
+            # connections: they fail at once with GroupLeft, and its own error is the cause.
+            shutdown_learner_group(barrier=not failed)
 
 
 def _save_before_exit(cfg: Config, trainer, checkpointer, resumed_at: int,
@@ -287,7 +300,9 @@ def _check_fresh_buffer(ctx: RankContext) -> None:
 
 
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
-           checkpointer) -> None:
+           checkpointer) -> bool:
+    """Train until ``total_steps`` (False) or until the ranks agree to stop (True): a stop
+    event set on any rank, or the eval target reached (rank 0)."""
     from learners.balance import scatter_batch
 
     cfg, timers, lost = ctx.cfg, Timers(), _Lost()
@@ -296,7 +311,7 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         with timers("wait_data"):
             fetched = _next_batch(ctx, trainer, driver, stop, lost, ready=header is not None)
         if fetched is None:
-            break
+            return True
         # rank 0's batch, collated and packed for the scatter on the prefetch thread
         batch, (outgoing, filter_counts) = (fetched if driver is not None
                                             else (None, (None, {})))
@@ -334,7 +349,8 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
         if gone:
             raise lost.error(stopping)
         if stopping:
-            break
+            return True
+    return False
 
 
 def _prepare(cfg: Config, world: int, batch):
@@ -426,18 +442,18 @@ def _consumed_versions(groups, version: int, max_staleness: int) -> dict[str, An
     """Staleness of what this step trained on: the whole batch, on rank 0 (the s = 0 test
     reads it), with ``staleness/hist``: groups consumed at staleness 0..s (the gate admits no
     more; anything older was dropped by the buffer)."""
-    versions = [g.versions[g.loss_mask.astype(bool)] for g in groups]
-    lo = min(int(v.min()) for v in versions if v.size)
-    hi = max(int(v.max()) for v in versions if v.size)
-    stale = [version - g.min_version() for g in groups]
+    versions = [v for g in groups if (v := g.versions[g.loss_mask.astype(bool)]).size]
+    # A group that generated no trained token is as fresh as can be (the buffer's rule):
+    # counted as -1's staleness it read as version + 1 steps stale.
+    stale = [g.staleness(version) for g in groups]
     hist = [0] * (max_staleness + 1)
     for value in stale:
         hist[min(max(value, 0), max_staleness)] += 1
-    return {"staleness/consumed_version_min": float(lo),
-            "staleness/consumed_version_max": float(hi),
-            "staleness/max": float(max(stale)),
-            "staleness/mean": sum(stale) / len(stale),
-            "staleness/hist": hist}
+    span = ({"staleness/consumed_version_min": float(min(int(v.min()) for v in versions)),
+             "staleness/consumed_version_max": float(max(int(v.max()) for v in versions))}
+            if versions else {})  # none when no group of the batch has a trained token
+    return {**span, "staleness/max": float(max(stale)),
+            "staleness/mean": sum(stale) / len(stale), "staleness/hist": hist}
 
 
 def _end_of_step(ctx: RankContext, driver: _RankZero | None, version: int, stopping: bool,

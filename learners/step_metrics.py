@@ -39,9 +39,14 @@ def metric_row(loss_sum: Tensor, stats: dict[str, Tensor], batch: TrainBatch) ->
     zero = torch.zeros((), device=tokens.device)
     real = batch.sample_mask   # zero-weight pad rows are no samples
     lengths = batch.loss_mask[real].sum(-1).float()
+    # Lengths of trained samples only: one masked out (drop_finish_reasons, a group that
+    # trains no token) counted as length 0, and the truncated answers, the longest, pulled
+    # the mean down and the min to 0. Scores stay over every sample.
+    lengths = lengths[lengths > 0]
     sums = torch.stack([loss_sum.float(), tokens, *(stats[k] * tokens for k in _present(stats)),
                         batch.rewards[real].sum().float(), stats.get("kl_penalty_sum", zero),
-                        lengths.sum(), torch.tensor(float(lengths.numel()), device=tokens.device)])
+                        lengths.sum(), torch.tensor(float(lengths.numel()), device=tokens.device),
+                        real.sum().float()])
     inf = torch.tensor(float("inf"), device=tokens.device)
     extremes = torch.stack([stats.get("advantage_max", -inf), -stats.get("advantage_min", inf),
                             lengths.max() if lengths.numel() else -inf,
@@ -56,16 +61,17 @@ def reduce_metric_rows(rows: Tensor, global_units: Tensor, stats: dict[str, Tens
     sums, extremes = rows[:, :-N_EXTREMES].sum(0), rows[:, -N_EXTREMES:].max(0).values
     values, (adv_max, neg_adv_min, len_max, neg_len_min) = sums.tolist(), extremes.tolist()
     total_tokens, samples = max(values[1], 1.0), max(values[-1], 1.0)
-    score = values[-4] / samples
+    trained = max(values[-2], 1.0)  # samples with a trained token
+    score = values[-5] / samples
     metrics = {"actor/loss": values[0] / max(float(global_units), 1.0),
                "perf/trained_tokens": values[1],
                **{TOKEN_MEANS[k]: values[2 + i] / total_tokens
                   for i, k in enumerate(_present(stats))},
                "critic/score/mean": score,
-               "critic/rewards/mean": score - values[-3] / samples,
+               "critic/rewards/mean": score - values[-4] / samples,
                "critic/advantages/max": _finite(adv_max),
                "critic/advantages/min": _finite(-neg_adv_min),
-               "response_length/mean": values[-2] / samples,
+               "response_length/mean": values[-3] / trained,
                "response_length/max": _finite(len_max),
                "response_length/min": _finite(-neg_len_min)}
     return metrics

@@ -99,14 +99,21 @@ class WeightPublisher:
 
     def resync(self, state: Mapping[str, torch.Tensor], version: int) -> bool:
         """Re-send ``version`` if the engines changed since the last delivery (a late joiner
-        would otherwise wait for weights while the learner waits for its data)."""
-        self.wait()
-        if not self.broadcaster.needs_sync():
-            return False
-        logger.info("engines changed while waiting for data: re-sending version %d", version)
-        self._start(state, version, publish=False)
-        self.wait()
-        return True
+        would otherwise wait for weights while the learner waits for its data). The figures
+        of the delivery it waited for stay for the next :meth:`publish` to return: this runs
+        on every empty poll for data, and the step that had waited for data lost its
+        ``weights/*`` and ``timing/weight_*`` record."""
+        held = self.wait()
+        try:
+            if not self.broadcaster.needs_sync():
+                return False
+            logger.info("engines changed while waiting for data: re-sending version %d",
+                        version)
+            self._start(state, version, publish=False)
+            self.wait()
+            return True
+        finally:
+            self._metrics = held
 
     def _start(self, state: Mapping[str, torch.Tensor], version: int,
                publish: bool = True) -> None:

@@ -174,10 +174,15 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     spill = cfg.run_dir / "buffer.spill"        # buffer.spill_path = "auto"
     spill.write_bytes(b"the broker's journal")
+    position = cfg.run_dir / "data" / "worker-0.json"   # a rollout worker's place in data
+    position.parent.mkdir()
+    position.write_text('{"epoch": 0, "position": 24}')
+    (cfg.run_dir / "init_model").mkdir()               # the tiny model the run started from
     assert is_resuming(cfg)
     write_run_dir(cfg, resuming=True)           # metrics are appended to, checkpoints kept
     assert (cfg.run_dir / "metrics.jsonl").exists() and step.exists()
     assert spill.exists()                       # and the broker will replay its journal
+    assert position.exists() and (cfg.run_dir / "init_model").is_dir()  # and go on from them
     assert not is_resuming(load_config(QUICKSTART,
                                        [*overrides, "checkpoint.resume=false"]))
     last = _fake_checkpoint(cfg.run_dir / "checkpoints", 20)
@@ -195,6 +200,10 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     assert not spill.exists()                   # a new run does not replay the old groups...
     kept = list(cfg.run_dir.glob("buffer.*.spill"))
     assert [k.read_bytes() for k in kept] == [b"the broker's journal"]  # ...nor loses them
+    # nor reads on from the old run's data positions, nor reuses its initial model
+    assert not position.exists() and not (cfg.run_dir / "init_model").exists()
+    assert [len(list(cfg.run_dir.glob(f"{name}.*"))) for name in ("data", "init_model")] \
+        == [1, 1]
 
 
 def test_cli_resume_sets_checkpoint_path(tmp_path: Path) -> None:
@@ -205,7 +214,10 @@ def test_cli_resume_sets_checkpoint_path(tmp_path: Path) -> None:
                                  str(tmp_path / "step_5")])
     cfg = load_config(args.config, args.overrides + _resume_override(args))
     assert cfg.checkpoint.path == str(tmp_path / "step_5")
-    with pytest.raises(FileNotFoundError):
+    from asyncrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^checkpoint.path \(--resume\): .*step_5 is not a "
+                                          r"checkpoint \(no meta.json\)"):
         checkpoint.resume_point(cfg.checkpoint, cfg.run_dir)
 
 
@@ -302,3 +314,35 @@ def test_a_save_over_a_checkpoint_of_the_same_version_removes_it_only_once_repla
     checkpoint._swap_in(tmp, final)
     assert checkpoint.read_meta(final).counters == {"line": "new"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5", "t"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_run_resumed_from_another_runs_checkpoint_saves_its_end_as_its_own(tmp_path: Path
+                                                                             ) -> None:
+    """``--resume`` of another run's checkpoint at ``total_steps``: the run trains no step,
+    and its end (``finished``) is saved as a checkpoint of its own. It used to update the
+    counters of its own ``checkpoints/step_<V>``, which did not exist: FileNotFoundError."""
+    from asyncrl.config import load_config
+    from asyncrl.models import prepare_model_dir
+    from learners.backends import make_trainer
+
+    base = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
+            "learner.total_steps=3", f"run.output_dir={tmp_path}"]
+    old = load_config(None, [*base, "run.name=old"])
+    trainer = make_trainer(prepare_model_dir(old.model, old.run_dir, old.run.seed),
+                           old.learner, "cpu", sim=old.sim)
+    trainer.version = 3
+    checkpoint.Checkpointer(old).save(trainer, {"groups_consumed": 96})
+    theirs = old.run_dir / "checkpoints" / "step_3"
+    new = load_config(None, [*base, "run.name=new", f"checkpoint.path={theirs}"])
+    resumed = make_trainer(prepare_model_dir(new.model, new.run_dir, new.run.seed),
+                           new.learner, "cpu", sim=new.sim)
+    checkpointer = checkpoint.Checkpointer(new)
+    assert checkpointer.resume(resumed).version == 3
+    checkpointer.save(resumed, {"groups_consumed": 96, "finished": True})
+    (version, ours), = checkpoint.step_dirs(new.run_dir / "checkpoints")
+    assert version == 3 and checkpoint.read_meta(ours).counters["finished"] is True
+    assert "finished" not in checkpoint.read_meta(theirs).counters   # theirs untouched
+    # resumed from its own checkpoint, the end only marks it (no second save)
+    again = checkpoint.Checkpointer(load_config(None, [*base, "run.name=new"]))
+    assert again.resume(resumed).version == 3 and again.saved_version == 3

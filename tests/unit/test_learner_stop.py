@@ -94,3 +94,134 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, "final"]
     (aside,) = cfg.run_dir.glob("metrics.superseded-*.jsonl")
     assert [r["step"] for r in read_jsonl(aside)] == [4, 5]
+
+
+def _group(i: int, run_id: str):
+    from asyncrl.wire import TrajectoryGroup
+
+    samples = [{"tokens": [5, 6, 7, 8], "logprobs": [0, 0, -1.0, -1.0],
+                "loss_mask": [0, 0, 1, 1], "versions": [-1, -1, 0, 0], "reward": float(j),
+                "finish_reason": "stop"} for j in range(2)]
+    return TrajectoryGroup.from_samples(f"g{i}", f"p{i}", samples, run_id=run_id)
+
+
+def _rank_told_alone(rank: int, args: list[str], address: str, port: int, after_step: bool,
+                     results) -> None:
+    """One learner rank; rank 1 alone is told to stop: at once, or once step 1 is recorded."""
+    import time
+
+    stop = threading.Event()
+    cfg = load_config(None, args)
+    if rank == 1 and not after_step:
+        stop.set()
+    elif rank == 1:
+        def stop_after_step_1() -> None:
+            metrics = cfg.run_dir / "metrics.jsonl"
+            while not (metrics.exists() and b'"step":1' in metrics.read_bytes()):
+                time.sleep(0.05)
+            stop.set()
+        threading.Thread(target=stop_after_step_1, daemon=True).start()
+    try:
+        run_learner_rank(cfg, rank, 2, address, port, stop)
+        results[rank] = "returned"
+    except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
+        results[rank] = f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("after_step", [False, True])
+def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
+    """A signal reaching one node's learner ranks alone (rank 1 here) stops every rank, as
+    agreed in the step's collectives, and the run stays resumable. Rank 0 used to decide on
+    its own, unset, stop event: after a step it marked the checkpoint finished, set the run's
+    status to done (its rollouts ended) and exported, so ``asyncrl up`` started a new run
+    instead of resuming; before a step it went on to save while rank 1 had left, and failed
+    with the process group."""
+    import torch.multiprocessing as mp
+
+    from asyncrl.launch import is_resuming
+    from buffers.protocol import RUN_STATUS_KEY, RUNNING
+    from buffers.zmq_client import ZmqBufferClient
+    from learners.checkpoint import read_meta, step_dirs
+
+    args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
+            f"run.output_dir={tmp_path}", "run.name=one-told", "learner.groups_per_step=2",
+            "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
+            "learner.collective_timeout_s=60", "buffer.port=0"]
+    cfg = load_config(None, args)
+    address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
+                                               cfg.run.name)
+    try:
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            if after_step:  # one step's groups: rank 0 then waits for data until the stop
+                assert all(client.put("w", _group(i, cfg.run.name)).accepted for i in (0, 1))
+        results = mp.Manager().dict()
+        mp.spawn(_rank_told_alone, args=(args, address, free_port(), after_step, results),
+                 nprocs=2)
+        assert dict(results) == {0: "returned", 1: "returned"}
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            status = client.get_key(RUN_STATUS_KEY)
+            assert status is None or status[1]["status"] == RUNNING, status
+    finally:
+        stop_broker()
+    # a stopped run exports what it trained and evaluates it (not before a step)
+    assert (cfg.run_dir / "final").exists() == after_step
+    assert (cfg.run_dir / "eval.json").exists() == after_step
+    saved = step_dirs(cfg.run_dir / "checkpoints")
+    if after_step:
+        (version, path), = saved
+        assert version == 1 and read_meta(path).counters["finished"] is False
+        assert is_resuming(cfg)
+    else:
+        assert saved == [] and not list((cfg.run_dir / "checkpoints").glob("*.tmp"))
+
+
+def _rank_zero_fails(rank: int, args: list[str], address: str, port: int, results) -> None:
+    """One learner rank; rank 0's step report raises (as a failed weight delivery or eval
+    would), on rank 0 alone."""
+    import time
+
+    from learners import loop
+
+    if rank == 0:
+        def fail(*_args, **_kwargs):
+            raise RuntimeError("rank 0 alone failed")
+        loop._RankZero.after_step = fail
+    start = time.monotonic()
+    try:
+        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        results[rank] = ("returned", time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
+        results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
+
+
+@pytest.mark.timeout(240)
+def test_an_error_on_one_rank_ends_every_rank_at_once(tmp_path):
+    """Rank 0 fails alone after a step; rank 1 waits in the end-of-step agreement. Rank 0
+    used to go into the shutdown barrier, another collective than rank 1's: the two either
+    waited out ``learner.collective_timeout_s`` (seen with a plain gloo pair) or,
+    as here, rank 0's own error was replaced by the barrier's "Connection closed by peer".
+    Now rank 0 leaves with its own error and rank 1 follows at once with GroupLeft."""
+    import torch.multiprocessing as mp
+
+    from buffers.zmq_client import ZmqBufferClient
+
+    timeout_s = 90
+    args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
+            f"run.output_dir={tmp_path}", "run.name=alone", "learner.groups_per_step=2",
+            "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
+            f"learner.collective_timeout_s={timeout_s}", "buffer.port=0"]
+    cfg = load_config(None, args)
+    address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
+                                               cfg.run.name)
+    try:
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            assert all(client.put("w", _group(i, cfg.run.name)).accepted for i in (0, 1))
+        results = mp.Manager().dict()
+        mp.spawn(_rank_zero_fails, args=(args, address, free_port(), results), nprocs=2)
+    finally:
+        stop_broker()
+    (zero, zero_s), (one, one_s) = results[0], results[1]
+    assert zero == "RuntimeError: rank 0 alone failed", zero
+    assert one.startswith("GroupLeft: learner rank 1/2: another rank left"), one
+    assert max(zero_s, one_s) < timeout_s / 2, (zero_s, one_s)

@@ -81,6 +81,19 @@ def test_nothing_trained_reports_zero_extremes() -> None:
     assert metrics["response_length/max"] == metrics["response_length/mean"] == 0.0
 
 
+def test_a_masked_out_sample_has_no_length_and_keeps_its_score() -> None:
+    """The second sample's loss mask zeroed, as ``drop_finish_reasons`` does to a truncated
+    answer: it used to count as length 0 (min 0, the mean halved); its reward still counts."""
+    batch = _batch()
+    batch = TrainBatch(**{**batch.__dict__,
+                          "loss_mask": torch.tensor([[1, 1, 1], [0, 0, 0]]).bool()})
+    loss_sum, units, stats = objective(LearnerConfig(), batch, batch.behaviour_logprobs.clone())
+    metrics = step_metrics(loss_sum, units, stats, batch)
+    assert metrics["response_length/mean"] == metrics["response_length/min"] == 3.0
+    assert metrics["response_length/max"] == 3.0
+    assert metrics["critic/score/mean"] == 0.5
+
+
 def test_token_entropy() -> None:
     uniform = torch.log_softmax(torch.zeros(1, 2, 8), dim=-1)
     torch.testing.assert_close(token_entropy(uniform), torch.full((1, 2), math.log(8)))

@@ -83,3 +83,23 @@ def test_a_failed_beat_does_not_end_the_wait() -> None:
                                 beat=beat, beat_s=0.01)
     publisher.publish({}, 1)
     assert broadcaster.synced == [1]
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_the_figures_of_a_delivery_outlive_a_wait_for_data(joined: bool) -> None:
+    """The learner re-syncs late joiners on every empty poll for data, which waits for the
+    overlapped delivery: its figures used to be dropped there, and the next step's record
+    had no ``weights/*``. A re-send (an engine joined) adds none of its own."""
+    broadcaster, control = SlowBroadcaster(), Versions()
+    broadcaster.needs_sync = lambda: joined  # type: ignore[method-assign]
+    broadcaster.release.set()
+    publisher = WeightPublisher(control, broadcaster)  # type: ignore[arg-type]
+    publisher.publish({}, 1)   # version 1 in flight while the learner waits for data
+    if joined:   # the re-send's own sync
+        threading.Timer(0.2, broadcaster.release.set).start()
+    assert publisher.resync({}, 1) is joined
+    broadcaster.release.set()
+    record = publisher.publish({}, 2)   # the next step's record: version 1's figures
+    assert record["weights/version"] == 1.0 and record["weights/members"] == 1.0
+    publisher.close()
+    assert control.published == [1, 2]
