@@ -9,13 +9,17 @@ key layout); payloads never pass through Lua, they move with plain ``SET`` and `
 
 Choices worth knowing:
 
-- A batch is taken **all or nothing** inside one script: the script claims entries idle on
-  other consumers for ``reclaim_idle_s`` (their owner is presumed dead) plus unread ones, and
-  only when together they make ``count`` fresh groups. So several learners never strand
+- A batch is taken **all or nothing** inside one script: the script claims entries idle for
+  ``reclaim_idle_s`` (nobody renewed them: their owner is presumed dead) plus unread ones,
+  and only when together they make ``count`` fresh groups. So several learners never strand
   partial batches at the end of the data. (``XPENDING IDLE`` + ``XCLAIM`` rather than
-  ``XAUTOCLAIM``: the latter would also re-serve the caller's own slow batches and claim
-  before it is known that a full batch can be formed.) Only an entry rejected when decoded
-  (a producer that bypassed this client) leaves a partial batch, held here and topped up.
+  ``XAUTOCLAIM``: the latter would claim before it is known that a full batch can be
+  formed.) Only an entry rejected when decoded (a producer that bypassed this client)
+  leaves a partial batch, held here and topped up.
+- Idle entries are reclaimed **whoever holds them**, the caller included: a live learner
+  renews what it holds every ``reclaim_idle_s / 3`` (the batch in training, from whichever
+  of its clients, see :meth:`RedisConsumer.learner`; a partial batch, at every take), so an
+  idle entry of its own is one it does not know it holds (see the retries below).
 - Groups are served **earliest deadline first**, as the ZMQ broker serves them: oldest
   version first, each producer's groups in their order. Groups arrive in the order they
   finish, so a long answer started at version v arrives behind groups of v + 1; served by
@@ -27,8 +31,9 @@ Choices worth knowing:
   whole index instead took Redis 8 ms at 4,096 queued groups, serving nobody meanwhile).
 - A served batch must be acked within ``reclaim_idle_s``, or another learner takes it over.
   ``get_batch(ack=batch)`` acks inside the take script: one round trip for both.
-- Consumer names are made unique per client (``name-pid-random``), so a restarted learner
-  never silently inherits its dead predecessor's pending groups: they are reclaimed.
+- Consumer names are made unique per client (``name-pid-random``): a client deletes its
+  consumers when it closes, and ``XGROUP DELCONSUMER`` drops whatever another client of a
+  shared name had claimed meanwhile.
 - Waiting is blocking reads, not spinning: ``get_batch`` blocks on the index stream for a new
   put (waking at least every ``reclaim_idle_s / 4`` to look for reclaimable groups) and
   ``get_key`` on a notification stream; the position is read atomically with the check, so a
@@ -47,8 +52,13 @@ Choices worth knowing:
   client deletes the payloads still staged. Puts are refused from then on.
 - Lost connections are retried (:mod:`buffers.redis_connect`). A connection lost after a
   script ran but before its reply arrived runs it again: a put files each group once (its
-  payload key, kept once filed, says so), an acquire holds its slots until the producer
-  releases or goes silent.
+  payload key, kept once filed, says so); an acquire holds its slots until the producer
+  releases or goes silent; a take serves another batch, and the one the first run claimed,
+  unknown to the client and never renewed, is reclaimed after ``reclaim_idle_s`` (by this
+  consumer too: it was stranded for good with a single learner while a take spared the
+  caller's own entries); an ack, a discard or a renewal counts only entries still pending,
+  so a second run changes nothing; a release gives back its slots twice (down to none:
+  the gate admits up to that many more, once).
 - A client given the role's ``stop`` event stops waiting for a Redis that does not answer
   once it is set (:class:`~buffers.redis_stop.StopGuard`): no reconnect retries, about a
   second per request (one already waiting on a hung Redis too), then

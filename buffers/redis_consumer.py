@@ -48,11 +48,21 @@ class RedisConsumer:
                                      config.request_timeout_s / 2))
 
     def name(self, consumer: str) -> str:
-        """Unique per client, so a restarted learner never inherits its predecessor's
-        pending entries silently: they are reclaimed."""
+        """Unique per client (``consumer-pid-random``, see :mod:`buffers.redis_buffer`); its
+        prefix (:meth:`learner`) is the learner process's, whatever client it uses."""
         if consumer not in self._names:
-            self._names[consumer] = f"{consumer}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self._names[consumer] = f"{self.learner(consumer)}{uuid.uuid4().hex[:6]}"
         return self._names[consumer]
+
+    @staticmethod
+    def learner(consumer: str) -> str:
+        """What the names of every client of ``consumer`` in this process begin with. A
+        renewal holds what any of them took: the learner's prefetcher takes a batch on a
+        client of its own, and the training loop renews it on another while the step
+        computes. Renewed by this client's name alone, it was not renewed at all, and the
+        prefetcher's next take reclaimed it during a long step (a take reclaims idle
+        entries whoever holds them: the caller's own too, see TAKE)."""
+        return f"{consumer}-{os.getpid()}-"
 
     def get_batch(self, consumer: str, count: int, learner_version: int, timeout_s: float,
                   ack: Batch | None = None) -> Batch | None:
@@ -82,10 +92,9 @@ class RedisConsumer:
             self._check_acked(consumer, int(self._run("ack", *acks)), len(acks) // 2)
 
     def renew(self, consumer: str, batch: Batch) -> int:
-        name = self._names.get(consumer)
-        if name is None or not batch.receipts:
+        if not batch.receipts:
             return 0
-        return int(self._run("renew", name, *batch.receipts))
+        return int(self._run("renew", self.learner(consumer), *batch.receipts))
 
     def tidy(self) -> None:
         """Forget consumers that hold nothing (their pending entries must stay reclaimable)."""

@@ -102,14 +102,17 @@ TAKE = """
 --
 -- Unread entries wait in the pending list of the reserved consumer QUEUE: XREADGROUP can
 -- only hand out a stream's entries in arrival order, XCLAIM any of them. The candidates are
--- the queue's entries and those idle on another consumer for reclaim_idle_ms (presumed
--- dead); stale ones are dropped, and the `need` with the earliest deadline are claimed, in
--- that order: oldest version first, then arrival, each producer's groups in their order (a
--- group's key is the newest version among its producer's candidates up to it), exactly as
--- the ZMQ broker serves. Keys grow along each producer's candidates, so the `need` smallest
--- are a merge of the producers' heads, read from the queue's sorted sets (PRELUDE): the
--- take costs O((producers + need) log queue) plus what other consumers hold, whatever the
--- queue holds. (Reading the whole index instead cost 8 ms of Redis at 4,096 queued.)
+-- the queue's entries and those idle for reclaim_idle_ms on any consumer, the caller too: a
+-- live learner renews what it holds (its held ids just above), so an idle entry is a dead
+-- one's, or the caller's own from a run of this script whose reply was lost (redis-py sends
+-- it again: that first batch is unknown to the client). Stale ones are dropped, and the
+-- `need` with the earliest deadline are claimed, in that order: oldest version first, then
+-- arrival, each producer's groups in their order (a group's key is the newest version among
+-- its producer's candidates up to it), exactly as the ZMQ broker serves. Keys grow along
+-- each producer's candidates, so the `need` smallest are a merge of the producers' heads,
+-- read from the queue's sorted sets (PRELUDE): the take costs O((producers + need) log
+-- queue) plus what the consumers hold, whatever the queue holds. (Reading the whole index
+-- instead cost 8 ms of Redis at 4,096 queued.)
 -- Returns {lost held ids, dropped, entries, tail id, stats, acked}.
 local consumer, need = ARGV[5], tonumber(ARGV[6])
 local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
@@ -140,7 +143,7 @@ for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', K_INDEX, GROUP)) do
   local f = {}
   for i = 1, #c - 1, 2 do f[c[i]] = c[i + 1] end
   if f['name'] == QUEUE then n_queued = f['pending']
-  elseif f['pending'] > 0 and f['name'] ~= consumer then
+  elseif f['pending'] > 0 then
     for _, p in ipairs(redis.call('XPENDING', K_INDEX, GROUP, '-', '+', f['pending'],
                                   f['name'])) do
       if p[3] >= reclaim_ms then table.insert(reclaimable, p[1]) end
@@ -288,14 +291,16 @@ return n
 """
 
 RENEW = """
--- ARGV: consumer, then ids. Resets the idle time of the entries this consumer still owns
--- (XCLAIM to itself, min-idle 0, JUSTID: delivery count unchanged); an entry another
--- consumer reclaimed is left alone. Returns how many are still owned.
-local consumer, n = ARGV[5], 0
+-- ARGV: the learner's prefix, then ids. Resets the idle time of the entries still owned by
+-- a consumer named with that prefix, any client of the same learner process (one takes, the
+-- other trains: RedisConsumer.name), keeping the owner (XCLAIM to it, min-idle 0, JUSTID:
+-- delivery count unchanged); an entry another consumer reclaimed is left alone. Returns how
+-- many are still owned.
+local prefix, n = ARGV[5], 0
 for i = 6, #ARGV do
   local p = redis.call('XPENDING', K_INDEX, GROUP, ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == consumer then
-    redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, ARGV[i], 'JUSTID')
+  if #p == 1 and string.sub(p[1][2], 1, #prefix) == prefix then
+    redis.call('XCLAIM', K_INDEX, GROUP, p[1][2], 0, ARGV[i], 'JUSTID')
     n = n + 1
   end
 end

@@ -23,6 +23,7 @@ import zmq
 
 from asyncrl.config.schema import BufferConfig
 from buffers import group_check
+from buffers.protocol import RUN_STATUS_KEY
 from buffers.zmq_auth import CurveServer, bind_router
 from buffers.zmq_control import batch_stats, status_of
 from buffers.zmq_frames import recv_frames, send_frames
@@ -91,10 +92,14 @@ class ZmqBroker:
         """Handle requests until ``stop`` is set or a client sends ``shutdown``."""
         if self._socket is None:
             raise RuntimeError("ZmqBroker.serve() called before bind()")
-        while not self._stopping and not (stop is not None and stop.is_set()):
-            if self._socket.poll(self._poll_ms()):
-                self._drain()
-            self._housekeeping()
+        try:
+            while not self._stopping and not (stop is not None and stop.is_set()):
+                if self._socket.poll(self._poll_ms()):
+                    self._drain()
+                self._housekeeping()
+        except BaseException as exc:  # a failed fsync (zmq_spill): nobody is left waiting
+            self._fail_pending(f"broker failed: {exc!r}")
+            raise
         self._fail_pending("broker shutting down")
         logger.info("buffer broker stopped")
 
@@ -279,6 +284,8 @@ class ZmqBroker:
         seq = self.state.set_key(key, arg_dict(request.args, "value"))
         for p in self._waits.pop_key_waiters(key, seq):
             self._answer(p, Reply(True, self.state.keys.lookup(key, p.wanted)))
+        if key == RUN_STATUS_KEY:  # a run done refuses the puts waiting for room, now
+            self._admit_parked_puts()
         return Reply(True, {"seq": seq})
 
     def _get_key(self, request: Request) -> Reply | None:

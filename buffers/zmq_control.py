@@ -142,7 +142,8 @@ def status_of(state: BrokerState) -> dict[str, Any]:
     allowance = state.allowance()
     spill = None if state.journal is None else {
         "path": str(state.journal.path), "bytes": state.journal.file_bytes,
-        "live_bytes": state.journal.live_bytes, "compactions": state.journal.compactions}
+        "live_bytes": state.journal.live_bytes, "compactions": state.journal.compactions,
+        "write_errors": state.journal.write_errors}
     return {**batch_stats(state),
             "run_id": state.run_id, "max_staleness": state.gate.max_staleness,
             "groups_per_step": state.gate.groups_per_step,

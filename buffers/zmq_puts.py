@@ -6,7 +6,10 @@ on arrival (a rejection is counted at once and keeps its place among the results
 ones are accepted in order while the broker holds fewer than ``max_groups``. What does not
 fit waits, as a :class:`~buffers.zmq_waits.PutJob`, behind every put that waits already, so
 puts stay FIFO per producer; the request is answered when all its groups have a result, or
-with ``full`` after its timeout (its groups are then in doubt, see the protocol).
+with ``full`` after its timeout (its groups are then in doubt, see the protocol). Once the run
+is done nothing waits: every group is refused (``run``) at once, the waiting ones as soon as
+the run status changes (as Redis does), not after the timeout, which the rollout role took
+for failed workers at the end of a finished run.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class PutDesk:
 
     def admit_parked(self) -> None:
         """Accept waiting puts in arrival order while there is room (FIFO per producer)."""
-        while self._waits.puts and self._state.has_room():
+        while self._waits.puts and self._state.answers_puts():
             parked = self._waits.puts[0]
             assert parked.job is not None
             self._state.members.touch(parked.job.producer)  # still there: it waits
@@ -64,7 +67,7 @@ class PutDesk:
             if isinstance(item, str):  # rejected when checked: its result keeps its place
                 job.results.append((False, item))
                 continue
-            if not self._state.has_room():
+            if not self._state.answers_puts():
                 break
             reason = self._state.accept(job.producer, item)
             job.results.append((not reason, reason))

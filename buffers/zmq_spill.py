@@ -42,6 +42,26 @@ requests meanwhile (``os.fsync`` releases the GIL). ``close`` syncs on the calle
 Compaction: when the file is larger than ``2 ×`` its live records (and past a floor), the live
 records are rewritten to ``<path>.compact``, fsynced and atomically renamed over the file.
 It runs inline in the broker loop: about one disk write of the live data.
+
+A write that fails (disk full, EIO) is cut back off the file, and then:
+
+- a PUT raises, and the broker refuses that group (reason ``spill``, counted with the other
+  rejections): a producer must never hear "accepted" for a group a restart would not bring
+  back, and being told, it may go on (the next put may fit);
+- any other record (ACKED, DROP, DELIVER, STATE, KEY) is logged (the first few, then every
+  :data:`LOG_WRITE_ERROR_EVERY`-th), counted (``write_errors``, in the broker's status) and
+  not raised: the change it records is already made in memory and stays made, so the broker
+  goes on serving. What is lost is only that change's durability across a restart, which
+  at-least-once delivery covers: an ack or drop lost is a group redelivered, a delivery lost
+  is a group served from the queue again, a STATE or KEY lost is an older value replayed,
+  and the next one of each written brings the file up to date. Raising instead failed
+  requests whose change had been applied (an ack answered with an error), and killed the
+  broker's thread when the write came from its housekeeping (a parked put admitted, a stale
+  drop, a reclaim).
+
+A failed fsync (on its thread) is raised on the broker's thread, which answers the requests
+it had parked and stops: the kernel may have dropped pages already acknowledged, and no later
+write can say which.
 """
 
 from __future__ import annotations
@@ -68,6 +88,8 @@ MAGIC_V1 = b"asyncrl-spill\x00v1"  # CRC-32 records: still read, and appended to
 PUT, ACKED, DROP, STATE, KEY, DELIVER = 1, 2, 3, 4, 5, 6
 FSYNC_INTERVAL_S = 0.2
 COMPACT_MIN_BYTES = 64 << 20
+LOG_WRITE_ERRORS = 5  # failed writes logged one by one; then one in LOG_WRITE_ERROR_EVERY
+LOG_WRITE_ERROR_EVERY = 1000
 HEADER = struct.Struct("<IIB")
 PUT_HEAD = struct.Struct("<QqH")
 FRAME_LEN = struct.Struct("<I")
@@ -153,6 +175,7 @@ class SpillLog:
         self.compact_min_bytes = compact_min_bytes
         self.file_bytes = os.fstat(fd).st_size
         self.compactions = 0
+        self.write_errors = 0  # records other than PUT that could not be written
         self._fd = fd
         self._live: dict[int, int] = {}  # seq -> PUT record size
         self._keys: dict[str, int] = {}  # key -> KEY record size
@@ -192,7 +215,22 @@ class SpillLog:
         self._dirty = True
         return size
 
+    def _append_or_count(self, kind: int, parts: list[Buf]) -> int | None:
+        """Append a record other than PUT; a failed write is logged and counted, not raised
+        (see the module docstring). Its size, or None."""
+        try:
+            return self._append(kind, parts)
+        except OSError as exc:
+            self.write_errors += 1
+            if (self.write_errors <= LOG_WRITE_ERRORS
+                    or self.write_errors % LOG_WRITE_ERROR_EVERY == 0):
+                logger.error("spill %s: a record of type %d could not be written (%d so far): "
+                             "%s; the broker goes on, that change is not durable", self.path,
+                             kind, self.write_errors, exc)
+            return None
+
     def put(self, seq: int, min_version: int, frames: Sequence[Buf]) -> None:
+        """Raises a failed write (the caller refuses the group)."""
         size = self._append(PUT, _put_parts(seq, min_version, frames))
         self._live[seq] = size
         self._live_bytes += size
@@ -201,20 +239,24 @@ class SpillLog:
         """``items`` = (seq, staleness) of groups acked (ACKED) or dropped as stale (DROP)."""
         if not items:
             return
-        self._append(kind, [b"".join(REMOVED.pack(seq, st) for seq, st in items)])
-        for seq, _ in items:
+        self._append_or_count(kind, [b"".join(REMOVED.pack(seq, st) for seq, st in items)])
+        for seq, _ in items:  # gone from memory either way: a compaction leaves them out
             self._live_bytes -= self._live.pop(seq, 0)
 
     def delivered(self, consumer: str, items: Sequence[tuple[int, int]]) -> None:
         """``items`` = (seq, staleness) of groups delivered to ``consumer`` ("" = requeued)."""
         if items:
-            self._append(DELIVER, [_deliver_body(consumer, items)])
+            self._append_or_count(DELIVER, [_deliver_body(consumer, items)])
 
     def state(self, snapshot: dict[str, Any]) -> None:
-        self._state_bytes = self._append(STATE, [orjson.dumps(snapshot)])
+        body = orjson.dumps(snapshot)
+        self._append_or_count(STATE, [body])
+        self._state_bytes = HEADER.size + len(body)  # what a compaction writes
 
     def key(self, key: str, seq: int, value: dict[str, Any]) -> None:
-        self._keys[key] = self._append(KEY, [_key_body(key, seq, value)])
+        body = _key_body(key, seq, value)
+        self._append_or_count(KEY, [body])
+        self._keys[key] = HEADER.size + len(body)
 
     # --- upkeep ---------------------------------------------------------------------------
 
@@ -254,35 +296,36 @@ class SpillLog:
                 groups: Iterable[tuple[int, int, Sequence[Buf]]],
                 deliveries: Iterable[tuple[str, Sequence[tuple[int, int]]]] = ()) -> None:
         """Rewrite only the live records (state, keys, groups in seq order, then who holds
-        the delivered ones), atomically. A failure (disk full) is logged and leaves the
-        current file in use: compaction only saves space."""
+        the delivered ones), atomically. A failure before the rename (disk full, the
+        ``.compact`` file locked) is logged and leaves the current file in use: compaction
+        only saves space. Once renamed, the new file is the one appended to, whatever
+        happens next: the old one is unlinked, and a record written there would be lost."""
         before = self.file_bytes
         tmp = self.path.with_name(self.path.name + ".compact")
-        fd = open_locked(tmp, os.O_CREAT | os.O_TRUNC)
+        fd = -1
         try:
-            size = write_all(fd, [MAGIC])  # a v1 file becomes v2 here
-            size += write_all(fd, _record(STATE, [orjson.dumps(snapshot)]))
-            for key, seq, value in keys:
-                size += write_all(fd, _record(KEY, [_key_body(key, seq, value)]))
-            for seq, min_version, frames in sorted(groups, key=lambda g: g[0]):
-                size += write_all(fd, _record(PUT, _put_parts(seq, min_version, frames)))
-            for consumer, items in deliveries:
-                size += write_all(fd, _record(DELIVER, [_deliver_body(consumer, items)]))
+            fd = open_locked(tmp, os.O_CREAT | os.O_TRUNC)
+            size = _write_live(fd, snapshot, keys, groups, deliveries)
             os.fsync(fd)
-        except OSError as exc:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
+            os.replace(tmp, self.path)
+        except (OSError, SpillError) as exc:
+            if fd >= 0:  # ours: gone (a .compact file locked by someone else is not)
+                os.close(fd)
+                tmp.unlink(missing_ok=True)
             logger.error("spill %s: compaction failed, keeping the file as it is: %s",
                          self.path, exc)
             return
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
         with self._lock:  # not while the fsync thread syncs the old fd
-            os.close(self._fd)
-            self._fd = fd
+            old, self._fd = self._fd, fd
         self.file_bytes, self._dirty, self.checksum = size, False, xxh_of
         self.compactions += 1
+        os.close(old)
         logger.info("spill %s compacted: %d -> %d bytes", self.path, before, size)
+        try:
+            _fsync_dir(self.path.parent)
+        except OSError as exc:  # the rename is done, only not yet durable against power loss
+            logger.error("spill %s: compacted, but syncing its directory failed (a power loss "
+                         "may bring the old file back): %s", self.path, exc)
 
     def close(self) -> None:
         """Stop the fsync thread, then fsync here (always: a sync it was asked for may not
@@ -298,6 +341,22 @@ class SpillLog:
         finally:
             os.close(self._fd)
             self._fd = -1
+
+
+def _write_live(fd: int, snapshot: dict[str, Any],
+                keys: Iterable[tuple[str, int, dict[str, Any]]],
+                groups: Iterable[tuple[int, int, Sequence[Buf]]],
+                deliveries: Iterable[tuple[str, Sequence[tuple[int, int]]]]) -> int:
+    """Write a compacted file's records to ``fd`` (a v1 file becomes v2 here); its size."""
+    size = write_all(fd, [MAGIC])
+    size += write_all(fd, _record(STATE, [orjson.dumps(snapshot)]))
+    for key, seq, value in keys:
+        size += write_all(fd, _record(KEY, [_key_body(key, seq, value)]))
+    for seq, min_version, frames in sorted(groups, key=lambda g: g[0]):
+        size += write_all(fd, _record(PUT, _put_parts(seq, min_version, frames)))
+    for consumer, items in deliveries:
+        size += write_all(fd, _record(DELIVER, [_deliver_body(consumer, items)]))
+    return size
 
 
 def _deliver_body(consumer: str, items: Sequence[tuple[int, int]]) -> bytes:

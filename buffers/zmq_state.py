@@ -109,6 +109,10 @@ class BrokerState:
     def has_room(self) -> bool:
         return self.held < self.config.max_groups
 
+    def answers_puts(self) -> bool:
+        """A put gets its result now: there is room, or the run is over (refused, "run")."""
+        return self.run_status != RUNNING or self.has_room()
+
     def allowance(self) -> int:
         """A group dropped as stale gives its slot back (``asyncrl.staleness``)."""
         return self.gate.allowance(self.version, self.accepted - self.dropped_stale,
@@ -154,9 +158,12 @@ class BrokerState:
         The caller marks the producer seen, once per request (not once per group)."""
         if self.run_status != RUNNING:
             return self.reject(producer, WireError("run", "the run is done"))
+        if self.journal is not None:
+            try:
+                self.journal.put(self.next_seq, group.min_version, group.frames)
+            except OSError as exc:  # disk full: refused, never "accepted" (zmq_spill)
+                return self.reject(producer, WireError("spill", f"not journaled: {exc}"))
         group.seq, self.next_seq = self.next_seq, self.next_seq + 1
-        if self.journal is not None:  # a failed write leaves the slot to the producer
-            self.journal.put(group.seq, group.min_version, group.frames)
         self._free_slots(producer, 1)
         group.producer = producer
         self.queue.append(group)
@@ -286,9 +293,9 @@ class BrokerState:
         for group in expired:
             del self.pending[group.seq]
             self.requeued.add(group.seq)
-        self._journal_delivered("", expired)
         self.queue.extend_front(sorted(expired, key=lambda g: g.seq))
         self.redelivered += len(expired)
+        self._journal_delivered("", expired)
         logger.warning("%d groups delivered to %s not acked within %.1fs: requeued",
                        len(expired), sorted({g.consumer for g in expired}),
                        self.config.reclaim_idle_s)

@@ -213,6 +213,24 @@ def test_run_done_stops_grants_and_puts(backend):
         c.set_key("run/status", {"status": "paused"})
 
 
+def test_puts_waiting_for_room_are_refused_once_the_run_is_done(backend):
+    """Not left to wait out request_timeout_s: a TimeoutError there made the rollout role
+    report failed workers at the end of a finished run."""
+    d = backend.start(groups_per_step=8, max_groups=2)
+    c, one, many = d.client(), d.client(request_timeout_s=10.0), d.client(request_timeout_s=10.0)
+    for i in range(2):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    with ThreadPoolExecutor(2) as pool:
+        single = pool.submit(one.put, "w1", make_group("one"))
+        several = pool.submit(many.put_many, "w2", [make_group("a"), make_group("b")])
+        with pytest.raises(FutureTimeout):
+            several.result(timeout=0.5)  # full: both wait
+        c.set_key("run/status", {"status": "done"})
+        assert single.result(timeout=5) == PutResult(accepted=False, reason="run")
+        assert several.result(timeout=5) == [PutResult(accepted=False, reason="run")] * 2
+    assert c.status()["rejected"] == {"run": 3}
+
+
 def _bad_group_frames() -> dict[str, list[bytes]]:
     good = encode_group(make_group("bad"))
     header = orjson.loads(good[0])

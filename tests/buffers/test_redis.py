@@ -23,6 +23,7 @@ from asyncrl.config.schema import BufferConfig
 from asyncrl.wire import Rejections, encode_group, encode_group_views
 from buffers import make_buffer_client
 from buffers.protocol import PutResult
+from buffers.lease import keep_leased
 from buffers.redis_buffer import RedisBufferClient, reset_run
 from buffers.redis_entries import put_results, stage_put
 from buffers.redis_connect import connect, connection_kwargs, run_namespace
@@ -119,8 +120,9 @@ def test_reclaimed_groups_compete_by_deadline_with_the_queued_ones(redis_server,
     assert dead.get_batch("learner", 1, 0, timeout_s=5.0) is not None  # then it dies
     for name in ("new1", "new2"):
         alive.put("w", make_group(name, version=1))
-    assert alive.get_batch("learner", 1, 1, timeout_s=0.1) is not None  # new1: "old" not idle
+    held = alive.get_batch("learner", 1, 1, timeout_s=0.1)  # new1: "old" is not idle yet
     time.sleep(0.4)
+    assert alive.renew("learner", held) == 1  # alive renews what it holds: not reclaimed
     queued = admin(redis_server).xpending_range("asyncrl:t:index", GROUP, "-", "+", 10, QUEUE)
     assert len(queued) == 1  # new2 waits there
     assert alive.status()["pending"] == 2  # delivered: old and new1, not the queued new2
@@ -159,13 +161,39 @@ def test_queued_entries_without_the_queue_sets_are_served_in_order(redis_server,
     assert c.status()["consumed"] == 3
 
 
-def test_a_consumer_never_reclaims_its_own_slow_batch(open_client):
-    c = open_client(reclaim_idle_s=0.2)
-    c.put("w", make_group("a"))
-    batch = c.get_batch("learner", 1, 0, timeout_s=5.0)
-    assert c.get_batch("learner", 1, 0, timeout_s=0.6) is None  # idle > reclaim: still ours
+def test_a_take_run_again_after_a_lost_reply_strands_nothing(open_client):
+    """redis-py sends a command again when its connection breaks before the reply: the first
+    run's batch, held under the caller's own name and unknown to the client, is never renewed
+    and comes back after reclaim_idle_s, to that same (single) learner."""
+    c = open_client(max_groups=4, reclaim_idle_s=0.3)
+    for i in range(4):
+        assert c.put("w", make_group(f"g{i}")).accepted
+    lost = c._run("take", c._consumer.name("learner"), 2, 0, 300, 0)  # ran; reply lost
+    assert len(lost[2]) == 2
+    batch = c.get_batch("learner", 2, 0, timeout_s=5.0)  # the run redis-py sent again
+    assert [g.group_id for g in batch.groups] == ["g2", "g3"]
     c.ack("learner", batch)
-    assert c.status()["consumed"] == 1
+    again = c.get_batch("learner", 2, 0, timeout_s=5.0)
+    assert [g.group_id for g in again.groups] == ["g0", "g1"]
+    c.ack("learner", again)
+    status = c.status()
+    assert (status["consumed"], status["depth"], status["redelivered"]) == (4, 0, 2)
+
+
+def test_a_batch_one_client_took_is_renewed_by_another_client_of_the_learner(open_client):
+    """The learner's prefetcher takes on a client of its own while the training loop renews
+    the batch in training on another: a take reclaims idle entries whoever holds them, so
+    without that renewal the prefetcher would serve the batch again during a long step."""
+    taker, trainer = open_client(reclaim_idle_s=0.3), open_client(reclaim_idle_s=0.3)
+    taker.put("w", make_group("a"))
+    batch = taker.get_batch("learner", 1, 0, timeout_s=5.0)
+    assert trainer.renew("learner", batch) == 1
+    assert trainer.renew("other", batch) == 0
+    with keep_leased(trainer, "learner", batch, reclaim_idle_s=0.3):  # a 1 s step
+        assert taker.get_batch("learner", 1, 0, timeout_s=1.0) is None
+    trainer.ack("learner", batch)
+    status = taker.status()
+    assert (status["consumed"], status["depth"], status["redelivered"]) == (1, 0, 0)
 
 
 def _raw_entry(raw: redis.Redis, name: str, **replace: bytes) -> None:

@@ -5,8 +5,8 @@ reading the whole index (``buffers.redis_data_scripts.TAKE``). :class:`Reference
 written out the direct way, as the script used to compute it: every candidate in arrival
 order, stale ones dropped, each keyed by the newest version among its producer's candidates
 up to it, the ``need`` smallest (key, arrival) taken only if that many are fresh. Random puts,
-takes (some reclaiming everything other consumers hold), acks, entries written past the put
-script and entries acked or deleted behind the scripts' back run against a real
+takes (some reclaiming everything any consumer holds, the caller too), acks, entries written
+past the put script and entries acked or deleted behind the scripts' back run against a real
 ``redis-server`` and the reference; every take must choose the same entries in the same
 order and drop as many.
 """
@@ -60,8 +60,7 @@ class Reference:
                 entry.owner = QUEUED
         dropped, fresh, newest = 0, [], {}
         for entry in self.ordered():
-            if not (entry.owner == QUEUED or (reclaim_all and entry.owner not in
-                                              (QUEUED, GHOST, consumer))):
+            if not (entry.owner == QUEUED or (reclaim_all and entry.owner != GHOST)):
                 continue
             if entry.minv >= 0 and learner_version - entry.minv > S:
                 del self.entries[entry.id]
