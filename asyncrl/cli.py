@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
-from asyncrl.preflight import NotRunning
+from asyncrl.preflight import NotRunning, import_from_cwd
 from asyncrl.supervise import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,28 @@ def buffer_address(cfg: Config, explicit: str | None) -> str | None:
     if cfg.buffer.type == "redis":
         return None
     if explicit:
-        return explicit
+        return _endpoint(explicit, "--buffer")
     recorded = cfg.run_dir / "buffer.addr"
     if recorded.exists():
-        return recorded.read_text().strip()
+        return _endpoint(recorded.read_text(errors="replace").strip(), str(recorded))
     if cfg.buffer.port == 0:
         raise ConfigError("buffer.port is 0 (pick a free port) and no --buffer address was given "
                           f"nor recorded in {recorded}")
     return f"tcp://{cfg.buffer.host}:{cfg.buffer.port}"
+
+
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+
+
+def _endpoint(address: str, source: str) -> str:
+    """A broker address as ZMQ dials it; anything else is a config error naming where it
+    came from (was ``zmq.error.ZMQError: Invalid argument`` with a traceback, or, for an
+    empty ``buffer.addr``, a minute of waiting)."""
+    match = _ENDPOINT.fullmatch(address)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"{source}: {address!r} is not a broker address "
+                          "(tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555)")
+    return address
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -191,6 +206,7 @@ def _observe(cfg: Config, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import_from_cwd()
     try:
         return _dispatch(args)
     except ConfigError as exc:

@@ -23,8 +23,9 @@ from typing import IO
 
 from asyncrl.config import Config
 from asyncrl.config.load import to_toml
-from asyncrl.config.schema import SPILL_NAME
+from asyncrl.config.schema import DATA_POSITION_DIR, SPILL_NAME
 from asyncrl.metrics import val_score_key
+from asyncrl.models import INIT_MODEL_DIRNAME
 from asyncrl.monitor import make_view
 from asyncrl.preflight import check_startup
 from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason
@@ -86,11 +87,18 @@ def run_dir_note(cfg: Config) -> str:
 def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     """Create ``runs/<name>/`` with the resolved config that every role is started from.
 
-    A new run keeps an earlier run's metrics, checkpoints and buffer spill file, renamed, never
-    appended to, resumed from or replayed (its groups are the earlier policy's). A resumed run
-    appends to its metrics, and its broker replays the spill file."""
+    A new run keeps an earlier run's metrics, checkpoints, buffer spill file, data positions
+    and initial model, renamed, never appended to, resumed from, replayed or reused (its
+    groups are the earlier policy's). A resumed run appends to its metrics, its broker
+    replays the spill file, and its rollout workers go on from their data positions.
+
+    The data positions and the initial model were not archived: a new run of the same name
+    read on from where the last one stopped (a third run of a one-epoch dataset found it
+    exhausted and waited for ever), and trained the last run's initial model whatever
+    ``model.tiny`` or ``run.seed`` now said."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    archived = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME)
+    archived = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME,
+                DATA_POSITION_DIR, INIT_MODEL_DIRNAME)
     for name in () if resuming else archived:
         old = cfg.run_dir / name
         if old.exists():
@@ -100,6 +108,10 @@ def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     path = cfg.run_dir / "config.toml"
     path.write_text(to_toml(cfg))
     return path
+
+
+class StoppedEarly(Exception):
+    """A signal before the roles were all started: the launcher stops them, nothing failed."""
 
 
 class LocalLauncher:
@@ -137,6 +149,10 @@ class LocalLauncher:
                         restartable=True)
             self._supervise(learner)
             return learner.proc.returncode if learner.proc.returncode is not None else 130
+        except StoppedEarly as exc:  # Ctrl-C while the broker started: was a traceback
+            self.out.write(f"{exc}\n")
+            show_final = False
+            return 130
         except RoleFailed as exc:
             logger.error("%s", exc)
             self.out.write(f"run stopped: {exc}\n")
@@ -190,7 +206,9 @@ class LocalLauncher:
         deadline = time.monotonic() + ADDRESS_WAIT_S
         while not address_file.exists():
             self._tend()
-            if time.monotonic() > deadline or self.stop.wait(0.05):
+            if self.stop.wait(0.05):
+                raise StoppedEarly("stopped before the buffer started: no run was started")
+            if time.monotonic() > deadline:
                 raise RuntimeError(f"buffer did not announce its address in {address_file}")
         return address_file.read_text().strip()
 

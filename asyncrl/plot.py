@@ -9,6 +9,7 @@ learner (``mismatch.png``, when the run recorded it). Matplotlib's Agg backend: 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ DASHED = {"linestyle": "--", "zorder": 1}  # a bound drawn under the curve it bo
 def series(key: str) -> Picker:
     """(steps, values) of one metric over the records that carry it."""
     def pick(records: Sequence[Record]) -> tuple[list[int], list[float]]:
-        rows = [(r["step"], float(r[key])) for r in records if key in r]
+        rows = [(r["step"], _value(r[key])) for r in records if key in r]
         return [s for s, _ in rows], [v for _, v in rows]
     return pick
 
@@ -41,7 +42,8 @@ def _learner_idle(records: Sequence[Record]) -> tuple[list[int], list[float]]:
 def _engine_idle(records: Sequence[Record]) -> tuple[list[int], list[float]]:
     """Share of the fleet's time held by the closed gate between two logged steps: the growth
     of the summed ``rollout/gate_wait_s`` over elapsed time × live workers."""
-    rows = [r for r in records if "rollout/gate_wait_s" in r and r.get("rollout/workers")]
+    rows = [r for r in records if r.get("rollout/workers") and _number(r.get("time_s"))
+            and _number(r.get("rollout/gate_wait_s"))]
     steps, values = [], []
     for prev, cur in zip(rows, rows[1:]):
         elapsed = (cur["time_s"] - prev["time_s"]) * cur["rollout/workers"]
@@ -54,7 +56,17 @@ def _engine_idle(records: Sequence[Record]) -> tuple[list[int], list[float]]:
 
 def _val_score(records: Sequence[Record]) -> tuple[list[int], list[float]]:
     rows = [(r["step"], v) for r in records for k, v in r.items() if k.startswith(VAL_SCORE)]
-    return [s for s, _ in rows], [float(v) for _, v in rows]
+    return [s for s, _ in rows], [_value(v) for _, v in rows]
+
+
+def _value(value: Any) -> float:
+    """A recorded figure; null, how orjson writes NaN and inf (a diverged step), is a gap."""
+    return math.nan if value is None else float(value)
+
+
+def _number(value: Any) -> bool:
+    """Not null (orjson's NaN or inf) nor missing."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 FIGURES: dict[str, tuple[str, str, list[Curve]]] = {

@@ -100,20 +100,30 @@ def plugin_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def import_from_cwd() -> str | None:
+    """Let user code (``reward.path``, ``workflow.env``...) be imported from the current
+    directory, as the ``python -m asyncrl.cli`` roles that ``up`` starts can. The ``asyncrl``
+    console script does not have it on ``sys.path``: ``asyncrl eval`` and roles started by
+    hand (``asyncrl rollout``) failed with ``No module named 'examples'`` from the
+    repository root, where the README runs them. Returns the path it added, if any."""
+    cwd = os.getcwd()
+    if "" in sys.path or cwd in sys.path:
+        return None
+    sys.path.insert(0, cwd)
+    return cwd
+
+
 @contextmanager
 def _importable_from_cwd() -> Iterator[None]:
     """Roles run as ``python -m asyncrl.cli`` from this directory, so they import user code
     from it; the ``asyncrl`` console script does not have it on ``sys.path``. Put it there for
     the check, and take it off again."""
-    cwd = os.getcwd()
-    added = "" not in sys.path and cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
+    added = import_from_cwd()
     try:
         yield
     finally:
-        if added:
-            sys.path.remove(cwd)
+        if added is not None:
+            sys.path.remove(added)
 
 
 def check_redis(buffer: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:

@@ -42,6 +42,7 @@ class TinyModelConfig(Section):
 
 SPILL_AUTO = "auto"  # buffer.spill_path: the run directory's buffer.spill
 SPILL_NAME = "buffer.spill"
+DATA_POSITION_DIR = "data"  # in the run directory: each rollout worker's place in data.path
 LORA_ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -37,7 +37,7 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
                          seed=seed)
     if kind == "sglang":
         return _sglang_engine(cfg, model_dir, index, seed)
-    device = str(resolve_device(cfg.rollout.device, index))
+    device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
     if kind == "vllm":
         from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
 

@@ -103,12 +103,21 @@ def make_workflow(cfg: Config, tokenizer: Any, seed: int) -> Workflow:
 
 def make_source(cfg: Config, index: int, workers: int, seed: int):
     """Training samples for rollout worker ``index`` of ``workers``."""
+    from asyncrl.config.schema import DATA_POSITION_DIR
     from rollouters.tasks.data import DatasetSource, GeneratedSource, load_rows
 
     if cfg.data.path:
+        if index >= workers:
+            # Worker i of K reads the rows j with j % K == i. A worker past K (more started
+            # by hand than rollout.workers counts, or a fleet joining with --first-index)
+            # read another worker's rows, silently: the same samples over and over.
+            raise ConfigError(f"rollout.workers = {workers} must count every rollout worker "
+                              f"of the run, which shares data.path among them; this is "
+                              f"worker {index}: set it to the whole fleet (e.g. --set "
+                              f"rollout.workers={index + 1} or more)")
         rows = load_rows(cfg.data.path, cfg.data.format, cfg.data.split)
         return DatasetSource(rows, cfg.data, index, workers,
-                             state_path=cfg.run_dir / "data" / f"worker-{index}.json")
+                             state_path=cfg.run_dir / DATA_POSITION_DIR / f"worker-{index}.json")
     generate = getattr(env_class(cfg), "samples", None) if cfg.workflow.env else None
     if generate is None:
         raise ConfigError("data.path: needed unless workflow.env generates its own samples")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import tomllib
 
+import pytest
+
 from asyncrl.cli import main
 from asyncrl.monitor import progress_line
 
@@ -92,3 +94,23 @@ def test_a_role_on_a_cpu_build_of_torch_prints_no_deepspeed_accelerator_warning(
                            "setup_logging('x'); import os; print(os.environ['DS_ACCELERATOR'])"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert kept.stdout.strip() == "xpu", kept.stderr
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:5555", "tcp://127.0.0.1:abc", "tcp://127.0.0.1",
+                                 "tcp://127.0.0.1:70000", ""])
+def test_a_bad_buffer_address_is_a_config_error_naming_its_source(tmp_path, bad) -> None:
+    """Was ``zmq.error.ZMQError: Invalid argument`` with a traceback (an empty
+    ``buffer.addr``: a minute of waiting)."""
+    from asyncrl.cli import buffer_address
+    from asyncrl.config import ConfigError, load_config
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}"])
+    assert buffer_address(cfg, "tcp://[::1]:5555") == "tcp://[::1]:5555"
+    assert buffer_address(cfg, "tcp://node-3.cluster:6000") == "tcp://node-3.cluster:6000"
+    if bad:
+        with pytest.raises(ConfigError, match=r"^--buffer: .* is not a broker address"):
+            buffer_address(cfg, bad)
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "buffer.addr").write_text(bad)
+    with pytest.raises(ConfigError, match=r"buffer\.addr: .* is not a broker address"):
+        buffer_address(cfg, None)

@@ -84,3 +84,55 @@ def test_status_of_a_finished_run_says_it_is_not_running(tmp_path: Path) -> None
     assert "asyncrl: run 'fixa-done' is not running: no buffer broker at tcp://" in done.stderr
     assert took < 20  # not the broker request's 30 s timeout, twice
 
+
+
+def test_the_console_script_imports_user_code_from_the_current_directory(tmp_path: Path
+                                                                          ) -> None:
+    """`asyncrl eval examples/agent/single_turn.toml` from the repository root, as the
+    README runs it: its ``reward.path`` (``examples.agent.reward:digit_match``) failed with
+    ``No module named 'examples'``, since a console script, unlike the ``python -m`` roles
+    that `up` starts, does not have the current directory on ``sys.path``."""
+    import os
+
+    from asyncrl.config import load_config
+    from asyncrl.models import prepare_model_dir
+
+    script = Path(sys.executable).with_name("asyncrl")   # what `pip install` put there
+    if not script.is_file():
+        pytest.skip(f"no console script at {script}")
+    example = ROOT / "examples" / "agent" / "single_turn.toml"
+    model = prepare_model_dir(load_config(example, []).model, tmp_path, 0)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(script), "eval", str(example), "--checkpoint", str(model),
+                           "--set", f"run.output_dir={tmp_path}"], cwd=ROOT, env=env,
+                          text=True, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"val/num_prompts/' in done.stdout, done.stdout[-2000:]
+
+
+def test_ctrl_c_while_up_starts_the_buffer_stops_quietly(tmp_path: Path) -> None:
+    """SIGINT as soon as `up` started the broker, before it announced its address: `up`
+    used to die with a traceback, ``RuntimeError: buffer did not announce its address``.
+    Now it stops what it started and says so in one line (exit 130), nothing left running."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "up", str(QUICKSTART),
+                             "--set", f"run.output_dir={tmp_path}"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    err = []
+    for line in proc.stderr:   # the launcher logs each role it starts
+        err.append(line)
+        if "started buffer" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, rest = proc.communicate(timeout=60)
+    stderr = "".join(err) + rest
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    if "learner" not in stderr:   # the signal came before the broker's address
+        assert out.strip().endswith("stopped before the buffer started: no run was started")
+    pid = int(err[-1].split("(pid ")[1].split(")")[0])
+    with pytest.raises(ProcessLookupError):   # the broker it started is gone
+        import os
+        os.kill(pid, 0)

@@ -91,3 +91,21 @@ def test_bad_template_or_answer_field_names_the_key(tmp_path: Path) -> None:
         DatasetSource(load_rows(path), _data_cfg(path, "data.answer_field=ans"))
     with pytest.raises(ConfigError, match="data.path: .* does not exist"):
         load_rows(tmp_path / "missing.jsonl")
+
+
+def test_a_worker_past_rollout_workers_is_refused(tmp_path: Path) -> None:
+    """Worker i of K reads the rows j with j % K == i: a worker started past
+    ``rollout.workers`` (by hand, or joining with --first-index) used to read another
+    worker's rows, silently. Workers within it read disjoint rows covering the data."""
+    from rollouters.workflows.factory import make_source
+
+    path = _write(tmp_path, "jsonl")
+    cfg = load_config(None, [f"data.path={json.dumps(str(path))}", "data.epochs=1",
+                             "data.prompt_template=Q: {question}", "data.id_field=id",
+                             "data.shuffle=false", "rollout.workers=2",
+                             f"run.output_dir={tmp_path}"])
+    read = [{s.sample_id for s in make_source(cfg, i, 2, 0).next(100)} for i in (0, 1)]
+    assert not read[0] & read[1] and len(read[0] | read[1]) == len(ROWS)
+    with pytest.raises(ConfigError, match=r"^rollout.workers = 2 must count every rollout "
+                                          r"worker .* this is worker 2"):
+        make_source(cfg, 2, 2, 0)

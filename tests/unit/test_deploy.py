@@ -97,6 +97,7 @@ def test_slurm_script_parses_and_its_dry_run_steps_are_valid_commands():
     fleets = roles["rollout"]
     assert [(a.buffer, a.workers, a.first_index) for _, a in fleets] == \
         [("tcp://n0:5555", 4, 0), ("tcp://n0:5555", 4, 4)]  # disjoint worker indices
+    assert all("rollout.workers=8" in a.overrides for _, a in fleets)  # data split over all
     assert ["--nodelist=n1" in s for s, _ in fleets] == [True, False]
 
 

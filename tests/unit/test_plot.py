@@ -41,3 +41,21 @@ def test_plot_of_a_directory_without_metrics_says_so(tmp_path: Path, capsys) -> 
     assert capsys.readouterr().err == (f"asyncrl: plot: {tmp_path / 'nonexist'}/metrics.jsonl "
                                        f"not found: is {tmp_path / 'nonexist'} a run "
                                        "directory?\n")
+
+
+def test_plot_draws_a_run_with_null_values(tmp_path: Path, capsys) -> None:
+    """orjson writes NaN and inf as null (a diverged step): plot used to fail with
+    ``float() argument must be ... not 'NoneType'``; such a point is a gap in its curve."""
+    import orjson
+
+    run = tmp_path / "diverged"
+    run.mkdir()
+    records = [orjson.loads(line) for line in (DATA / "monitor_metrics.jsonl").read_bytes()
+               .splitlines()]
+    for record in records[2:4]:
+        for key in record:
+            if key != "step" and isinstance(record[key], float):
+                record[key] = None
+    (run / "metrics.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    assert main(["plot", str(run)]) == 0
+    assert len(capsys.readouterr().out.split()) == len(FIGURES)
