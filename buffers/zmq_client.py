@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -121,6 +122,34 @@ class PendingBatch:
     give_up: float  # re-sent on a new connection until then (``reconnect_s`` after the send)
 
 
+@dataclass
+class _Link:
+    """A client's connection: its DEALER and the monitor that hears the connection drop.
+
+    The client's finalizer holds this, not the client. A client dropped without
+    :meth:`ZmqBufferClient.close` inside a reference cycle (an exception's traceback is
+    enough) would otherwise leave its context and sockets to the garbage collector, which
+    finalizes them in any order: pyzmq's context finalizer, run first, no longer sees the
+    sockets (weakly held) and waits in ``term()`` for them to close, for ever, in whichever
+    thread the collection happened to run (a CI run lost a learner's batch request that way).
+    Held here, the sockets are closed first, then the context ended."""
+
+    socket: zmq.Socket
+    monitor: zmq.Socket
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+
+
+def _release(link: _Link, context: zmq.Context | None) -> None:
+    """Close ``link``, then end ``context`` (the client's own; None for one it was given)."""
+    link.close()
+    if context is not None:
+        context.term()
+
+
 class ZmqBufferClient:
     """Talks to :class:`~buffers.zmq_broker.ZmqBroker` at ``address`` (``tcp://host:port``)."""
 
@@ -144,7 +173,12 @@ class ZmqBufferClient:
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._next_id = 0
-        self._socket, self._monitor = self._connect()
+        self._link = _Link(*self._connect())
+        # Closes the sockets, then ends the context, also for a client dropped unclosed: see
+        # _Link. Not at interpreter exit, where a daemon thread may still use the sockets.
+        self._finalizer = weakref.finalize(self, _release, self._link,
+                                         self._context if self._own_context else None)
+        self._finalizer.atexit = False
         self._generation = 0  # moves on whenever requests in flight may have been lost
         self._ahead: dict[bytes, PendingBatch] = {}  # get_batch requests sent, not received
         self._early: dict[bytes, Reply] = {}  # their replies, come while another one waited
@@ -175,15 +209,8 @@ class ZmqBufferClient:
         socket.connect(self.address)
         return socket, monitor
 
-    def _disconnect(self) -> None:
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
-
     def close(self) -> None:
-        self._disconnect()
-        if self._own_context:
-            self._context.term()
+        self._finalizer()
 
     def __enter__(self) -> ZmqBufferClient:
         return self
@@ -213,8 +240,8 @@ class ZmqBufferClient:
         drop while a request waits means its reply is lost (an idle client whose broker was
         restarted would otherwise fail its next put, in doubt, at once). Batch requests sent
         ahead were waiting: a drop loses them, so they are marked to be sent again."""
-        while self._monitor.poll(0):
-            recv_monitor_message(self._monitor)
+        while self._link.monitor.poll(0):
+            recv_monitor_message(self._link.monitor)
             if self._ahead:
                 self._generation += 1
             self._puts.clear()  # their replies are lost with the connection
@@ -223,7 +250,7 @@ class ZmqBufferClient:
         self._next_id += 1
         request_id = self._next_id.to_bytes(8, "little")
         try:
-            send_frames(self._socket, encode_request(request_id, command, args, payload))
+            send_frames(self._link.socket, encode_request(request_id, command, args, payload))
         except zmq.Again:
             self._timed_out(command, "send")
         return request_id
@@ -237,23 +264,23 @@ class ZmqBufferClient:
         deadline = start + self.timeout_s + wait_s
         stop_deadline = start + wait_s + STOP_GRACE_S  # once stopping (see the module doc)
         poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._link.socket, zmq.POLLIN)
+        poller.register(self._link.monitor, zmq.POLLIN)
         while len(replies) < len(request_ids):
             remaining = deadline - time.monotonic()
             if self._stop is not None:
                 remaining = min(remaining, STOP_POLL_S)
             ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
-            if self._socket not in ready:
-                if self._monitor in ready:
-                    recv_monitor_message(self._monitor)  # the only event asked for
+            if self._link.socket not in ready:
+                if self._link.monitor in ready:
+                    recv_monitor_message(self._link.monitor)  # the only event asked for
                     self._timed_out(command, "reply", "the connection dropped while waiting")
                 if self._stopping() and time.monotonic() >= stop_deadline:
                     self._timed_out(command, "reply")
                 if time.monotonic() < deadline:
                     continue
                 self._timed_out(command, "reply")
-            reply_id, reply = decode_reply(recv_frames(self._socket))
+            reply_id, reply = decode_reply(recv_frames(self._link.socket))
             if reply_id not in request_ids:
                 if reply_id in self._ahead:
                     self._early[reply_id] = reply  # a batch sent ahead: kept for its receive
@@ -283,8 +310,8 @@ class ZmqBufferClient:
     def _timed_out(self, command: str, stage: str, why: str = "") -> NoReturn:
         """Give the request up: a fresh socket, so its late reply never answers another one.
         Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent)."""
-        self._disconnect()
-        self._socket, self._monitor = self._connect()
+        self._link.close()
+        self._link.socket, self._link.monitor = self._connect()
         self._generation += 1  # batch requests sent ahead went with the old socket
         self._puts.clear()  # and puts in flight: in doubt
         if self._stopping():
