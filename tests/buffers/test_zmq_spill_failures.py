@@ -127,6 +127,7 @@ class Served:
         self.broker = ZmqBroker(BufferConfig(port=0, spill_path=str(spill), **config), 2)
         self.address = self.broker.bind()
         self.died: list[BaseException] = []
+        self.clients: list[ZmqBufferClient] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -138,11 +139,16 @@ class Served:
             self.died.append(exc)
 
     def client(self) -> ZmqBufferClient:
-        return ZmqBufferClient(self.address, timeout_s=20.0)
+        """A client, closed with the broker: one left to the garbage collector hung a later
+        test's thread in pyzmq (see ``buffers.zmq_client._Link``)."""
+        self.clients.append(ZmqBufferClient(self.address, timeout_s=20.0))
+        return self.clients[-1]
 
     def close(self) -> None:
         if self.stop.is_set():
             return
+        for client in self.clients:
+            client.close()
         self.stop.set()
         self.thread.join()
         self.broker.close()
