@@ -2,7 +2,9 @@
 
 Each role runs in its own session (process group) so the terminal's Ctrl-C reaches only this
 supervisor, which then stops the roles in order: SIGTERM to every group, a grace period
-(``launcher.stop_timeout_s``), SIGKILL to whatever is left. Roles also die with the supervisor
+(``launcher.stop_timeout_s``; the learner, which saves its checkpoint, gets
+``launcher.learner_stop_timeout_s``), SIGKILL to whatever is left; a second Ctrl-C kills what
+is still stopping at once. Roles also die with the supervisor
 (PR_SET_PDEATHSIG), so even ``kill -9`` of ``asyncrl up`` leaves no orphans behind.
 """
 
@@ -19,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from asyncrl.config import Config
 from asyncrl.config.load import to_toml
@@ -120,6 +122,7 @@ class LocalLauncher:
         self.out = out
         self.roles: list[Role] = []
         self.stop = threading.Event()
+        self.force = threading.Event()  # a second signal: stop without waiting for the roles
         self.resuming = False
         self.policy = RestartPolicy.from_config(cfg.launcher)
         self.address: str | None = None
@@ -136,7 +139,7 @@ class LocalLauncher:
         address_file = self.cfg.run_dir / "buffer.addr"
         address_file.unlink(missing_ok=True)
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self.stop.set())
+            signal.signal(signum, self._on_signal)
         show_final = True  # not for a run a config error stopped: it never trained
         try:
             self.address = self._start_buffer(config_path, address_file)
@@ -277,13 +280,27 @@ class LocalLauncher:
             for role in (r for r in self.roles if r.name == name):
                 self._stop_role(role)
 
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        """The first SIGINT/SIGTERM stops the run; a second one stops it now: the roles still
+        stopping are killed (the learner may be saving for ``learner_stop_timeout_s``)."""
+        if self.stop.is_set() and not self.force.is_set():
+            logger.warning("second %s: killing the roles still stopping",
+                           signal.Signals(signum).name)
+            self.force.set()
+        self.stop.set()
+
     def _stop_role(self, role: Role) -> None:
-        """SIGTERM the role's process group, wait for it, then SIGKILL what is left."""
+        """SIGTERM the role's process group, wait for it (the learner longer: it saves), then
+        SIGKILL what is left."""
         _signal_group(role.proc, signal.SIGTERM)
-        try:
-            role.proc.wait(timeout=self.cfg.launcher.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in time: killing it", role.name)
+        grace = (self.cfg.launcher.learner_stop_timeout_s if role.name == "learner"
+                 else self.cfg.launcher.stop_timeout_s)
+        deadline = time.monotonic() + grace
+        while role.proc.poll() is None and not self.force.is_set():
+            if time.monotonic() >= deadline:
+                logger.warning("%s did not stop in time: killing it", role.name)
+                break
+            self.force.wait(0.1)
         _signal_group(role.proc, signal.SIGKILL)  # also reaps children it left behind
         role.proc.wait()
         role.log.close()

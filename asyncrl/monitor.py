@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 
 from asyncrl.config.schema import MonitorConfig
-from buffers.protocol import STOPPED
+from buffers.protocol import DATA_EXHAUSTED, STOPPED
 from asyncrl.dashboard import dashboard, fmt
 from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
                               History, learner_info, rollouts)
@@ -108,7 +108,9 @@ def fleet_events(before: Mapping[str, str], status: Mapping[str, Any]
     states, events = {}, []
     for name, member in rollouts(status).items():
         info = member.get("info") or {}
-        if info.get("state") == STOPPED:
+        if info.get("state") == STOPPED and info.get("exit") == DATA_EXHAUSTED:
+            state = "ran out"
+        elif info.get("state") == STOPPED:
             state = "crashed" if "exit" in info else "stopped"
         else:
             state = "alive" if member.get("alive") else "silent"
@@ -121,6 +123,8 @@ def fleet_events(before: Mapping[str, str], status: Mapping[str, Any]
             events.append(f"{name} {info['exit']}: its role restarts it (log: logs/rollout.log)")
         elif state == "stopped":
             events.append(f"{name} stopped")
+        elif state == "ran out":
+            events.append(f"{name} stopped: its share of data.path ran out")
         elif state == "silent":
             events.append(f"{name} silent for {member.get('last_seen_s_ago', 0):.0f}s: let go")
     return states, events

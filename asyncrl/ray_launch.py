@@ -342,8 +342,12 @@ class RayLauncher:
 
     def shutdown(self, ray: Any) -> None:
         """Learners first (they save), then the rollout fleet, then the broker; each is asked
-        to stop, given ``launcher.stop_timeout_s``, then killed."""
+        to stop, given ``launcher.stop_timeout_s`` (the learners
+        ``launcher.learner_stop_timeout_s``), then killed."""
+        launcher = self.cfg.launcher
         for fleet in (self.learners, self.rollouts, [self.buffer] if self.buffer else []):
+            grace = (launcher.learner_stop_timeout_s if fleet is self.learners
+                     else launcher.stop_timeout_s)
             live = [p for p in fleet if p.restart_at is None]
             for placed in live:
                 try:
@@ -353,7 +357,7 @@ class RayLauncher:
             refs = [p.ref for p in live]
             if refs:
                 _, pending = ray.wait(refs, num_returns=len(refs),
-                                      timeout=self.cfg.launcher.stop_timeout_s)
+                                      timeout=grace)
                 if pending:
                     logger.warning("%d %s actors did not stop in time: killing them",
                                    len(pending), fleet[0].name.split("[")[0])

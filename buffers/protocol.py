@@ -17,6 +17,10 @@ RUN_STATUS_KEY = "run/status"  # the key the learner marks the run done with: {"
 RUNNING = "running"
 DONE = "done"
 STOPPED = "stopped"  # the ``state`` in a member's last heartbeat: it will not come back
+# The ``exit`` of a rollout worker's last heartbeat when its share of data.path ran out
+# (data.epochs passes), with ``shard``: [its index, the fleet's worker count]. The learner
+# ends the run once every share ran out (learners.loop.data_ran_out).
+DATA_EXHAUSTED = "data exhausted"
 
 
 @dataclass(frozen=True)

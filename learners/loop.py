@@ -33,13 +33,14 @@ from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
 from buffers import BufferClient, connect_buffer, stopped_by, unanswered
 from buffers.lease import keep_leased
-from buffers.protocol import DONE, RUN_STATUS_KEY
+from buffers.protocol import DATA_EXHAUSTED, DONE, RUN_STATUS_KEY
 from learners.checkpoint import CheckpointMeta
 from learners.lora import engine_state, sends_adapters
 
 logger = logging.getLogger(__name__)
 
 BATCH_POLL_S = 2.0  # get_batch long-poll; between polls rank 0 re-syncs engines that joined late
+RAN_OUT = object()  # what _next_batch returns once every worker's share of data.path ran out
 
 
 class BufferLost(TimeoutError):
@@ -132,6 +133,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     ctx = RankContext(cfg, rank, world, connect_buffer(cfg, address, stop), f"learner-{rank}",
                       address, stop)
     driver, buffer_lost, failed = None, False, False
+    alone = False  # past the last collective: the other ranks are on their way to the barrier
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
@@ -167,10 +169,14 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         # The engines' full weights are the export's: gathered once (not with adapters alone).
         trainer.save_pretrained(cfg.run_dir / "final",
                                 state=None if sends_adapters(cfg) else state)
+        alone = True
         if driver is not None:
             driver.finish(state, trainer.version, done=done)
     except Exception as exc:
-        failed = True
+        # Rank 0's end of run (final eval, run status, weight delivery) is its alone: an error
+        # there, or the stop of a buffer that no longer answers, still meets the others in the
+        # barrier, which they reached; they exit as they should, and this rank with its error.
+        failed = not alone
         left = peer_left(exc)
         if left is None:
             raise
@@ -179,7 +185,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
         raise GroupLeft(f"learner rank {rank}/{world}: another rank left the process group "
                         f"({left})") from None
     except BaseException:
-        failed = True
+        failed = not alone
         raise
     finally:
         try:
@@ -301,8 +307,8 @@ def _check_fresh_buffer(ctx: RankContext) -> None:
 
 def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.Event,
            checkpointer) -> bool:
-    """Train until ``total_steps`` (False) or until the ranks agree to stop (True): a stop
-    event set on any rank, or the eval target reached (rank 0)."""
+    """Train until ``total_steps`` or the end of the data (False), or until the ranks agree
+    to stop (True): a stop event set on any rank, or the eval target reached (rank 0)."""
     from learners.balance import scatter_batch
 
     cfg, timers, lost = ctx.cfg, Timers(), _Lost()
@@ -312,6 +318,11 @@ def _train(ctx: RankContext, trainer, driver: _RankZero | None, stop: threading.
             fetched = _next_batch(ctx, trainer, driver, stop, lost, ready=header is not None)
         if fetched is None:
             return True
+        if fetched is RAN_OUT:   # the end of the data is the end of training
+            if driver is not None:
+                logger.info("ending the run at step %d of learner.total_steps = %d: the data "
+                            "ran out", trainer.version, cfg.learner.total_steps)
+            return False
         # rank 0's batch, collated and packed for the scatter on the prefetch thread
         batch, (outgoing, filter_counts) = (fetched if driver is not None
                                             else (None, (None, {})))
@@ -385,10 +396,11 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
     ``(batch, collated)`` on rank 0 (fetched and collated ahead, during the previous step:
     :mod:`learners.prefetch`), ``True`` on the others, ``None`` on every rank to stop. The
     other ranks wait in that agreement rather than in the batch's scatter, so an empty buffer
-    never runs into the process group's timeout. ``ready``: every rank already agreed that
-    rank 0 holds the batch (:func:`_end_of_step`): it is handed over, no agreement. A rank
-    whose buffer request got no answer says so in the agreement; then every rank raises
-    :class:`BufferLost`."""
+    never runs into the process group's timeout; :data:`RAN_OUT` on every rank once the data
+    ran out for good (rank 0 asks the buffer after each empty poll). ``ready``: every rank
+    already agreed that rank 0 holds the batch (:func:`_end_of_step`): it is handed over, no
+    agreement. A rank whose buffer request got no answer says so in the agreement; then every
+    rank raises :class:`BufferLost`."""
     if ready:
         if driver is None:
             return True
@@ -401,12 +413,16 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
         batch = None
         if driver is not None and not stop.is_set():
             batch = lost.call(driver.prefetcher.take, trainer.version, BATCH_POLL_S)
-        got, stopping, gone = _agree_any([batch is not None, stop.is_set(),
-                                          lost.cause is not None], ctx.world)
+        ran_out = (driver is not None and batch is None and not stop.is_set()
+                   and lost.call(driver.data_ran_out, default=False))
+        got, stopping, gone, ended = _agree_any([batch is not None, stop.is_set(),
+                                                 lost.cause is not None, ran_out], ctx.world)
         if gone:
             raise lost.error(stopping)
         if got and not stopping:
             return batch if driver is not None else True
+        if ended and not stopping:
+            return RAN_OUT
         if not got:
             # Rank 0 keeps its last step's record in the heartbeat: a monitor of a learner
             # starved for data still shows that step (and that the learner is waiting).
@@ -417,6 +433,33 @@ def _next_batch(ctx: RankContext, trainer, driver: _RankZero | None, stop: threa
             return None   # a batch fetched meanwhile stays unacked: the buffer redelivers it
         if driver is not None:
             lost.call(driver.resync_late_joiners, trainer.version)
+
+
+def data_ran_out(status: dict[str, Any], groups_per_step: int) -> str | None:
+    """Why no batch can come any more, from a buffer's ``status()``, or None while one may.
+
+    A rollout worker whose share of data.path ran out (``data.epochs`` passes) exits, its
+    last heartbeat saying so with its share (:data:`~buffers.protocol.DATA_EXHAUSTED`).
+    Once every share of the fleet's split ran out and the buffer holds less than a step,
+    nothing will fill the next batch: the learner used to wait for it for ever, and ``asyncrl
+    up`` with it, saying nothing. Shares are counted, not workers: a restarted worker reads
+    its share on from where it stopped, and runs out with it."""
+    shares: set[int] = set()
+    fleets: set[int] = set()
+    for member in status.get("members", {}).values():
+        info = member.get("info") or {}
+        if member.get("role") == "rollout" and info.get("exit") == DATA_EXHAUSTED:
+            index, workers = info["shard"]
+            shares.add(index)
+            fleets.add(workers)
+    if len(fleets) != 1:   # no share ran out yet, or fleets that split the data differently
+        return None
+    workers, = fleets
+    depth, in_flight = status.get("depth", 0), status.get("in_flight", 0)
+    if shares != set(range(workers)) or depth >= groups_per_step or in_flight:
+        return None
+    return (f"the {workers} rollout workers' shares of data.path all ran out, and the buffer "
+            f"holds {depth} group(s), fewer than learner.groups_per_step = {groups_per_step}")
 
 
 def groups_consumed(cfg: Config, version: int) -> int:
@@ -612,6 +655,13 @@ class _RankZero:
         self.eval_engine.load_weights(state.items(), version=version)
         self.last_eval = self.evaluator(self.eval_engine)
         return self.last_eval
+
+    def data_ran_out(self) -> bool:
+        """Whether the data ran out for good (:func:`data_ran_out`); said once, when it did."""
+        why = data_ran_out(self.ctx.client.status(), self.cfg.learner.groups_per_step)
+        if why is not None:
+            logger.info("the data ran out: %s", why)
+        return why is not None
 
     def resync_late_joiners(self, version: int) -> None:
         """An engine that joined after the last step would wait for weights forever while

@@ -18,7 +18,7 @@ from asyncrl.config import Config
 from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, BufferStopped, connect_buffer
-from buffers.protocol import DONE, STOPPED
+from buffers.protocol import DATA_EXHAUSTED, DONE, STOPPED
 
 if TYPE_CHECKING:
     from learners.weights_receiver import WeightReceiver
@@ -86,7 +86,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
-        _loop(cfg, member, engine, producer, client, stop, endpoint, receiver)
+        _loop(cfg, index, member, engine, producer, client, stop, endpoint, receiver)
     finally:
         producer.close()
         if endpoint is not None:
@@ -125,11 +125,11 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
         raise RuntimeError(f"rollout workers {sorted(failures)} failed")
 
 
-def _loop(cfg: Config, member: str, engine, producer, client: BufferClient,
+def _loop(cfg: Config, index: int, member: str, engine, producer, client: BufferClient,
           stop: threading.Event, endpoint: MetricsEndpoint | None,
           receiver: WeightReceiver) -> None:
     stats, tokens = WorkerStats(), RateMeter()
-    next_beat = 0.0
+    next_beat, last = 0.0, {"state": STOPPED}
     while not stop.is_set():
         if time.monotonic() >= next_beat:
             info = {**_info(engine, stats, tokens), **producer.metrics()}
@@ -160,8 +160,10 @@ def _loop(cfg: Config, member: str, engine, producer, client: BufferClient,
         producer.handed_over()
         if producer.exhausted:
             logger.info("%s: data exhausted (data.epochs = %d)", member, cfg.data.epochs)
+            # the learner ends the run once every worker's share ran out
+            last.update(exit=DATA_EXHAUSTED, shard=[index, cfg.rollout.workers])
             break
-    client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), "state": STOPPED})
+    client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), **last})
 
 
 def _wait_for_gate(buffer_version: int, engine_version: int, receiver: WeightReceiver,

@@ -141,7 +141,8 @@ class DataConfig(Section):
                                           "index).")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
     seed: int = Field(0, ge=0, description="Shuffle seed.")
-    epochs: int = Field(0, ge=0, description="Passes over the data; 0 = no limit.")
+    epochs: int = Field(0, ge=0, description="Passes over the data; 0 = no limit. The run ends "
+                        "when every rollout worker's share ran out.")
     eval_path: str = Field("", description="Held-out rows for validation (same format and "
                                            "template); empty with a built-in env: its own.")
     eval_size: int = Field(0, ge=0, description="Validate on the first N held-out rows; 0 = all.")
@@ -467,6 +468,10 @@ class LauncherConfig(Section):
     address: str = Field("", description="ray: cluster to join (`ray start --head` prints it, "
                                          "e.g. 127.0.0.1:6379); empty starts a private local one.")
     stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
+    learner_stop_timeout_s: float = Field(
+        120.0, gt=0, description="The learner's grace period after a stop: time to finish its "
+                                 "step and save its checkpoint and export (a second Ctrl-C "
+                                 "ends it at once).")
     refresh_s: float = Field(2.0, gt=0, description="Progress line period of `asyncrl up`.")
     max_restarts: int = Field(3, ge=0, description="Restarts of one crashed rollout worker (or "
                                                    "ZMQ broker) before the run is stopped; a "

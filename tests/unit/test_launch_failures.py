@@ -61,3 +61,51 @@ def test_a_crash_is_still_restarted(tmp_path: Path) -> None:
     launcher._tend()
     log.close()
     assert launcher.roles[0].restart_at is not None
+
+
+# A role that takes SAVE_S to stop after its SIGTERM (as a learner saving its checkpoint).
+SAVING = ("import signal, sys, time\n"
+          "signal.signal(signal.SIGTERM, lambda *_: (time.sleep({save_s}), sys.exit(0)))\n"
+          "print('ready', flush=True)\n"
+          "time.sleep(60)\n")
+
+
+def _saving_role(tmp_path: Path, name: str, save_s: float) -> Role:
+    log = (tmp_path / f"{name}.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-c", SAVING.format(save_s=save_s)],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline() == b"ready\n"   # its handler is in place
+    return Role(name, proc, log)
+
+
+@pytest.mark.timeout(60)
+def test_the_learner_gets_its_own_grace_to_save_and_the_others_the_common_one(tmp_path: Path
+                                                                             ) -> None:
+    """The learner saves its checkpoint and export after a stop: `up` gave it
+    ``launcher.stop_timeout_s`` (10 s) like any role, and on a loaded machine (or a real
+    model) killed it mid-save; it gets ``launcher.learner_stop_timeout_s`` now."""
+    cfg = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "launcher.stop_timeout_s=1",
+                             "launcher.learner_stop_timeout_s=30"])
+    launcher = LocalLauncher(cfg)
+    learner, rollout = (_saving_role(tmp_path, name, 3.0) for name in ("learner", "rollout"))
+    launcher._stop_role(learner)
+    launcher._stop_role(rollout)
+    assert learner.proc.returncode == 0      # saved, and exited on its own
+    assert rollout.proc.returncode == -9     # killed after stop_timeout_s
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_kills_what_is_still_stopping(tmp_path: Path) -> None:
+    import signal
+    import threading
+    import time
+
+    cfg = load_config(None, [f"run.output_dir={str(tmp_path)!r}",
+                             "launcher.learner_stop_timeout_s=30"])
+    launcher = LocalLauncher(cfg)
+    learner = _saving_role(tmp_path, "learner", 20.0)
+    launcher._on_signal(signal.SIGINT, None)   # the stop
+    threading.Timer(1.0, launcher._on_signal, (signal.SIGINT, None)).start()   # impatient
+    start = time.monotonic()
+    launcher._stop_role(learner)
+    assert learner.proc.returncode == -9 and time.monotonic() - start < 10

@@ -19,7 +19,7 @@ def test_a_learner_stopped_before_its_first_step_exports_nothing(tmp_path):
     model, which looked like the outcome of a run that never started."""
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
-                             "run.name=never"])
+                             "run.name=never", "buffer.port=0"])
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
     stop = threading.Event()
@@ -68,7 +68,8 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
 
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
-                             "run.name=last", "learner.total_steps=3", "checkpoint.resume=true"])
+                             "run.name=last", "learner.total_steps=3", "checkpoint.resume=true",
+                             "buffer.port=0"])
     trainer = make_trainer(prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed),
                            cfg.learner, "cpu", sim=cfg.sim, lora=cfg.model.lora)
     trainer.version = 3
@@ -103,6 +104,27 @@ def _group(i: int, run_id: str):
                 "loss_mask": [0, 0, 1, 1], "versions": [-1, -1, 0, 0], "reward": float(j),
                 "finish_reason": "stop"} for j in range(2)]
     return TrajectoryGroup.from_samples(f"g{i}", f"p{i}", samples, run_id=run_id)
+
+
+def _two_ranks(args: list[str], target, *extra, groups: int = 2) -> dict:
+    """``target(rank, args, address, port, *extra, results)`` spawned on two ranks against a
+    real broker holding ``groups`` groups; what each rank put in ``results``."""
+    import torch.multiprocessing as mp
+
+    from buffers.zmq_client import ZmqBufferClient
+
+    cfg = load_config(None, args)
+    address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
+                                               cfg.run.name)
+    try:
+        with ZmqBufferClient(address, timeout_s=10) as client:
+            assert all(client.put("w", _group(i, cfg.run.name)).accepted
+                       for i in range(groups))
+        results = mp.Manager().dict()
+        mp.spawn(target, args=(args, address, free_port(), *extra, results), nprocs=2)
+        return dict(results)
+    finally:
+        stop_broker()
 
 
 def _rank_told_alone(rank: int, args: list[str], address: str, port: int, after_step: bool,
@@ -202,26 +224,47 @@ def test_an_error_on_one_rank_ends_every_rank_at_once(tmp_path):
     waited out ``learner.collective_timeout_s`` (seen with a plain gloo pair) or,
     as here, rank 0's own error was replaced by the barrier's "Connection closed by peer".
     Now rank 0 leaves with its own error and rank 1 follows at once with GroupLeft."""
-    import torch.multiprocessing as mp
-
-    from buffers.zmq_client import ZmqBufferClient
-
     timeout_s = 90
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=alone", "learner.groups_per_step=2",
             "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
             f"learner.collective_timeout_s={timeout_s}", "buffer.port=0"]
-    cfg = load_config(None, args)
-    address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
-                                               cfg.run.name)
-    try:
-        with ZmqBufferClient(address, timeout_s=10) as client:
-            assert all(client.put("w", _group(i, cfg.run.name)).accepted for i in (0, 1))
-        results = mp.Manager().dict()
-        mp.spawn(_rank_zero_fails, args=(args, address, free_port(), results), nprocs=2)
-    finally:
-        stop_broker()
+    results = _two_ranks(args, _rank_zero_fails)
     (zero, zero_s), (one, one_s) = results[0], results[1]
     assert zero == "RuntimeError: rank 0 alone failed", zero
     assert one.startswith("GroupLeft: learner rank 1/2: another rank left"), one
     assert max(zero_s, one_s) < timeout_s / 2, (zero_s, one_s)
+
+
+def _rank_zero_stopped_at_the_end(rank: int, args: list[str], address: str, port: int,
+                                  results) -> None:
+    """One learner rank; rank 0's end of run (after the last collective) meets a buffer that
+    no longer answers a stopping role, as when the buffer hangs while the learner stops."""
+    from buffers import BufferStopped
+    from learners import loop
+
+    if rank == 0:
+        def finish(*_args, **_kwargs):
+            raise BufferStopped("stopped waiting for the reply to 'get_keys': stopping")
+        loop._RankZero.finish = finish
+    try:
+        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        results[rank] = "returned"
+    except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
+        results[rank] = f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_in_rank_zeros_end_of_run_still_meets_the_others_at_the_barrier(tmp_path):
+    """Rank 0 alone talks to the buffer after the last collective (final eval, run status,
+    the weight delivery's close). A BufferStopped there (seen on a loaded CI machine: Ctrl-C
+    to a two-rank learner whose buffer hung) made rank 0 skip the shutdown barrier that rank 1
+    waited in: rank 1 failed with "Connection closed by peer" and the learner exited 1 on a
+    stop. Now rank 0 meets rank 1 there and then raises its stop; rank 1 returns."""
+    args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
+            f"run.output_dir={tmp_path}", "run.name=end", "learner.groups_per_step=2",
+            "learner.total_steps=1", "eval.every_steps=0", "checkpoint.every_steps=0",
+            "learner.collective_timeout_s=60", "buffer.port=0"]
+    assert _two_ranks(args, _rank_zero_stopped_at_the_end) == {
+        0: "BufferStopped: stopped waiting for the reply to 'get_keys': stopping",
+        1: "returned"}

@@ -83,6 +83,9 @@ def test_up_prints_a_line_for_each_change_in_the_rollout_fleet() -> None:
                             "rollout-0-12": running, "rollout-1-11": (False, {})}))
     view.show(_status(4, **{"rollout-0-12": (True, {"state": "stopped"}),
                             "rollout-1-11": running}))
+    view.show(_status(5, **{"rollout-0-12": (True, {"state": "stopped"}),
+                            "rollout-1-11": (True, {"state": "stopped", "shard": [1, 2],
+                                                    "exit": "data exhausted"})}))
     events = [line for line in out.getvalue().splitlines() if line.startswith("fleet:")]
     assert events == [
         "fleet: rollout-0-10 joined", "fleet: rollout-1-11 joined",
@@ -90,9 +93,10 @@ def test_up_prints_a_line_for_each_change_in_the_rollout_fleet() -> None:
         "fleet: rollout-0-12 joined",
         "fleet: rollout-1-11 silent for 16s: let go",
         "fleet: rollout-0-12 stopped",
-        "fleet: rollout-1-11 is back"]
+        "fleet: rollout-1-11 is back",
+        "fleet: rollout-1-11 stopped: its share of data.path ran out"]
     assert [line[:2] for line in out.getvalue().splitlines() if not line.startswith("fleet")
-            ] == ["v1", "v2", "v3", "v4"]
+            ] == ["v1", "v2", "v3", "v4", "v5"]
     out = io.StringIO()
     LineView(out).show(_status(1, **{"rollout-0-10": (True, {"state": "stopped",
                                                              "exit": "exit status 1"})}))
