@@ -108,7 +108,7 @@ def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
             old.rename(kept)
             logger.info("kept the previous run's %s as %s", name, kept.name)
     path = cfg.run_dir / "config.toml"
-    path.write_text(to_toml(cfg))
+    path.write_text(to_toml(cfg), encoding="utf-8")
     return path
 
 

@@ -7,6 +7,7 @@ and what is allowed, so a user fixes a config in one round instead of one error 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,12 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Confi
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:   # was a traceback
+            raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r})") from None
     data = deep_merge(data, parse_overrides(overrides))
     return validate_config(data, source=str(path) if path else "<defaults>")
 
@@ -118,14 +122,29 @@ def _emit_table(table: Mapping[str, Any], prefix: list[str], out: list[str]) -> 
     scalars = {k: v for k, v in table.items() if not isinstance(v, Mapping)}
     tables = {k: v for k, v in table.items() if isinstance(v, Mapping)}
     if prefix and scalars:
-        out.append(f"\n[{'.'.join(prefix)}]")
+        out.append(f"\n[{'.'.join(_toml_key(part) for part in prefix)}]")
     for key, value in scalars.items():
         if value is None:
-            out.append(f"# {key} = (unset)")
+            out.append(f"# {_toml_key(key)} = (unset)")
         else:
-            out.append(f"{key} = {_toml_value(value)}")
+            out.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for key, value in tables.items():
         _emit_table(value, [*prefix, key], out)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    """A bare key, or a quoted one (free-form keys, as in ``workflow.env_args``)."""
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string. JSON's escapes are TOML's, but with ``ensure_ascii`` JSON writes
+    a character past U+FFFF as a surrogate pair, which TOML refuses, and JSON leaves DEL
+    unescaped, which TOML also refuses."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _toml_value(value: Any) -> str:
@@ -134,7 +153,10 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)
+        return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):   # in an array (an array of tables): an inline table
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()
+                               if v is not None) + "}"
     raise TypeError(f"cannot render {type(value).__name__} as TOML")

@@ -93,6 +93,30 @@ def test_resolved_toml_round_trips() -> None:
     assert again == cfg
 
 
+def test_free_form_env_args_round_trip_through_the_run_directorys_toml(tmp_path: Path
+                                                                      ) -> None:
+    """``workflow.env_args`` is the user's: an array of tables, keys that are not bare, text
+    past U+FFFF or with DEL. The resolved config written to the run directory used to raise
+    (TypeError on the array of tables) or come out as TOML that does not parse."""
+    path = tmp_path / "env.toml"
+    path.write_text('[workflow.env_args]\n"max turns" = 4\ngreeting = "hi \\U0001F600 \\u007f"\n'
+                    'tools = [{name = "calc", "max calls" = 3}]\n'
+                    '[workflow.env_args.nested]\n"a.b" = [1, 2.5e-06, true]\n',
+                    encoding="utf-8")
+    cfg = load_config(path)
+    assert cfg.workflow.env_args["tools"] == [{"name": "calc", "max calls": 3}]
+    again = validate_config(tomllib.loads(to_toml(cfg)))
+    assert again == cfg and again.workflow.env_args["greeting"] == "hi \U0001F600 \x7f"
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.toml: not UTF-8 text, as TOML must be "
+                                          r"\(byte 17: b'\\xe9'\)"):
+        load_config(path)
+
+
 def test_ray_launcher_and_resources_config() -> None:
     cfg = load_config(None, ["launcher.type=ray", "launcher.address=127.0.0.1:6379",
                              "resources.learner.gpus=1", "resources.rollout.cpus=2"])
