@@ -138,6 +138,8 @@ class _Link:
     monitor: zmq.Socket
 
     def close(self) -> None:
+        if self.socket.closed:   # closed already, and a new connection failed to open
+            return
         self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self.socket.close(linger=0)
