@@ -293,9 +293,7 @@ class LocalLauncher:
         """SIGTERM the role's process group, wait for it (the learner longer: it saves), then
         SIGKILL what is left."""
         _signal_group(role.proc, signal.SIGTERM)
-        grace = (self.cfg.launcher.learner_stop_timeout_s if role.name == "learner"
-                 else self.cfg.launcher.stop_timeout_s)
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + self.cfg.launcher.stop_grace_s(role.name)
         while role.proc.poll() is None and not self.force.is_set():
             if time.monotonic() >= deadline:
                 logger.warning("%s did not stop in time: killing it", role.name)

@@ -108,10 +108,10 @@ def fleet_events(before: Mapping[str, str], status: Mapping[str, Any]
     states, events = {}, []
     for name, member in rollouts(status).items():
         info = member.get("info") or {}
-        if info.get("state") == STOPPED and info.get("exit") == DATA_EXHAUSTED:
-            state = "ran out"
-        elif info.get("state") == STOPPED:
-            state = "crashed" if "exit" in info else "stopped"
+        if info.get("state") == STOPPED:
+            exit_ = info.get("exit")
+            state = ("ran out" if exit_ == DATA_EXHAUSTED else
+                     "crashed" if exit_ is not None else "stopped")
         else:
             state = "alive" if member.get("alive") else "silent"
         states[name] = state

@@ -344,10 +344,7 @@ class RayLauncher:
         """Learners first (they save), then the rollout fleet, then the broker; each is asked
         to stop, given ``launcher.stop_timeout_s`` (the learners
         ``launcher.learner_stop_timeout_s``), then killed."""
-        launcher = self.cfg.launcher
         for fleet in (self.learners, self.rollouts, [self.buffer] if self.buffer else []):
-            grace = (launcher.learner_stop_timeout_s if fleet is self.learners
-                     else launcher.stop_timeout_s)
             live = [p for p in fleet if p.restart_at is None]
             for placed in live:
                 try:
@@ -356,11 +353,12 @@ class RayLauncher:
                     logger.debug("stop %s: %s", placed.name, exc)
             refs = [p.ref for p in live]
             if refs:
+                role = fleet[0].name.split("[")[0]
                 _, pending = ray.wait(refs, num_returns=len(refs),
-                                      timeout=grace)
+                                      timeout=self.cfg.launcher.stop_grace_s(role))
                 if pending:
                     logger.warning("%d %s actors did not stop in time: killing them",
-                                   len(pending), fleet[0].name.split("[")[0])
+                                   len(pending), role)
             for placed in fleet:
                 ray.kill(placed.actor, no_restart=True)
         for pg in self.groups:

@@ -198,7 +198,7 @@ def run_learner(cfg: Config, address: str | None) -> int:
         return 0
     return _run_children(run_learner_rank, [(cfg, first + i, world, address, port)
                                             for i in range(learner.ranks)], "learner",
-                         cfg.launcher.learner_stop_timeout_s, stop=stop)
+                         cfg.launcher.stop_grace_s("learner"), stop=stop)
 
 
 def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:

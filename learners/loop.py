@@ -657,7 +657,10 @@ class _RankZero:
         return self.last_eval
 
     def data_ran_out(self) -> bool:
-        """Whether the data ran out for good (:func:`data_ran_out`); said once, when it did."""
+        """Whether the data ran out for good (:func:`data_ran_out`); said once, when it did.
+        Without ``data.epochs`` over a ``data.path`` it never does: no status request."""
+        if not (self.cfg.data.path and self.cfg.data.epochs):
+            return False
         why = data_ran_out(self.ctx.client.status(), self.cfg.learner.groups_per_step)
         if why is not None:
             logger.info("the data ran out: %s", why)

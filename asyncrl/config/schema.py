@@ -482,6 +482,10 @@ class LauncherConfig(Section):
     healthy_after_s: float = Field(60.0, gt=0, description="A process that ran this long before "
                                                            "crashing starts a fresh restart count.")
 
+    def stop_grace_s(self, role: str) -> float:
+        """How long ``role`` gets after a stop before it is killed: the learner saves."""
+        return self.learner_stop_timeout_s if role == "learner" else self.stop_timeout_s
+
 
 class RoleResources(Section):
     """What one process of a role asks the cluster for (Ray placement-group bundles)."""
