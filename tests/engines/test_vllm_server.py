@@ -7,6 +7,7 @@ HTTP to it and broadcasts weights on the ``asyncrl_gloo`` transfer group.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -31,6 +32,8 @@ from tests.engines.test_vllm_engine import (
     _reference_engine,
 )
 from tests.integration.conftest import ROOT, wait_for
+
+MAX_NUM_SEQS = 128
 
 
 def _free_port() -> int:
@@ -61,8 +64,11 @@ def server_url(vllm_env: dict[str, str], tiny_model_dir: Path,
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # --max-num-seqs: every row of the in-flight test runs at once (vLLM's CPU default, stated);
+    # --enable-server-load-tracking: /load counts the generate requests the server holds.
     args = server_args(str(tiny_model_dir), "127.0.0.1", port) + [
-        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
+        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-server-load-tracking"]
     env = dict(os.environ, **vllm_env, VLLM_SERVER_DEV_MODE="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
@@ -129,38 +135,78 @@ def test_server_update_changes_outputs(server_engine, tiny_model_dir: Path,
     assert all(set(c.versions) == {2} for c in again)
 
 
-def _generated_tokens(url: str) -> float:
+def _post(url: str) -> str:
+    with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"),
+                                timeout=30) as response:
+        return response.read().decode()
+
+
+def _engine_counts(url: str) -> dict[str, float]:
+    """The engine's request counts from /metrics: running and waiting rows, finished rows (all
+    reasons summed). While the server is paused they stand still: no step runs."""
+    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+             "vllm:request_success_total": "finished"}
+    counts = dict.fromkeys(names.values(), 0.0)
     for line in _get(f"{url}/metrics").splitlines():
-        if line.startswith("vllm:generation_tokens_total{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        name = line.split("{", 1)[0]
+        if name in names:
+            counts[names[name]] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _step_until_all_run(url: str, rows: int) -> dict[str, float]:
+    """Let the paused server run a step or so at a time (resume, then pause at once: one step
+    when measured) until ``rows`` rows have run, and return its counts, read while it is paused
+    again: they stand still then."""
+    before = _engine_counts(url)["finished"]
+    counts: dict[str, float] = {}
+
+    def step() -> bool:
+        _post(f"{url}/resume")
+        _post(f"{url}/pause?mode=keep")
+        counts.update(_engine_counts(url))
+        return counts["running"] + counts["finished"] - before >= rows
+
+    wait_for(step, 60, f"{rows} rows to run", poll_s=0.05)
+    return {**counts, "finished": counts["finished"] - before}
 
 
 def test_server_in_flight_update_keeps_requests(server_engine, server_url: str,
                                                 reference_state: dict) -> None:
     """An update while long requests run: they are kept (not aborted), and each row's tokens
-    switch from the old version to the new one exactly once, as the server recorded."""
+    switch from the old version to the new one exactly once, as the server recorded.
+
+    The update must land while every row is generating, which no amount of waiting for tokens
+    can promise (under load the rows finished before the update did). So the server is paused
+    (``/pause?mode=keep``: requests queue, no step runs) before the rows are sent, and let run
+    a step or so at a time until every row is running, none finished: each has sampled its
+    first token at the old version and has dozens to go. The update is then made while the
+    server is still paused in the state observed, so every row must see both versions."""
     from rollouters.engines.vllm_server import VLLMServerEngine
 
+    n, length = 8, 48
+    prompts = (PROMPTS * MAX_NUM_SEQS)[:MAX_NUM_SEQS // n]  # 16 requests, 128 rows: one batch
+    rows = len(prompts) * n
     long_rows = VLLMServerEngine(server_url, eos_id=None)  # rows run to max_new_tokens
     old, new = server_engine.version, server_engine.version + 1
-    start_tokens = _generated_tokens(server_url)
     result: list = []
     thread = threading.Thread(target=lambda: result.append(
-        long_rows.generate(PROMPTS * 16, n=16, temperature=1.0, max_new_tokens=48)))
-    thread.start()
+        long_rows.generate(prompts, n=n, temperature=1.0, max_new_tokens=length)))
+    _post(f"{server_url}/pause?mode=keep")
     try:
-        wait_for(lambda: _generated_tokens(server_url) >= start_tokens + 96, 60,
-                 "the first tokens", poll_s=0.005)
-        server_engine.load_weights(reference_state.items(), version=new)
+        thread.start()
+        wait_for(lambda: json.loads(_get(f"{server_url}/load"))["server_load"] == len(prompts),
+                 60, "the server to hold every request")
+        counts = _step_until_all_run(server_url, rows)
+        assert counts["running"] == rows and counts["finished"] == 0, counts  # all mid-flight
+        server_engine.load_weights(reference_state.items(), version=new)  # then resumes
     finally:
+        _post(f"{server_url}/resume")
         thread.join(120)
     completions = _flat(result[0])
-    assert all(len(c.tokens) == 48 and c.finish_reason == "length" for c in completions), \
+    assert len(completions) == rows
+    assert all(len(c.tokens) == length and c.finish_reason == "length" for c in completions), \
         [(len(c.tokens), c.finish_reason, c.tokens[-1]) for c in completions]
     for completion in completions:
         assert completion.versions == sorted(completion.versions)
-        assert set(completion.versions) <= {old, new}
-    switch_points = sorted({c.versions.index(new) if new in c.versions else -1
-                            for c in completions})
-    assert any(set(c.versions) == {old, new} for c in completions), (old, new, switch_points)
+        assert set(completion.versions) == {old, new}, completion.versions
