@@ -10,7 +10,6 @@ groups' rows land on different ranks and in different micro-batches.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,15 @@ import torch
 from asyncrl.config.schema import LearnerConfig, LossConfig
 from learners.balance import split_batch
 from learners.batching import collate
-from learners.dist import free_port
 from learners.packing import plan_micro_batches
-from tests.unit.test_fsdp2 import _initial_state, join_all, make_groups, tiny_model_dir  # noqa: F401
+from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
+    _initial_state,
+    make_groups,
+    spawn_runs,
+    tiny_model_dir,
+)
 
-pytestmark = pytest.mark.slow   # ~100 s on the loaded 2-core box: 7 processes at once
+pytestmark = pytest.mark.slow   # 25-60 s on the loaded 2-core box (3 processes)
 
 STEPS = 3
 BASE = LearnerConfig(lr=1e-3, grad_clip=1.0, clip_eps=0.2,
@@ -39,42 +42,27 @@ RUNS = {   # name: (world, config)
 }
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
              cfg: LearnerConfig) -> None:
-    """One learner process: rank 0 collates the whole batch and scatters balanced shares."""
-    torch.set_num_threads(1)
+    """One learner rank: rank 0 collates the whole batch and scatters balanced shares."""
     from learners.backends.fsdp2 import Fsdp2Trainer
     from learners.balance import scatter_batch
-    from learners.dist import init_learner_group, shutdown_learner_group
 
-    device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
-    try:
-        trainer = Fsdp2Trainer(model_dir, cfg, device)
-        metrics = []
-        for _ in range(STEPS):
-            whole = collate(make_groups(), std_norm=True, pad_id=0) if rank == 0 else None
-            metrics.append(trainer.train_step(scatter_batch(whole, rank, world)))
-        state = trainer.full_state_dict()
-        torch.save({"metrics": metrics, "state": state}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        shutdown_learner_group()
+    trainer = Fsdp2Trainer(model_dir, cfg, device)
+    metrics = []
+    for _ in range(STEPS):
+        whole = collate(make_groups(), std_norm=True, pad_id=0) if rank == 0 else None
+        metrics.append(trainer.train_step(scatter_batch(whole, rank, world)))
+    state = trainer.full_state_dict()
+    torch.save({"metrics": metrics, "state": state}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    ctx = mp.get_context("spawn")
-    root = tmp_path_factory.mktemp("balanced")
-    procs = []
-    for name, (world, cfg) in RUNS.items():
-        port = free_port()
-        (root / name).mkdir()
-        procs += [ctx.Process(target=run_rank, args=(r, world, port, str(tiny_model_dir),
-                                                     str(root / name), cfg))
-                  for r in range(world)]
-    for proc in procs:
-        proc.start()
-    join_all(procs)
-    return {name: torch.load(root / name / "rank0.pt", weights_only=False) for name in RUNS}
+    """Every run of RUNS (3 processes: the runs of one world size take turns)."""
+    dirs = spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("balanced"),
+                      {name: (world, (cfg,)) for name, (world, cfg) in RUNS.items()})
+    return {name: torch.load(dirs[name] / "rank0.pt", weights_only=False) for name in RUNS}
 
 
 def test_shares_are_balanced_and_micro_batched() -> None:

@@ -35,39 +35,33 @@ WEIGHT_ATOL = 1e-5   # max abs difference of any weight after STEPS steps (fp32)
 METRIC_REL = 1e-4
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
              backend: str, stage: int, micro_tokens: int, packing: bool) -> None:
-    """One learner process: STEPS steps, then metrics, full state dict and an HF export."""
-    torch.set_num_threads(1)
+    """One learner rank: STEPS steps, then metrics, full state dict and an HF export."""
     from learners.backends import make_trainer
     from learners.backends.base import Trainer
-    from learners.dist import init_learner_group, shutdown_learner_group
 
     cfg = CFG.model_copy(update={"backend": backend, "zero_stage": stage,
                                  "micro_batch_tokens": micro_tokens, "packing": packing})
-    device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
-    try:
-        if backend == "deepspeed":
-            from learners.backends.deepspeed import DeepSpeedTrainer
-            trainer = DeepSpeedTrainer(model_dir, cfg, device,
-                                       zero_overrides={"stage3_param_persistence_threshold": 0})
-        else:
-            trainer = make_trainer(model_dir, cfg, device)
-        assert isinstance(trainer, Trainer)
-        forwards = [0]   # policy forwards through the DeepSpeed engine: one per micro-batch
-        if backend == "deepspeed":
-            trainer.engine.register_forward_pre_hook(lambda *_: forwards.__setitem__(0,
-                                                                                 forwards[0] + 1))
-        batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
-        metrics = [trainer.train_step(batch) for _ in range(STEPS)]
-        state = trainer.full_state_dict()
-        trainer.save_pretrained(Path(out_dir) / "checkpoint")
-        # Elements this rank holds in the module's weights: 0 once ZeRO-3 has partitioned them.
-        held = sum(p.data.numel() for p in trainer.model.parameters())
-        torch.save({"metrics": metrics, "state": state, "version": trainer.version, "held": held,
-                    "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        shutdown_learner_group()
+    if backend == "deepspeed":
+        from learners.backends.deepspeed import DeepSpeedTrainer
+        trainer = DeepSpeedTrainer(model_dir, cfg, device,
+                                   zero_overrides={"stage3_param_persistence_threshold": 0})
+    else:
+        trainer = make_trainer(model_dir, cfg, device)
+    assert isinstance(trainer, Trainer)
+    forwards = [0]   # policy forwards through the DeepSpeed engine: one per micro-batch
+    if backend == "deepspeed":
+        trainer.engine.register_forward_pre_hook(lambda *_: forwards.__setitem__(0,
+                                                                             forwards[0] + 1))
+    batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
+    metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+    state = trainer.full_state_dict()
+    trainer.save_pretrained(Path(out_dir) / "checkpoint")
+    # Elements this rank holds in the module's weights: 0 once ZeRO-3 has partitioned them.
+    held = sum(p.data.numel() for p in trainer.model.parameters())
+    torch.save({"metrics": metrics, "state": state, "version": trainer.version, "held": held,
+                "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
 
 
 # name → (backend, stage, world, micro_batch_tokens, packing). The baseline is one micro-batch;
@@ -81,8 +75,8 @@ RUNS = {"fsdp2_w1": ("fsdp2", 2, 1, 0, False), "zero2_w2": ("deepspeed", 2, 2, 0
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """All runs at once (9 processes): the FSDP2 baseline, ZeRO-2 and ZeRO-3, each of them
-    with and without micro-batches."""
+    """The FSDP2 baseline, ZeRO-2 and ZeRO-3, each of them with and without micro-batches (3
+    processes: the DeepSpeed runs take turns on 2 ranks)."""
     return spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("ds"),
                       {name: (world, (backend, stage, micro, packing))
                        for name, (backend, stage, world, micro, packing) in RUNS.items()})

@@ -5,7 +5,7 @@ state and its step count came back too. The layout is ``learners.checkpoint``'s:
 ``step_<V>`` with ``meta.json`` (format "deepspeed"), pruned to ``keep``.
 
 Cost: ~15 s per stage after DeepSpeed's first-use comm op build (~20 s, cached in
-``~/.cache/torch_extensions``); both stages run at once (4 processes).
+``~/.cache/torch_extensions``); the stages take turns on the same 2 processes.
 """
 
 from __future__ import annotations
@@ -38,47 +38,42 @@ def _moments(trainer) -> list[torch.Tensor]:
             for _, tensor in sorted(state.items()) if torch.is_tensor(tensor)]
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, stage: int) -> None:
+def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
+             stage: int) -> None:
     """Train SAVE_AT steps with checkpoints, take one more step; then a fresh trainer loads the
     checkpoint and takes that step again. Everything to compare goes to ``rank<r>.pt``."""
-    torch.set_num_threads(1)
     from learners.backends.deepspeed import DeepSpeedTrainer
-    from learners.dist import init_learner_group, shutdown_learner_group
 
     cfg = CFG.model_copy(update={"backend": "deepspeed", "zero_stage": stage})
-    device = init_learner_group(rank, world, master_port=port, timeout_s=120.0)
     directory = Path(out_dir) / "checkpoints"
-    try:
-        batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
-        first = DeepSpeedTrainer(model_dir, cfg, device, zero_overrides=ZERO_OVERRIDES)
-        for _ in range(SAVE_AT):
-            first.train_step(batch)
-            path = checkpoint.save(first, directory, keep=1, cfg_hash="h",
-                                   counters={"groups_consumed": first.version * 4})
-        saved = first.full_state_dict()
-        rng_expected = torch.rand(4)
-        next_metrics, next_state = first.train_step(batch), first.full_state_dict()
-        next_moments = _moments(first)
+    batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
+    first = DeepSpeedTrainer(model_dir, cfg, device, zero_overrides=ZERO_OVERRIDES)
+    for _ in range(SAVE_AT):
+        first.train_step(batch)
+        path = checkpoint.save(first, directory, keep=1, cfg_hash="h",
+                               counters={"groups_consumed": first.version * 4})
+    saved = first.full_state_dict()
+    rng_expected = torch.rand(4)
+    next_metrics, next_state = first.train_step(batch), first.full_state_dict()
+    next_moments = _moments(first)
 
-        resumed = DeepSpeedTrainer(model_dir, cfg, device, zero_overrides=ZERO_OVERRIDES)
-        meta = checkpoint.load(resumed, path)
-        loaded, rng = resumed.full_state_dict(), torch.rand(4)
-        resumed_metrics = resumed.train_step(batch)
-        torch.save({"path": str(path), "meta_version": meta.version, "saved": saved,
-                    "loaded": loaded, "rng": (rng_expected, rng),
-                    "next": (next_metrics, next_state, next_moments, first.version),
-                    "resumed": (resumed_metrics, resumed.full_state_dict(), _moments(resumed),
-                                resumed.version)},
-                   Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        shutdown_learner_group()
+    resumed = DeepSpeedTrainer(model_dir, cfg, device, zero_overrides=ZERO_OVERRIDES)
+    meta = checkpoint.load(resumed, path)
+    loaded, rng = resumed.full_state_dict(), torch.rand(4)
+    resumed_metrics = resumed.train_step(batch)
+    torch.save({"path": str(path), "meta_version": meta.version, "saved": saved,
+                "loaded": loaded, "rng": (rng_expected, rng),
+                "next": (next_metrics, next_state, next_moments, first.version),
+                "resumed": (resumed_metrics, resumed.full_state_dict(), _moments(resumed),
+                            resumed.version)},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """ZeRO-2 and ZeRO-3, 2 ranks each, at once."""
+    """ZeRO-2 and ZeRO-3, in turn on the same 2 ranks."""
     dirs = spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("ds_ckpt"),
-                      {f"zero{stage}": (2, (stage,)) for stage in STAGES})
+                      {f"zero{stage}": (2, (stage,)) for stage in STAGES}, timeout_s=120.0)
     return {stage: dirs[f"zero{stage}"] for stage in STAGES}
 
 

@@ -60,45 +60,26 @@ def rank_groups(rank: int, world: int) -> list[TrajectoryGroup]:
     return groups[rank * share:(rank + 1) * share]
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
              cfg: LearnerConfig = CFG) -> None:
-    """One learner process: train STEPS steps, write metrics, state dict and a checkpoint."""
-    torch.set_num_threads(1)
+    """One learner rank: train STEPS steps, write metrics, state dict and a checkpoint."""
     from learners.backends.fsdp2 import Fsdp2Trainer
-    from learners.dist import init_learner_group, shutdown_learner_group
 
-    device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
-    try:
-        trainer = Fsdp2Trainer(model_dir, cfg, device)
-        batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0,
-                        advantage=cfg.loss.advantage)
-        metrics = [trainer.train_step(batch) for _ in range(STEPS)]
-        state = trainer.full_state_dict()
-        # Written from the state just gathered (what the end of a run does), not re-gathered.
-        trainer.save_pretrained(Path(out_dir) / "checkpoint", state=state)
-        torch.save({"metrics": metrics, "state": state, "version": trainer.version},
-                   Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        shutdown_learner_group()
+    trainer = Fsdp2Trainer(model_dir, cfg, device)
+    batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0,
+                    advantage=cfg.loss.advantage)
+    metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+    state = trainer.full_state_dict()
+    # Written from the state just gathered (what the end of a run does), not re-gathered.
+    trainer.save_pretrained(Path(out_dir) / "checkpoint", state=state)
+    torch.save({"metrics": metrics, "state": state, "version": trainer.version},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
-def spawn_world(world: int, model_dir: Path, out_dir: Path,
-                cfg: LearnerConfig = CFG) -> list[mp.process.BaseProcess]:
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out_dir.mkdir()
-    procs = [ctx.Process(target=run_rank,
-                         args=(r, world, port, str(model_dir), str(out_dir), cfg))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    return procs
-
-
-def join_all(procs: list[mp.process.BaseProcess]) -> None:
+def join_all(procs: list[mp.process.BaseProcess], timeout_s: float = JOIN_TIMEOUT_S) -> None:
     """Wait for our own processes; kill (by handle) any that hang, then fail."""
     for proc in procs:
-        proc.join(JOIN_TIMEOUT_S)
+        proc.join(timeout_s)
     hung = [p for p in procs if p.is_alive()]
     for proc in hung:
         proc.kill()
@@ -108,22 +89,44 @@ def join_all(procs: list[mp.process.BaseProcess]) -> None:
 
 
 def spawn_runs(target: Callable[..., None], model_dir: Path, root: Path,
-               runs: dict[str, tuple[int, tuple]]) -> dict[str, Path]:
-    """Run every ``name → (world, extra)`` at once, each rank a spawned process calling
-    ``target(rank, world, port, model_dir, root/name, *extra)``; wait for all of them and
-    return each run's directory."""
+               runs: dict[str, tuple[int, tuple]], timeout_s: float = 60.0) -> dict[str, Path]:
+    """Run every ``name → (world, extra)``: on each of its ranks, ``target(rank, world, device,
+    model_dir, root/name, *extra)``. Wait for all of them and return each run's directory.
+
+    The runs of one world size take turns in the same processes, one per rank, in one gloo
+    group (``timeout_s``): a learner process costs ~7 s of CPU before its first step (torch,
+    transformers and FSDP imports), more than the steps of a run here, and at most 2 cores
+    run them. The worlds run at once."""
     ctx = mp.get_context("spawn")
-    procs = []
+    plans: dict[int, list[tuple[str, tuple]]] = {}
     for name, (world, extra) in runs.items():
         (root / name).mkdir()
+        plans.setdefault(world, []).append((str(root / name), extra))
+    procs = []
+    for world, plan in plans.items():
         port = free_port()
-        procs += [ctx.Process(target=target, args=(r, world, port, str(model_dir),
-                                                   str(root / name), *extra))
+        procs += [ctx.Process(target=_take_turns,
+                              args=(target, r, world, port, str(model_dir), plan, timeout_s))
                   for r in range(world)]
     for proc in procs:
         proc.start()
-    join_all(procs)
+    join_all(procs, JOIN_TIMEOUT_S * max(len(plan) for plan in plans.values()))
     return {name: root / name for name in runs}
+
+
+def _take_turns(target: Callable[..., None], rank: int, world: int, port: int, model_dir: str,
+                plan: list[tuple[str, tuple]], timeout_s: float) -> None:
+    """One rank's process: join the group, run ``target`` for each ``(out_dir, extra)`` of
+    ``plan`` in turn, leave the group."""
+    torch.set_num_threads(1)
+    from learners.dist import init_learner_group, shutdown_learner_group
+
+    device = init_learner_group(rank, world, master_port=port, timeout_s=timeout_s)
+    try:
+        for out_dir, extra in plan:
+            target(rank, world, device, model_dir, out_dir, *extra)
+    finally:
+        shutdown_learner_group()
 
 
 @pytest.fixture(scope="module")
@@ -140,23 +143,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Both worlds at once (3 processes): the 1-rank and the 2-rank run."""
-    out = {world: tmp_path_factory.mktemp("out") / f"world{world}" for world in (1, 2)}
-    procs = [p for world, path in out.items() for p in spawn_world(world, tiny_model_dir, path)]
-    join_all(procs)
-    return out
+def all_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of this module (3 processes): 1 and 2 ranks with CFG and with SEQ_KL, and
+    each of VARIANTS on one rank."""
+    runs = {"world1": (1, (CFG,)), "world2": (2, (CFG,)), "seq_kl1": (1, (SEQ_KL,)),
+            "seq_kl2": (2, (SEQ_KL,)), **{name: (1, (cfg,)) for name, cfg in VARIANTS.items()}}
+    return spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("fsdp2"), runs)
 
 
 @pytest.fixture(scope="module")
-def variant_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> dict[str, Path]:
-    """Each of VARIANTS on one rank (both at once, 2 processes)."""
-    out = {name: tmp_path_factory.mktemp("variant") / name for name in VARIANTS}
-    procs = [p for name, path in out.items()
-             for p in spawn_world(1, tiny_model_dir, path, VARIANTS[name])]
-    join_all(procs)
-    return out
+def runs(all_runs: dict[str, Path]) -> dict[int, Path]:
+    """The 1-rank and the 2-rank run."""
+    return {world: all_runs[f"world{world}"] for world in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def variant_runs(all_runs: dict[str, Path]) -> dict[str, Path]:
+    """Each of VARIANTS on one rank."""
+    return {name: all_runs[name] for name in VARIANTS}
 
 
 def _load(path: Path) -> dict:
@@ -169,13 +173,8 @@ def test_ranks_have_uneven_token_counts() -> None:
 
 
 @pytest.fixture(scope="module")
-def seq_kl_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> dict[int, Path]:
-    out = {world: tmp_path_factory.mktemp("seq_kl") / f"world{world}" for world in (1, 2)}
-    procs = [p for world, path in out.items()
-             for p in spawn_world(world, tiny_model_dir, path, SEQ_KL)]
-    join_all(procs)
-    return out
+def seq_kl_runs(all_runs: dict[str, Path]) -> dict[int, Path]:
+    return {world: all_runs[f"seq_kl{world}"] for world in (1, 2)}
 
 
 def test_two_ranks_match_one_rank(runs: dict[int, Path], tiny_model_dir: Path) -> None:

@@ -4,7 +4,6 @@ checkpoint round trip resumes the adapters and their AdamW moments exactly."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,13 @@ import torch
 from asyncrl.config.schema import Config, LearnerConfig, LoraConfig, LossConfig, ModelConfig
 from learners import checkpoint
 from learners.batching import collate
-from learners.dist import free_port
 from learners.lora_wire import merge, split_adapters
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
     _initial_state,
-    join_all,
     make_groups,
     rank_groups,
+    spawn_runs,
     tiny_model_dir,
 )
 
@@ -39,51 +37,34 @@ VARIANTS = {
 }
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
              cfg: LearnerConfig = CFG, reference_path: str | None = None) -> None:
-    """One LoRA learner process: STEPS steps; metrics, merged state, adapters, HF export."""
-    torch.set_num_threads(1)
+    """One LoRA learner rank: STEPS steps; metrics, merged state, adapters, HF export."""
     from learners.backends.fsdp2 import Fsdp2Trainer
-    from learners.dist import init_learner_group, shutdown_learner_group
 
-    device = init_learner_group(rank, world, master_port=port, timeout_s=60.0)
-    try:
-        trainer = Fsdp2Trainer(model_dir, cfg, device, lora=LORA,
-                               reference_path=reference_path)
-        batch = collate(rank_groups(rank, world), std_norm=True, pad_id=0,
-                        advantage=cfg.loss.advantage)
-        metrics = [trainer.train_step(batch) for _ in range(STEPS)]
-        state, adapters = trainer.full_state_dict(), trainer.adapter_state_dict()
-        trainer.save_pretrained(Path(out_dir) / "hf")
-        optimized = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
-        torch.save({"metrics": metrics, "state": state, "adapters": adapters,
-                    "optimized": optimized, "version": trainer.version,
-                    "reference_copy": trainer.reference is not None},
-                   Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        shutdown_learner_group()
+    trainer = Fsdp2Trainer(model_dir, cfg, device, lora=LORA, reference_path=reference_path)
+    batch = collate(rank_groups(rank, world), std_norm=True, pad_id=0,
+                    advantage=cfg.loss.advantage)
+    metrics = [trainer.train_step(batch) for _ in range(STEPS)]
+    state, adapters = trainer.full_state_dict(), trainer.adapter_state_dict()
+    trainer.save_pretrained(Path(out_dir) / "hf")
+    optimized = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
+    torch.save({"metrics": metrics, "state": state, "adapters": adapters,
+                "optimized": optimized, "version": trainer.version,
+                "reference_copy": trainer.reference is not None},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
          ) -> dict[int | str, Path]:
-    """The 1-rank and the 2-rank LoRA run, and each 1-rank variant (7 processes)."""
-    ctx = mp.get_context("spawn")
+    """The 1-rank and the 2-rank LoRA run, and each 1-rank variant (3 processes: the 1-rank
+    runs take turns in one)."""
     worlds = {1: (1, CFG), 2: (2, CFG), **{name: (1, cfg) for name, cfg in VARIANTS.items()}}
-    out, procs = {}, []
-    for key, (world, cfg) in worlds.items():
-        out[key] = tmp_path_factory.mktemp("lora") / str(key)
-        out[key].mkdir()
-        port = free_port()
-        reference = str(tiny_model_dir) if key == "kl_copy" else None
-        procs += [ctx.Process(target=run_rank,
-                              args=(r, world, port, str(tiny_model_dir), str(out[key]), cfg,
-                                    reference))
-                  for r in range(world)]
-    for proc in procs:
-        proc.start()
-    join_all(procs)
-    return out
+    dirs = spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("lora"),
+                      {str(key): (world, (cfg, str(tiny_model_dir) if key == "kl_copy" else None))
+                       for key, (world, cfg) in worlds.items()})
+    return {key: dirs[str(key)] for key in worlds}
 
 
 def _load(path: Path) -> dict:

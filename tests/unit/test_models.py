@@ -100,21 +100,16 @@ def test_load_causal_lm_and_tokenizer_from_model_dir(tmp_path: Path) -> None:
         load_causal_lm(path, dtype="nonsense")
 
 
-def _prepare_in_group(rank: int, world: int, port: int, _model_dir: str, out_dir: str) -> None:
+def _prepare_in_group(rank: int, world: int, device: object, _model_dir: str,
+                      out_dir: str) -> None:
     """One rank of a real gloo group: build the initial model dir AFTER joining the group, and
     record what happened (rank 1's save is skipped by transformers, which must be caught)."""
-    from learners.dist import init_learner_group, shutdown_learner_group
-
-    init_learner_group(rank, world, master_port=port, timeout_s=60.0)
     try:
-        try:
-            path = prepare_model_dir(ModelConfig(), Path(out_dir) / f"rank{rank}", seed=0)
-            outcome = "ok" if (path / "config.json").is_file() else "published without a model"
-        except RuntimeError as exc:
-            outcome = f"refused: {exc}"
-        (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
-    finally:
-        shutdown_learner_group()
+        path = prepare_model_dir(ModelConfig(), Path(out_dir) / f"rank{rank}", seed=0)
+        outcome = "ok" if (path / "config.json").is_file() else "published without a model"
+    except RuntimeError as exc:
+        outcome = f"refused: {exc}"
+    (Path(out_dir) / f"rank{rank}.txt").write_text(outcome)
 
 
 def test_prepare_model_dir_never_publishes_a_dir_without_the_model(tmp_path: Path) -> None:
