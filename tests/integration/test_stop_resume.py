@@ -1,6 +1,6 @@
 """Ctrl-C of `asyncrl up`, then `asyncrl up` again, as the README tells a quickstart user: the
-second run resumes from the checkpoint the stop left, its broker replays the default spill
-file, and it trains on to ``total_steps``.
+stop leaves no process behind and saves, the second run resumes from the checkpoint the stop
+left, its broker replays the default spill file, and it trains on to ``total_steps``.
 
 A stop leaves the run running in its buffer (only the end of training marks it done): before,
 the stopped learner marked it done, the replayed broker said so to the new workers, they
@@ -9,6 +9,7 @@ exited, and the resumed learner waited for data forever."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,15 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     first = processes.start("up1", "up", str(QUICKSTART), *sets)
     wait_for(lambda: len(step_records(run_dir / "metrics.jsonl")) >= STOP_AFTER, 180,
              f"{STOP_AFTER} learner steps")
+    tree = _descendants(first.pid)
+    assert len(tree) >= 4, tree  # buffer, learner, rollout and its two workers
+    start = time.monotonic()
     first.send_signal(signal.SIGINT)  # Ctrl-C (`up`'s roles have sessions of their own)
-    first.wait(timeout=120)
+    first.wait(timeout=30)
+    wait_for(lambda: not any(_alive(pid) for pid in tree), 5, "children to exit")
+    assert time.monotonic() - start < 20
+    assert "did not stop in time" not in processes.log("up1")  # stopped cleanly, not killed
+    assert (run_dir / "final" / "config.json").exists()  # the learner saved
     stopped = read_meta(latest(run_dir / "checkpoints"))
     assert not stopped.counters["finished"] and stopped.version < TOTAL_STEPS
     buffer_log = (run_dir / "logs" / "buffer.log").read_text()
@@ -51,3 +59,28 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     assert steps[-1] == TOTAL_STEPS, steps[-5:]
     final = read_meta(latest(run_dir / "checkpoints"))
     assert final.version == TOTAL_STEPS and final.counters["finished"]
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = set(), [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
