@@ -39,7 +39,7 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     assert len(tree) >= 4, tree  # buffer, learner, rollout and its two workers
     start = time.monotonic()
     first.send_signal(signal.SIGINT)  # Ctrl-C (`up`'s roles have sessions of their own)
-    first.wait(timeout=30)
+    assert first.wait(timeout=30) == 130, processes.log("up1")  # interrupted, as asked
     wait_for(lambda: not any(_alive(pid) for pid in tree), 5, "children to exit")
     assert time.monotonic() - start < 20
     assert "did not stop in time" not in processes.log("up1")  # stopped cleanly, not killed
