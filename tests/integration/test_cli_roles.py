@@ -1,5 +1,7 @@
-"""The roles as separate OS processes started through the CLI, as a user would on three
-machines: `asyncrl buffer`, `asyncrl learner --buffer`, `asyncrl rollout --buffer`."""
+"""The roles as separate OS processes started through the CLI, as a user would on four
+machines: `asyncrl buffer`, `asyncrl learner --buffer` on two learner "nodes" (two separate
+`asyncrl learner --nnodes 2 --node-rank K` processes, torchrun semantics: one gloo group of 2
+ranks that trains together), `asyncrl rollout --buffer`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
+from learners.dist import free_port
 from tests.integration.conftest import QUICKSTART, ROOT, Processes, role_env, wait_for
 
 pytestmark = pytest.mark.slow
@@ -21,13 +24,22 @@ def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=roles",
             "--set", "learner.total_steps=120", "--set", "eval.every_steps=0"]
     buffer, address = processes.start_buffer(str(QUICKSTART), *sets)
-    learner = processes.start("learner", "learner", str(QUICKSTART), *sets, "--buffer", address)
+    topology = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "--buffer", address]
+    nodes = [processes.start(f"node{k}", "learner", str(QUICKSTART), *sets, *topology,
+                             "--node-rank", str(k)) for k in (1, 0)]   # node 1 may start first
     rollout = processes.start("rollout", "rollout", str(QUICKSTART), *sets, "--buffer", address,
                               "--workers", "2")
     _check_status_and_monitor(sets, address, tmp_path)
-    assert learner.wait(timeout=400) == 0, processes.log("learner")
+    for node in nodes:
+        # A failing rank often only reports its peer's hang-up: show both nodes' logs.
+        assert node.wait(timeout=400) == 0, "\n".join(
+            f"--- {name} ---\n{processes.log(name)}" for name in ("node0", "node1", "rollout"))
     assert rollout.wait(timeout=30) == 0, processes.log("rollout")  # they see run status done
     assert buffer.poll() is None  # the broker outlives a run until it is told to stop
+    assert "global ranks 1..1 of 2" in processes.log("node1")
+    for k in (0, 1):
+        assert f"learner rank {k}/2 joined gloo group" in processes.log(f"node{k}")
 
     records = [r for r in read_jsonl(tmp_path / "roles" / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
