@@ -114,14 +114,21 @@ def test_reclaim_moves_a_dead_consumers_entries_and_counts_the_redelivery(redis_
 
 def test_reclaimed_groups_compete_by_deadline_with_the_queued_ones(redis_server, open_client):
     """A dead learner's batch of version 0 comes back ahead of version-1 groups that arrived
-    after it, and groups still queued wait in the pending list of the reserved consumer."""
-    dead, alive = open_client(reclaim_idle_s=0.3), open_client(reclaim_idle_s=0.3)
+    after it, and groups still queued wait in the pending list of the reserved consumer.
+
+    The time that makes "old" reclaimable passes in Redis, not on the clock: every delivered
+    entry is aged past ``reclaim_idle_s`` at once (:func:`_age`). With a 0.3 s
+    ``reclaim_idle_s`` and a real wait, "old" had to stay unreclaimed until alive's first
+    take, a race a loaded machine could lose (alive then got "old" first)."""
+    dead, alive = open_client(reclaim_idle_s=60.0), open_client(reclaim_idle_s=60.0)
     dead.put("w", make_group("old", version=0))
     assert dead.get_batch("learner", 1, 0, timeout_s=5.0) is not None  # then it dies
     for name in ("new1", "new2"):
         alive.put("w", make_group(name, version=1))
     held = alive.get_batch("learner", 1, 1, timeout_s=0.1)  # new1: "old" is not idle yet
-    time.sleep(0.4)
+    assert [g.group_id for g in held.groups] == ["new1"]
+    for client in (dead, alive):   # 61 s pass for what each holds, renewed by nobody
+        _age(redis_server, client._consumer.name("learner"), 61.0)
     assert alive.renew("learner", held) == 1  # alive renews what it holds: not reclaimed
     queued = admin(redis_server).xpending_range("asyncrl:t:index", GROUP, "-", "+", 10, QUEUE)
     assert len(queued) == 1  # new2 waits there
@@ -129,6 +136,17 @@ def test_reclaimed_groups_compete_by_deadline_with_the_queued_ones(redis_server,
     batch = alive.get_batch("learner", 2, 1, timeout_s=5.0)
     assert [g.group_id for g in batch.groups] == ["old", "new2"]
     assert alive.status()["redelivered"] == 1
+
+
+def _age(server: RedisServer, consumer: str, seconds: float) -> None:
+    """Make the entries ``consumer`` holds look unrenewed for ``seconds``, as if that time had
+    passed: XCLAIM to the same owner with IDLE (JUSTID: no delivery is counted)."""
+    with admin(server) as redis_admin:
+        held = [e["message_id"] for e in redis_admin.xpending_range(
+            "asyncrl:t:index", GROUP, "-", "+", 100, consumer)]
+        assert held, consumer
+        redis_admin.xclaim("asyncrl:t:index", GROUP, consumer, 0, held,
+                           idle=int(seconds * 1000), justid=True)
 
 
 def test_an_entry_acked_behind_the_clients_back_is_never_served(redis_server, open_client):

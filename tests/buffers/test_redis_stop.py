@@ -132,7 +132,10 @@ def test_a_request_already_waiting_on_a_hung_redis_stops_when_the_event_is_set(
     try:
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(request[request_kind])
-            time.sleep(0.5)  # sent, and waiting for the reply
+            # in progress: past its own look at the event, sent, and waiting for the reply
+            # (a fixed sleep here let a request that had not started yet see the event set:
+            # the path of a request made once stopping, not the watcher's)
+            eventually(lambda: client._stop._waiting, 10.0, "the request in progress")
             assert not waiting.done()
             stop.set()
             stopped_promptly(waiting, time.monotonic())
@@ -146,11 +149,13 @@ def test_a_long_poll_waiting_on_a_live_redis_is_not_cut_short_by_the_stop(redis_
     the event was set (a hung Redis is cut short, see above)."""
     stop = threading.Event()
     learner, producer = open_client(stop), open_client(None)
+    admin = redis.Redis(host="127.0.0.1", port=redis_server.port)
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(learner.get_batch, "learner", 1, 0, 10.0)
-        time.sleep(0.3)
+        eventually(lambda: admin.info("clients")["blocked_clients"] == 1, 10.0,
+                   "the long poll blocked in Redis")
         stop.set()
-        time.sleep(1.5)  # the watcher has seen the event and asked Redis by now
+        time.sleep(1.5)  # longer than a hung Redis is given (STOP_TIMEOUT_S): still polling
         assert not waiting.done()
         assert producer.put("worker-0", make_group("late")).accepted
         batch = waiting.result(timeout=10)

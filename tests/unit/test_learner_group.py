@@ -21,9 +21,9 @@ from learners.dist import free_port
 pytestmark = pytest.mark.timeout(120)
 
 
-def _rank(rank: int, port: int, timeout_s: float, peer: str, results) -> None:
-    """Rank 1 dies (``peer="dies"``) or sleeps (``"silent"``) after the barrier; rank 0
-    reports how its next all-reduce ended and how long it took."""
+def _rank(rank: int, port: int, timeout_s: float, peer: str, peer_gone, results) -> None:
+    """Rank 1 dies (``peer="dies"``) or sleeps (``"silent"``) after the barrier; rank 0, once
+    ``peer_gone`` says so, reports how its next all-reduce ended and how long it took."""
     import torch
     import torch.distributed as dist
 
@@ -34,9 +34,10 @@ def _rank(rank: int, port: int, timeout_s: float, peer: str, results) -> None:
     if rank == 1:
         if peer == "dies":
             os.kill(os.getpid(), signal.SIGKILL)
+        peer_gone.set()   # silent from here on
         time.sleep(60)
         return
-    time.sleep(0.5)  # rank 1 has died or gone to sleep by now
+    assert peer_gone.wait(60)   # rank 1 has died (the parent reaped it) or gone to sleep
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(4))
@@ -47,12 +48,17 @@ def _rank(rank: int, port: int, timeout_s: float, peer: str, results) -> None:
 
 def _run(timeout_s: float, peer: str) -> tuple[str, float]:
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, peer, results), daemon=True)
+    results, peer_gone, port = ctx.Queue(), ctx.Event(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, peer, peer_gone, results),
+                         daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
     try:
+        if peer == "dies":
+            procs[1].join(60)
+            assert procs[1].exitcode == -signal.SIGKILL, procs[1].exitcode
+            peer_gone.set()
         return results.get(timeout=90)
     finally:
         for p in procs:

@@ -372,7 +372,7 @@ def test_a_waiter_of_a_lost_broker_sees_the_keys_its_successor_sets():
                 ZmqBufferClient(address, timeout_s=5) as setter:
             with ThreadPoolExecutor(1) as pool:
                 parked = pool.submit(waiter.get_key, "weights/announce", seen, 10.0)
-                time.sleep(0.2)
+                eventually(lambda: setter.status()["waiting"]["get_key"] == 1)  # parked
                 new = setter.set_key("weights/announce", {"epoch": 0})
                 assert new > seen
                 assert parked.result(timeout=10) == (new, {"epoch": 0})

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,9 +147,9 @@ def test_a_request_parked_in_a_sigkilled_broker_is_sent_again_at_once(broker_pro
     broker restart)."""
     address, first = broker_process()
     with ZmqBufferClient(address, timeout_s=30, reconnect_s=60) as waiter, \
-            ThreadPoolExecutor(1) as pool:
+            ZmqBufferClient(address, timeout_s=5) as watcher, ThreadPoolExecutor(1) as pool:
         parked = pool.submit(waiter.get_key, "weights/announce", 0, 60.0)
-        time.sleep(0.3)  # parked in the first broker
+        eventually(lambda: watcher.status()["waiting"]["get_key"] == 1)  # in the first broker
         first.send_signal(signal.SIGKILL)
         assert first.wait(timeout=10) == -signal.SIGKILL
         assert broker_process()[0] == address
@@ -167,7 +166,10 @@ def test_a_connection_dropped_while_idle_does_not_fail_the_next_put(broker_proce
         c.heartbeat("w", "rollout", {})
         first.send_signal(signal.SIGKILL)
         assert first.wait(timeout=10) == -signal.SIGKILL
-        time.sleep(0.5)  # idle while the broker is down: the drop is heard now
+        # idle while the broker is down, until the client's monitor has heard the drop (it
+        # must be heard before the next request is sent: a drop heard while a request waits
+        # loses that request's reply, which is another test's subject)
+        eventually(lambda: c._link.monitor.poll(0))
         broker_process()
         assert c.put("w", make_group("after")).accepted
         assert c.put_many("w", [make_group("many")])[0].accepted
