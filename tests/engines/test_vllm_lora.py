@@ -26,7 +26,10 @@ def test_vllm_gets_merged_lora_weights_on_policy(tmp_path: Path, processes: Proc
     up = processes.start("up", "up", str(QUICKSTART), "--set", "rollout.engine=vllm", *tiny,
                          "--set", f"run.output_dir={tmp_path}", "--set", "model.lora.rank=8",
                          "--set", "learner.lr=1e-2", "--set", "buffer.max_staleness=0",
-                         "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0")
+                         "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0",
+                         # one engine: what is checked is per engine (a vLLM engine start is
+                         # the most of this test's cost; test_vllm_quickstart runs two)
+                         "--set", "rollout.workers=1")
     assert up.wait(timeout=540) == 0, processes.log("up")
     run_dir = tmp_path / "quickstart"
     records = step_records(run_dir / "metrics.jsonl")
