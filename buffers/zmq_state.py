@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.staleness import StalenessGate
+from asyncrl.staleness import StalenessGate, staleness
 from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
@@ -59,7 +59,7 @@ class QueuedGroup:
     delivered_at: float = 0.0
 
     def staleness(self, learner_version: int) -> int:
-        return learner_version - self.min_version if self.min_version >= 0 else 0
+        return staleness(learner_version, self.min_version)
 
 
 class BrokerState:
@@ -203,7 +203,7 @@ class BrokerState:
         return groups
 
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
-        stale = self.queue.drop_below(learner_version - self.gate.max_staleness)
+        stale = self.queue.drop_below(self.gate.stale_below(learner_version))
         if not stale:
             return
         self._forget(stale)
