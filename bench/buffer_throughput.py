@@ -21,9 +21,9 @@ to one consumer that takes batches of ``--batch`` groups:
   ``put_many`` of 8 groups (one engine batch, as the rollout worker does) instead of ``put``.
 
 The backend consumer keeps ``--take-depth`` batch requests in flight (default 1, what the
-learner's prefetcher does; :class:`buffers.take_ahead.TakeAhead`); Redis serves one at a time.
+learner's prefetcher does; :class:`bench.inflight.TakeAhead`); Redis serves one at a time.
 Producers of the put-many rows keep ``--put-depth`` ``put_many`` calls in flight (default 1,
-what a rollout worker does; :class:`buffers.put_ahead.PutAhead`; Redis: one at a time).
+what a rollout worker does; :class:`bench.inflight.PutAhead`; Redis: one at a time).
 
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
 runs in this process, the ZMQ broker in another). Every process, raw or backend, keeps large
@@ -119,7 +119,7 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
     (fewer round trips than a worker, so the rows measure puts), and whatever was granted is
     put, as a worker puts what it generated: a producer that waited for a whole chunk's
     grant would starve when producers × chunk exceeds ``max_groups``."""
-    from buffers.put_ahead import PutAhead
+    from bench.inflight import PutAhead
 
     client = make_client()
     name, sent, granted = f"p{index}", 0, 0
@@ -324,8 +324,8 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
 def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
     """The consumer of a backend row: a learner that takes a batch and acks it at once, the
     ack riding on the next request sent (``get_batch(ack=...)``, one round trip), with
-    ``--take-depth`` requests in flight (:class:`buffers.take_ahead.TakeAhead`; Redis: one)."""
-    from buffers.take_ahead import TakeAhead
+    ``--take-depth`` requests in flight (:class:`bench.inflight.TakeAhead`; Redis: one)."""
+    from bench.inflight import TakeAhead
 
     ahead = TakeAhead(consumer, "learner", spec.batch, spec.take_depth, timeout_s=0.2)
     previous = None
@@ -629,10 +629,10 @@ def main() -> int:
     parser.add_argument("--max-groups", type=int, default=64, help="buffer bound (groups)")
     parser.add_argument("--take-depth", type=int, default=1,
                         help="the consumer's get_batch requests in flight (zmq rows; "
-                             "buffers.take_ahead.TakeAhead)")
+                             "bench/inflight.py)")
     parser.add_argument("--put-depth", type=int, default=1,
                         help="each producer's put_many calls in flight (put-many rows; "
-                             "buffers.put_ahead.PutAhead)")
+                             "bench/inflight.py)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",

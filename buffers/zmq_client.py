@@ -37,14 +37,14 @@ early, and a put into a full buffer, given up in doubt as after a timeout. Witho
 event nothing changes.
 
 A consumer may keep several ``get_batch`` requests in flight
-(:meth:`ZmqBufferClient.send_get_batch`, :meth:`ZmqBufferClient.receive_batch`;
-:class:`buffers.take_ahead.TakeAhead` uses them): the broker serves one consumer's requests in
-the order they were sent, and replies that arrive while another request waits are kept for
-theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
+(:meth:`ZmqBufferClient.send_get_batch`, :meth:`ZmqBufferClient.receive_batch`; the buffer
+benchmark's ``TakeAhead``, ``bench/inflight.py``, uses them): the broker serves one consumer's
+requests in the order they were sent, and replies that arrive while another request waits are
+kept for theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
 A producer may likewise keep several ``put_many`` calls in flight
-(:meth:`ZmqBufferClient.send_put_many`, :meth:`ZmqBufferClient.receive_puts`;
-:class:`buffers.put_ahead.PutAhead` uses them), never re-sent: one lost with its connection is
-in doubt, as a put that timed out.
+(:meth:`ZmqBufferClient.send_put_many`, :meth:`ZmqBufferClient.receive_puts`; the benchmark's
+``PutAhead`` uses them), never re-sent: one lost with its connection is in doubt, as a put
+that timed out.
 
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the

@@ -1,6 +1,6 @@
-"""Several batch requests in flight on one ZMQ client (:mod:`buffers.take_ahead`), against a
-real broker process: replies kept across other requests, and requests lost with a broker
-restart sent again in order."""
+"""Several batch requests in flight on one ZMQ client (the benchmark's
+:class:`bench.inflight.TakeAhead` drives them), against a real broker process: replies kept
+across other requests, and requests lost with a broker restart sent again in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from buffers.take_ahead import TakeAhead
+from bench.inflight import TakeAhead
 from buffers.zmq_client import ZmqBufferClient
 from tests.buffers import eventually, make_group
 from tests.buffers.test_contract import ids

@@ -1,18 +1,35 @@
-"""A consumer that keeps several batch requests in flight, each for the version it trains at.
+"""The buffer benchmark's consumer and producer with several requests in flight.
 
-Why: a consumer that asks for a batch, waits for it, trains and asks again leaves the buffer
-idle for a round trip per batch, and its own decoding idle while the buffer serves. On a host
-with idle cores that, not the buffer's CPU, bounds small groups: bench/RESULTS.md measured
-ZMQ ``put_many`` of 1k-token groups with four producers on 16 cores at 0.84-0.94 GB/s with
-one request in flight, and 1.5-1.6 GB/s with four.
+Why they exist: ``bench/buffer_throughput.py`` measures what a buffer backend can move, and
+a consumer that asks for a batch, waits, and asks again (or a producer that puts, waits for
+the answer and puts again) leaves the buffer idle for a round trip per request. On a host
+with idle cores that round trip, not the buffer's CPU, bounds small groups
+(bench/RESULTS.md, "Buffer throughput": ``--take-depth`` and ``--put-depth``).
 
-Staleness stays exact: the request sent ``k`` steps ahead of version ``V`` names ``V + k``,
-the version its batch will be trained at, so the buffer drops what it would have dropped had
-it been asked then (the learner's prefetcher does the same one step ahead). The ZMQ broker
-serves one consumer's requests in the order they were sent, so a request for a later version
+Why they live here and not in ``buffers/``: no role of the product uses them. The learner
+overlaps its one ``get_batch`` with the step on a thread (``learners/prefetch.py``), and a
+rollout worker puts once per engine batch, after seconds of generation, where the ~1 ms the
+answer takes is nothing and its data position is simplest saved right after its put. What
+they rely on is product code, held by the buffer tests: the ZMQ client's
+``send_get_batch``/``receive_batch`` and ``send_put_many``/``receive_puts``, and a broker that
+serves one consumer's requests in the order they were sent.
+
+:class:`TakeAhead` keeps ``depth`` batch requests in flight for one consumer. Staleness stays
+exact: the request sent ``k`` steps ahead of version ``V`` names ``V + k``, the version its
+batch will be trained at, so the buffer drops what it would have dropped had it been asked
+then. The broker serves one consumer's requests in order, so a request for a later version
 never drops groups an earlier one will take. What is traded: a batch served ahead is chosen
 from the groups there at the time, not from those that arrive before its step; and it is
 leased from then, so ``depth`` steps must fit in ``buffer.reclaim_idle_s``.
+
+:class:`PutAhead` keeps ``depth`` ``put_many`` calls in flight for one producer. What is kept:
+FIFO per producer (a client's calls reach the broker in the order sent, and it takes one
+producer's requests in that order), backpressure (the client bounds the requests in flight
+over all calls, so a full buffer still stops the producer) and the rule on lost answers (puts
+are never re-sent; a call whose answer is lost is in doubt, as a put that timed out, see
+:class:`buffers.protocol.Buffer`). What is traded: results come ``depth - 1`` calls late, so a
+producer that records progress once its groups are handed over must record it when the
+results come, not when it sends.
 
 Backends that cannot send a request without waiting for it (Redis: one blocking command per
 connection) get one request at a time, with the same calls.
@@ -22,9 +39,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from buffers.protocol import Batch, Buffer
+from asyncrl.wire import TrajectoryGroup
+from buffers.protocol import Batch, Buffer, PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +149,74 @@ class TakeAhead:
             self._flight.popleft()
             if batch is not None:
                 self._ready[wanted] = batch
+
+
+@runtime_checkable
+class SendsPuts(Protocol):
+    """A client that can send a ``put_many`` and receive its results later
+    (:class:`buffers.zmq_client.ZmqBufferClient`)."""
+
+    def send_put_many(self, producer: str, groups: Sequence[TrajectoryGroup]) -> Any: ...
+
+    def receive_puts(self, pending: Any) -> list[PutResult]: ...
+
+    def forget_puts(self, pending: Any) -> None: ...
+
+
+class PutAhead:
+    """``put_many(groups)`` sends the groups and returns the results of the calls settled
+    meanwhile (oldest first, one per group, in order), leaving at most ``depth - 1`` calls in
+    flight; ``flush()`` waits for all of them. With ``depth`` 1 each call returns its own
+    results, as the client's ``put_many`` does.
+
+    A call that fails (no room within the timeout, no answer) raises from the ``put_many`` or
+    ``flush`` that waits for it, and the calls behind it are given up with it: all their
+    groups are in doubt (see :class:`buffers.protocol.Buffer`); the caller ends the producer,
+    as a rollout worker does on a failed put. Not thread-safe, as the client it uses.
+    """
+
+    def __init__(self, client: Buffer, producer: str, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth {depth} must be >= 1")
+        self._client, self._producer = client, producer
+        # checked once: isinstance against a runtime Protocol looks up every member
+        self._sender = client if isinstance(client, SendsPuts) else None
+        self.depth = depth if self._sender is not None else 1
+        self._flight: deque[Any] = deque()
+
+    @property
+    def in_flight(self) -> int:
+        """Calls sent whose results were not returned yet."""
+        return len(self._flight)
+
+    def put_many(self, groups: Sequence[TrajectoryGroup]) -> list[PutResult]:
+        """Send ``groups``; the results of the calls this had to wait for (possibly none)."""
+        sender = self._sender
+        if sender is None:
+            return self._client.put_many(self._producer, groups)
+        try:
+            self._flight.append(sender.send_put_many(self._producer, groups))
+        except BaseException:
+            self._give_up(sender)
+            raise
+        return self._settle(sender, self.depth - 1)
+
+    def flush(self) -> list[PutResult]:
+        """Wait for every call in flight: their results, oldest first."""
+        return self._settle(self._sender, 0) if self._sender is not None else []
+
+    def _settle(self, sender: SendsPuts, leave: int) -> list[PutResult]:
+        results: list[PutResult] = []
+        try:
+            while len(self._flight) > leave:
+                results += sender.receive_puts(self._flight[0])
+                self._flight.popleft()
+        except BaseException:
+            self._give_up(sender)
+            raise
+        return results
+
+    def _give_up(self, sender: SendsPuts) -> None:
+        """Every call in flight, given up with a failed one: in doubt."""
+        while self._flight:
+            sender.forget_puts(self._flight.popleft())

@@ -1,4 +1,5 @@
-"""TakeAhead's bookkeeping, with a scripted client (the real broker: tests/buffers)."""
+"""The buffer benchmark's TakeAhead (bench/inflight.py): its bookkeeping, with a scripted
+client (against the real broker: tests/buffers/test_zmq_take_ahead.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 
 from buffers.protocol import Batch
-from buffers.take_ahead import SendsAhead, TakeAhead
+from bench.inflight import SendsAhead, TakeAhead
 
 
 def batch(name: str) -> Batch:
