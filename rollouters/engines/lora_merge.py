@@ -24,10 +24,6 @@ class LoraMerger:
     def __init__(self) -> None:
         self._base: dict[str, torch.Tensor] = {}
 
-    @property
-    def merged_names(self) -> list[str]:
-        return sorted(self._base)
-
     def merged(self, adapters: Adapters, targets: Mapping[str, torch.Tensor],
                replaced: Iterable[str] = ()) -> dict[str, torch.Tensor]:
         """The new value of every weight the update touches, as new tensors (the caller
