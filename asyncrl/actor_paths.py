@@ -26,9 +26,9 @@ logger = logging.getLogger(__name__)
 
 def for_actors(cfg: Config, cwd: Path) -> Config:
     """``cfg`` with every relative local path resolved against ``cwd``: ``run.output_dir``,
-    ``buffer.spill_path`` (files to be written), and the inputs that exist under ``cwd``
+    ``buffer.zmq.spill_path`` (files to be written), and the inputs that exist under ``cwd``
     (``model.path``, ``data.path``, ``data.eval_path``, ``checkpoint.path``, the TLS files
-    and ``buffer.curve_keys_dir``). An input that does not exist there is left as it is: a
+    and ``buffer.zmq.curve_keys_dir``). An input that does not exist there is left as it is: a
     hub id (``model.path = "org/name"``), or a path the preflight check reports."""
     changed: dict[str, str] = {}
 
@@ -41,24 +41,26 @@ def for_actors(cfg: Config, cwd: Path) -> Config:
         changed[key] = str(path)
         return str(path)
 
+    zmq_cfg = cfg.buffer.zmq
     updates = {
         "run": {"output_dir": Path(resolve("run.output_dir", str(cfg.run.output_dir), False))},
         "model": {"path": resolve("model.path", cfg.model.path)},
         "data": {"path": resolve("data.path", cfg.data.path),
                  "eval_path": resolve("data.eval_path", cfg.data.eval_path)},
         "checkpoint": {"path": resolve("checkpoint.path", cfg.checkpoint.path)},
-        "buffer": {name: resolve(f"buffer.{name}", getattr(cfg.buffer, name))
-                   for name in ("tls_ca_file", "tls_cert_file", "tls_key_file",
-                                "curve_keys_dir")},
+        "buffer.redis": {name: resolve(f"buffer.redis.{name}", getattr(cfg.buffer.redis, name))
+                         for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")},
+        "buffer.zmq": {"curve_keys_dir": resolve("buffer.zmq.curve_keys_dir",
+                                                 zmq_cfg.curve_keys_dir)},
     }
-    if cfg.buffer.spill_path not in ("", SPILL_AUTO):
-        updates["buffer"]["spill_path"] = resolve("buffer.spill_path", cfg.buffer.spill_path,
-                                                  False)
+    if zmq_cfg.spill_path not in ("", SPILL_AUTO):
+        updates["buffer.zmq"]["spill_path"] = resolve("buffer.zmq.spill_path",
+                                                      zmq_cfg.spill_path, False)
     for key, value in changed.items():
         logger.info("%s resolved to %s for the actors", key, value)
-    return cfg.model_copy(update={
-        section: getattr(cfg, section).model_copy(update=fields)
-        for section, fields in updates.items()})
+    for section, fields in updates.items():
+        cfg = cfg.with_fields(section, **fields)
+    return cfg
 
 
 def python_path(cwd: Path, existing: str | None) -> str:

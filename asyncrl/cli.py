@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def buffer_address(cfg: Config, explicit: str | None) -> str | None:
     """--buffer, else the address `asyncrl up` recorded in the run directory, else the config.
-    None with Redis: ``buffer.url`` is the address."""
+    None with Redis: ``buffer.redis.url`` is the address."""
     if cfg.buffer.type == "redis":
         return None
     if explicit:
@@ -78,10 +78,10 @@ def buffer_address(cfg: Config, explicit: str | None) -> str | None:
     recorded = cfg.run_dir / "buffer.addr"
     if recorded.exists():
         return _endpoint(recorded.read_text(errors="replace").strip(), str(recorded))
-    if cfg.buffer.port == 0:
-        raise ConfigError("buffer.port is 0 (pick a free port) and no --buffer address was given "
-                          f"nor recorded in {recorded}")
-    return f"tcp://{cfg.buffer.host}:{cfg.buffer.port}"
+    if cfg.buffer.zmq.port == 0:
+        raise ConfigError("buffer.zmq.port is 0 (pick a free port) and no --buffer address was "
+                          f"given nor recorded in {recorded}")
+    return f"tcp://{cfg.buffer.zmq.host}:{cfg.buffer.zmq.port}"
 
 
 _ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
@@ -133,7 +133,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "buffer":
         if cfg.buffer.type != "zmq":
             raise ConfigError(f"buffer.type = {cfg.buffer.type!r}: Redis is the broker, there is "
-                              "no `asyncrl buffer` process to run; point the roles at buffer.url")
+                              "no `asyncrl buffer` process to run; point the roles at "
+                              "buffer.redis.url")
         return roles.serve_buffer(cfg, args.address_file)
     if args.command == "eval":
         from rollouters.eval import run_eval

@@ -173,20 +173,20 @@ class LocalLauncher:
             from buffers.redis_buffer import reset_run
 
             if self.resuming:
-                logger.info("redis %s: resuming run %r, its state is kept", self.cfg.buffer.url,
-                            self.cfg.run.name)
+                logger.info("redis %s: resuming run %r, its state is kept",
+                            self.cfg.buffer.redis.url, self.cfg.run.name)
                 return None
             deleted = reset_run(self.cfg.buffer, self.cfg.run.name)
-            logger.info("redis %s: fresh run %r (%d old keys removed)", self.cfg.buffer.url,
+            logger.info("redis %s: fresh run %r (%d old keys removed)", self.cfg.buffer.redis.url,
                         self.cfg.run.name, deleted)
             return None
         buffer = self._start("buffer", config_path, "--address-file", str(address_file),
                              restartable=True)
         address = self._wait_for_address(address_file)
         # A restarted broker must come back where the clients dial (port 0 picked a free one).
-        buffer.args += ("--set", f"buffer.port={address.rsplit(':', 1)[1]}")
-        if not self.cfg.buffer.spill_path:
-            logger.info("buffer.spill_path is empty: a broker restart would lose the groups "
+        buffer.args += ("--set", f"buffer.zmq.port={address.rsplit(':', 1)[1]}")
+        if not self.cfg.buffer.zmq.spill_path:
+            logger.info("buffer.zmq.spill_path is empty: a broker restart would lose the groups "
                         "it holds (the default, 'auto', keeps them in the run directory)")
         return address
 
@@ -324,8 +324,8 @@ def status_client(cfg: Config, address: str | None):
     restarts or shutdown: a short timeout and no reconnect retries."""
     from buffers import make_buffer_client
 
-    config = cfg.buffer.model_copy(update={
-        "reconnect_s": 0.0, "request_timeout_s": min(5.0, cfg.buffer.request_timeout_s)})
+    config = cfg.buffer.with_fields("zmq", reconnect_s=0.0).with_fields(
+        request_timeout_s=min(5.0, cfg.buffer.request_timeout_s))
     return make_buffer_client(config, address, run_id=cfg.run.name,
                               groups_per_step=cfg.learner.groups_per_step)
 

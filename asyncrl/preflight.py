@@ -2,8 +2,8 @@
 
 Schema validation (:mod:`asyncrl.config`) sees values only; these checks look at the machine the
 roles will run on: do the data files and a local ``model.path`` exist, do the plugin import
-paths import, does Redis answer at ``buffer.url``. Without them each mistake surfaced in a role
-process, which its supervisor restarted several times before the run stopped. Every problem
+paths import, does Redis answer at ``buffer.redis.url``. Without them each mistake surfaced in a
+role process, which its supervisor restarted several times before the run stopped. Every problem
 found is reported at once, as a :class:`ConfigError` naming its key (exit status 2).
 
 The roles keep their own checks (they may be started by hand, elsewhere); these only move the
@@ -127,7 +127,7 @@ def _importable_from_cwd() -> Iterator[None]:
 
 
 def check_redis(buffer: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:
-    """Raise a :class:`ConfigError` naming ``buffer.url`` when Redis there does not answer a
+    """Raise a :class:`ConfigError` naming ``buffer.redis.url`` when Redis there does not answer a
     PING within about ``wait_s`` (refused, unknown host, wrong password, not Redis)."""
     from redis.exceptions import RedisError
 
@@ -140,7 +140,7 @@ def check_redis(buffer: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:
         finally:
             client.close()
     except RedisError as exc:
-        raise ConfigError(f"buffer.url: {buffer.url!r}: {exc}") from None
+        raise ConfigError(f"buffer.redis.url: {buffer.redis.url!r}: {exc}") from None
     except ValueError as exc:  # connect()'s own checks of the URL and TLS files
         raise ConfigError(str(exc)) from None
 

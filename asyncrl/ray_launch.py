@@ -73,7 +73,7 @@ class RoleActor:
         self.broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name,
                                 run_dir=cfg.run_dir)
         address = self.broker.bind()
-        if cfg.buffer.host in ("0.0.0.0", "*", ""):  # bound everywhere: dial this node's IP
+        if cfg.buffer.zmq.host in ("0.0.0.0", "*", ""):  # bound everywhere: dial this node's IP
             address = f"tcp://{self.node_ip()}:{address.rsplit(':', 1)[1]}"
         return address
 
@@ -141,7 +141,7 @@ class RayLauncher:
         c, r = self.cfg, self.cfg.resources
         lines = [f"ray.init(address={c.launcher.address or 'a private local cluster'!r})"]
         if c.buffer.type == "zmq":
-            lines.append(f"actor buffer: ZMQ broker on {c.buffer.host}:{c.buffer.port} "
+            lines.append(f"actor buffer: ZMQ broker on {c.buffer.zmq.host}:{c.buffer.zmq.port} "
                          f"(num_cpus={r.buffer.cpus}, num_gpus={r.buffer.gpus})")
         world = c.learner.nnodes * c.learner.ranks
         lines.append(f"placement group learner (PACK): {world} x "

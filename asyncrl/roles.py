@@ -133,22 +133,22 @@ def _buffer_endpoint(cfg: Config, address: str, stop: threading.Event):
 def wait_for_broker(cfg: Config, address: str | None, stop: threading.Event) -> bool:
     """Wait until something accepts TCP connections at the broker's ``address``, logging
     where and what to check every :data:`BROKER_WAIT_LOG_S`; False when ``stop`` (a signal)
-    ended the wait. After ``buffer.request_timeout_s + buffer.reconnect_s``, as long as the
+    ended the wait. After ``buffer.request_timeout_s + buffer.zmq.reconnect_s``, as long as the
     role's first request would have waited, it gives up (TimeoutError, exit status 3). Once
     connected, the clients' own retries cover a broker that restarts. Redis (no address):
     nothing to wait for here."""
     if address is None or _broker_listening(cfg, address):
         return True
-    budget = cfg.buffer.request_timeout_s + cfg.buffer.reconnect_s
+    budget = cfg.buffer.request_timeout_s + cfg.buffer.zmq.reconnect_s
     hint = (f"Is `asyncrl buffer` running there? Check the address: --buffer, else "
             f"{cfg.run_dir / 'buffer.addr'} (written by `asyncrl up`), else "
-            "buffer.host / buffer.port")
+            "buffer.zmq.host / buffer.zmq.port")
     start = next_log = time.monotonic()
     while True:
         waited = time.monotonic() - start
         if waited >= budget:
             raise TimeoutError(f"no buffer broker at {address} after {waited:.0f}s "
-                               f"(buffer.request_timeout_s + buffer.reconnect_s): {hint}")
+                               f"(buffer.request_timeout_s + buffer.zmq.reconnect_s): {hint}")
         if time.monotonic() >= next_log:
             logger.warning("waiting for the buffer at %s (%.0fs so far, giving up at %.0fs): "
                            "nothing accepts connections there. %s", address, waited, budget,

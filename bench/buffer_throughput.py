@@ -67,7 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config.schema import BufferConfig  # noqa: E402
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig, ZmqBufferConfig  # noqa: E402
 from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
 
 logger = logging.getLogger("bench.buffer_throughput")
@@ -86,7 +86,7 @@ class Spec:
     redis_url: str
     put_many: int = 0  # producers use put_many(chunk) where the backend has it
     spill_dir: str = ""  # the ZMQ broker journals to a spill file there
-    io_threads: int = BufferConfig.model_fields["io_threads"].default  # broker's, and the proxy's
+    io_threads: int = ZmqBufferConfig.model_fields["io_threads"].default  # broker's and proxy's
     chunk: int = 8  # groups per put_many in the put-many rows: one engine batch of a worker
     gate_poll_s: float = 0.002  # a producer refused a grant asks again after this long
     take_depth: int = 1  # the consumer's get_batch requests in flight (TakeAhead)
@@ -159,7 +159,8 @@ def _redis_backend_client(spec: Spec, namespace: str) -> Any:
 
 
 def _redis_config(spec: Spec, namespace: str) -> BufferConfig:
-    return BufferConfig(type="redis", url=spec.redis_url, namespace=namespace,
+    return BufferConfig(type="redis",
+                        redis=RedisBufferConfig(url=spec.redis_url, namespace=namespace),
                         max_staleness=10**9, max_groups=spec.max_groups, request_timeout_s=2.0)
 
 
@@ -206,8 +207,8 @@ def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
     from buffers.zmq_broker import ZmqBroker
 
     spill = f"{spec.spill_dir}/bench-{uuid.uuid4().hex[:8]}.spill" if spec.spill_dir else ""
-    config = BufferConfig(port=0, max_staleness=10**9, max_groups=spec.max_groups,
-                          reclaim_idle_s=600.0, spill_path=spill, io_threads=spec.io_threads)
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=spill, io_threads=spec.io_threads),
+                          max_staleness=10**9, max_groups=spec.max_groups, reclaim_idle_s=600.0)
     broker = ZmqBroker(config, groups_per_step=1, run_id="")
     address_queue.put(broker.bind())
     try:
@@ -638,7 +639,7 @@ def main() -> int:
     parser.add_argument("--spill-dir", default="",
                         help="also run zmq-spill: put_many with the broker's spill file here")
     parser.add_argument("--io-threads", type=int, default=Spec.io_threads,
-                        help="ZMQ I/O threads of the broker (buffer.io_threads) and of the "
+                        help="ZMQ I/O threads of the broker (buffer.zmq.io_threads) and of the "
                              "raw 2-hop proxy")
     parser.add_argument("--default-malloc", action="store_true",
                         help="do not keep large buffers in the heap (glibc defaults)")

@@ -47,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config.schema import BufferConfig, WeightsConfig
+from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
 from learners.weights import WeightBroadcaster, WeightReceiver
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     params = sum(t.numel() for t in state.values())
     logger.info("model: %.1fM parameters, %.1f MB", params / 1e6, nbytes / 1e6)
     address, stop_broker = start_broker_thread(  # raw rounds block heartbeats: a long timeout
-        BufferConfig(port=0, heartbeat_timeout_s=600.0), groups_per_step=1)
+        BufferConfig(zmq=ZmqBufferConfig(port=0), heartbeat_timeout_s=600.0), groups_per_step=1)
     control = ZmqBufferClient(address, 120.0)
     procs: list[subprocess.Popen] = []
     rows, version, epoch = [], 1, 1000  # raw groups' store prefixes: epoch1001, ...

@@ -68,7 +68,7 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     ``address`` (``tcp://host:port``) overrides the one derived from the config, for roles
     pointed at a ZMQ broker started elsewhere. Redis has no broker process, so every client
     applies the gate itself and needs what the ZMQ broker is started with: ``run_id`` (the
-    run name; keys live under ``buffer.namespace`` or ``asyncrl:<run_id>``) and
+    run name; keys live under ``buffer.redis.namespace`` or ``asyncrl:<run_id>``) and
     ``groups_per_step`` (``learner.groups_per_step``). Both are ignored for ZMQ.
 
     ``stop``: the role's stop event. Once set, a request no longer waits out

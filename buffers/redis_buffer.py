@@ -120,7 +120,7 @@ class BufferRefused(RuntimeError):
 
 
 class RedisBufferClient:
-    """Buffer and control plane of run ``run_id`` in the Redis at ``config.url``.
+    """Buffer and control plane of run ``run_id`` in the Redis at ``config.redis.url``.
 
     Not thread-safe (like every client): open one per thread. ``stop``: the owner's stop
     event (see the module docstring).

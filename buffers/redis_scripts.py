@@ -5,7 +5,7 @@ Why Lua: the gate (``accepted + in_flight`` against ``(V + s + 1) × gps``), a p
 one atomic step across several keys, and they need Redis' own clock (``TIME``) so that the
 clocks of different machines never decide whether a member is alive.
 
-Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>``):
+Key layout under a namespace ``ns`` (``buffer.redis.namespace`` or ``asyncrl:<run_id>``):
 
 =================  =======  ==================================================================
 ``ns:state``       hash     version, accepted, consumed, dropped_stale, run_status, run_id,

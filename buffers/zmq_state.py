@@ -320,7 +320,7 @@ class BrokerState:
             raise StateError("version", f"version {version} is behind {self.version}")
         if self.version == 0 and self.consumed == 0 and version > 1:
             logger.warning("told of version %d with no progress of its own: this broker lost "
-                           "the run's state (restarted without buffer.spill_path?); taking "
+                           "the run's state (restarted without buffer.zmq.spill_path?); taking "
                            "over %d steps", version, version)
             self.restore_progress(version, version * self.gate.groups_per_step)
         if version != self.version:

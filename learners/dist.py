@@ -35,7 +35,8 @@ def broadcast_host(cfg, address: str | None) -> str:
         return cfg.weights.host
     from urllib.parse import urlsplit
 
-    target = urlsplit(address if address else cfg.buffer.url).hostname or cfg.buffer.host
+    target = urlsplit(address if address else cfg.buffer.redis.url).hostname or \
+        cfg.buffer.zmq.host
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((target, 9))  # UDP: picks the route, sends nothing
         host = probe.getsockname()[0]

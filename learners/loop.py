@@ -295,7 +295,7 @@ def _check_fresh_buffer(ctx: RankContext) -> None:
     else:
         from buffers.zmq_replay import spill_file
 
-        spill = spill_file(cfg.buffer.spill_path, cfg.run_dir)
+        spill = spill_file(cfg.buffer.zmq.spill_path, cfg.run_dir)
         where = f"move its spill file {spill} aside" if spill else "restart the broker"
     raise ConfigError(
         f"run.name = {cfg.run.name!r}: the buffer holds this run at version {version}, and "

@@ -44,9 +44,9 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
         r = cfg.rollout
         opts = VLLMOptions(eos_id=EOS_ID, dtype=cfg.model.dtype,
                            device="cpu" if device == "cpu" else "cuda", seed=seed,
-                           kv_cache_memory_mb=r.kv_cache_memory_mb,
-                           gpu_memory_utilization=r.gpu_memory_utilization,
-                           enforce_eager=r.enforce_eager,
+                           kv_cache_memory_mb=r.vllm.kv_cache_memory_mb,
+                           gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+                           enforce_eager=r.vllm.enforce_eager,
                            max_num_seqs=max(256, r.groups_per_batch * r.group_size))
         return VLLMEngine(model_dir, opts)
     if kind == "torch":
@@ -69,7 +69,7 @@ def _server_url(cfg: Config, index: int) -> str:
 
 
 def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) -> Engine:
-    """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang_module``)."""
+    """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
     from rollouters.engines.sglang_engine import SglangEngine, SglangServer
 
     r = cfg.rollout
@@ -77,8 +77,8 @@ def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) ->
                 "update_timeout_s": 2 * cfg.weights.timeout_s}  # a join waits for the others
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
-    server = SglangServer(r.sglang_module, model_dir, cfg.model.dtype, seed, list(r.sglang_args),
-                          cfg.run_dir / f"sglang-{index}.log", r.server_start_timeout_s)
+    server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed, list(r.sglang.args),
+                          cfg.run_dir / f"sglang-{index}.log", r.sglang.server_start_timeout_s)
     return SglangEngine(server.url, server=server, **timeouts)
 
 

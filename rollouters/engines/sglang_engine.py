@@ -94,7 +94,8 @@ class SglangServer:
             except SglangError:
                 if time.monotonic() > deadline:
                     raise SglangTimeout(f"SGLang server {self.url} not ready within "
-                                        f"{timeout_s:.0f}s (rollout.server_start_timeout_s); "
+                                        f"{timeout_s:.0f}s "
+                                        f"(rollout.sglang.server_start_timeout_s); "
                                         f"log: {self.log_path}") from None
                 time.sleep(0.5)
 

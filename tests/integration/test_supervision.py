@@ -49,7 +49,7 @@ def test_rollout_and_broker_sigkill_are_survived(tmp_path: Path, processes: Proc
     up = processes.start(
         "up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
         "--set", "run.name=faults", "--set", "learner.total_steps=100000",
-        "--set", "eval.every_steps=0",  # buffer.spill_path: the default, in the run directory
+        "--set", "eval.every_steps=0",  # buffer.zmq.spill_path: the default, in the run directory
         "--set", "buffer.request_timeout_s=4", "--set", "buffer.heartbeat_timeout_s=3",
         "--set", "launcher.restart_backoff_s=0.5")  # weights.timeout_s: the default, 60 s
     metrics, logs = run_dir / "metrics.jsonl", run_dir / "logs"

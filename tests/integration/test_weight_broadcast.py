@@ -158,7 +158,7 @@ class LearnerSide:
     dumping the receivers' logs if the test failed."""
 
     def __init__(self, out_dir: Path, heartbeat_timeout_s: float, weights_timeout_s: float):
-        from asyncrl.config.schema import BufferConfig, WeightsConfig
+        from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
         from buffers.zmq_broker import start_broker_thread
         from buffers.zmq_client import ZmqBufferClient
         from learners.weights import WeightBroadcaster
@@ -166,7 +166,8 @@ class LearnerSide:
         torch.set_num_threads(1)
         self.out_dir = out_dir
         self.address, self._stop_broker = start_broker_thread(
-            BufferConfig(port=0, heartbeat_timeout_s=heartbeat_timeout_s), groups_per_step=1)
+            BufferConfig(zmq=ZmqBufferConfig(port=0), heartbeat_timeout_s=heartbeat_timeout_s),
+            groups_per_step=1)
         self.control = ZmqBufferClient(self.address, timeout_s=10.0)
         self.procs: dict[str, subprocess.Popen] = {}
         self.broadcaster = WeightBroadcaster(
@@ -288,13 +289,14 @@ def test_an_engine_its_supervisor_reports_dead_is_let_go_at_once(tmp_path: Path)
 def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
     """Both ends in one process: ``wait_for_version``, a prompt ``stop``, mixed dtypes, and a
     sync with nobody to send to."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
     from learners.weights import WeightBroadcaster, WeightReceiver
 
     torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
     got: dict[int, dict[str, torch.Tensor]] = {}
@@ -330,13 +332,14 @@ def test_unpadded_plan_and_reused_buffers() -> None:
     """``align=1`` (SGLang's layout: misaligned tensors are copied out on arrival) over real
     gloo, and three versions through the same staging and receive buffers: each arrives
     exactly, although the buffers it passed through held the previous one."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
     from learners.weights import WeightBroadcaster, WeightReceiver
 
     torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)
     got: dict[int, dict[str, torch.Tensor]] = {}
@@ -370,7 +373,8 @@ def test_adopting_engine_alternates_receive_pools() -> None:
     """``adopt=True`` with a real TorchEngine over real gloo: every version becomes the
     engine's parameters without a copy, and consecutive versions land in different pools, so
     a receive never writes into the tensors the engine is generating with."""
-    from asyncrl.config.schema import BufferConfig, TinyModelConfig, WeightsConfig
+    from asyncrl.config.schema import (BufferConfig, TinyModelConfig, WeightsConfig,
+                                       ZmqBufferConfig)
     from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
@@ -380,7 +384,8 @@ def test_adopting_engine_alternates_receive_pools() -> None:
 
     torch.set_num_threads(1)
     engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), EOS_ID, PAD_ID)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)
     receiver = make_weight_receiver(engine, own, "engine-a")

@@ -172,7 +172,7 @@ def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path
     assert not is_resuming(cfg)
     step = _fake_checkpoint(cfg.run_dir / "checkpoints", 10)
     (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    spill = cfg.run_dir / "buffer.spill"        # buffer.spill_path = "auto"
+    spill = cfg.run_dir / "buffer.spill"        # buffer.zmq.spill_path = "auto"
     spill.write_bytes(b"the broker's journal")
     position = cfg.run_dir / "data" / "worker-0.json"   # a rollout worker's place in data
     position.parent.mkdir()

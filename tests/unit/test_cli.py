@@ -24,6 +24,15 @@ def test_config_show_prints_resolved_toml(capsys) -> None:
     assert shown["rollout"]["workers"] == 2
 
 
+def test_config_show_prints_legacy_keys_in_their_new_place(capsys) -> None:
+    assert main(["config", "show", str(QUICKSTART), "--set", "buffer.port=6000",
+                 "--set", 'rollout.sglang_args=["--x"]']) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown["buffer"]["zmq"]["port"] == 6000 and "port" not in shown["buffer"]
+    assert shown["rollout"]["sglang"]["args"] == ["--x"]
+    assert "sglang_args" not in shown["rollout"]
+
+
 def test_bad_config_exits_2_naming_the_key(capsys) -> None:
     assert main(["up", str(QUICKSTART), "--set", "rollout.workrs=3"]) == 2
     err = capsys.readouterr().err

@@ -19,7 +19,7 @@ def test_a_learner_stopped_before_its_first_step_exports_nothing(tmp_path):
     model, which looked like the outcome of a run that never started."""
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
-                             "run.name=never", "buffer.port=0"])
+                             "run.name=never", "buffer.zmq.port=0"])
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
     stop = threading.Event()
@@ -69,7 +69,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
                              "run.name=last", "learner.total_steps=3", "checkpoint.resume=true",
-                             "buffer.port=0"])
+                             "buffer.zmq.port=0"])
     trainer = make_trainer(prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed),
                            cfg.learner, "cpu", sim=cfg.sim, lora=cfg.model.lora)
     trainer.version = 3
@@ -169,7 +169,7 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=one-told", "learner.groups_per_step=2",
             "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
-            "learner.collective_timeout_s=60", "buffer.port=0"]
+            "learner.collective_timeout_s=60", "buffer.zmq.port=0"]
     cfg = load_config(None, args)
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
@@ -228,7 +228,7 @@ def test_an_error_on_one_rank_ends_every_rank_at_once(tmp_path):
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=alone", "learner.groups_per_step=2",
             "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
-            f"learner.collective_timeout_s={timeout_s}", "buffer.port=0"]
+            f"learner.collective_timeout_s={timeout_s}", "buffer.zmq.port=0"]
     results = _two_ranks(args, _rank_zero_fails)
     (zero, zero_s), (one, one_s) = results[0], results[1]
     assert zero == "RuntimeError: rank 0 alone failed", zero
@@ -264,7 +264,7 @@ def test_a_stop_in_rank_zeros_end_of_run_still_meets_the_others_at_the_barrier(t
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=end", "learner.groups_per_step=2",
             "learner.total_steps=1", "eval.every_steps=0", "checkpoint.every_steps=0",
-            "learner.collective_timeout_s=60", "buffer.port=0"]
+            "learner.collective_timeout_s=60", "buffer.zmq.port=0"]
     assert _two_ranks(args, _rank_zero_stopped_at_the_end) == {
         0: "BufferStopped: stopped waiting for the reply to 'get_keys': stopping",
         1: "returned"}

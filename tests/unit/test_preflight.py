@@ -77,9 +77,9 @@ def test_plugins_import_from_the_working_directory_like_the_roles(
 
 def test_a_refused_redis_url_is_reported_fast() -> None:
     url = f"redis://127.0.0.1:{closed_port()}/0"
-    cfg = load_config(None, ["buffer.type='redis'", f"buffer.url={url!r}"])
+    cfg = load_config(None, ["buffer.type='redis'", f"buffer.redis.url={url!r}"])
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=f"^buffer.url: '{url}': .*refused"):
+    with pytest.raises(ConfigError, match=f"^buffer.redis.url: '{url}': .*refused"):
         check_redis(cfg.buffer)
     assert time.monotonic() - start < 10  # not the clients' 30 s of retries
 
