@@ -16,7 +16,7 @@ import tomllib
 from pydantic import BaseModel, ValidationError
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.resolve import map_legacy_keys, warn_unselected
+from asyncrl.config.resolve import map_legacy_keys, selected_only, warn_unselected
 from asyncrl.config.schema import Config
 
 
@@ -122,9 +122,10 @@ def _model_at(loc: list[str]) -> type[BaseModel]:
 
 
 def to_toml(config: BaseModel) -> str:
-    """Render a config as TOML (the resolved config written to every run directory)."""
+    """Render a config as TOML (the resolved config written to every run directory), without
+    the sub-tables of backends it does not select (:func:`~asyncrl.config.resolve.selected_only`)."""
     out: list[str] = []
-    _emit_table(config.model_dump(mode="json"), [], out)
+    _emit_table(selected_only(config.model_dump(mode="json")), [], out)
     return "\n".join(out).lstrip() + "\n"
 
 

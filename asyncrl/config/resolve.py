@@ -12,7 +12,10 @@ habit 6):
 - **A sub-table of a backend not selected is never read.** :func:`warn_unselected` names its
   keys set away from their defaults (a default changes nothing either way, and the run
   directory's ``config.toml`` writes every key), so a user who set ``[buffer.redis] url`` with
-  ``buffer.type = "zmq"`` learns it is ignored.
+  ``buffer.type = "zmq"`` learns it is ignored. The rendered config (the run directory's
+  ``config.toml``, ``asyncrl config show``) leaves such sub-tables out
+  (:func:`selected_only`): every role reads that file, and each would warn again about keys
+  the user was already told of once, by ``asyncrl up``.
 """
 
 from __future__ import annotations
@@ -113,3 +116,26 @@ def warn_unselected(config: Config) -> None:
             if changed:
                 logger.warning("%s ignored: %s.%s = %r does not read [%s.%s]",
                                ", ".join(changed), name, selector, chosen, name, field)
+
+
+def selected_only(dump: dict[str, Any]) -> dict[str, Any]:
+    """``dump`` (a root config's ``model_dump``) without the sub-tables of the backends it
+    does not select: what a role reading it back needs, and no key it would warn about."""
+    kept = dict(dump)
+    for name, selector in SELECTORS.items():
+        section = kept.get(name)
+        if not isinstance(section, dict) or selector not in section:
+            continue
+        kept[name] = {key: value for key, value in section.items()
+                      if not isinstance(value, dict) or key == section[selector]
+                      or key not in _backend_tables(name)}
+    return kept
+
+
+def _backend_tables(name: str) -> set[str]:
+    """The sub-tables of section ``name`` that belong to one backend each."""
+    from asyncrl.config.schema import Config
+
+    section = Config.model_fields[name].annotation
+    return {field for field, info in section.model_fields.items()
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}

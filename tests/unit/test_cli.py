@@ -26,7 +26,7 @@ def test_config_show_prints_resolved_toml(capsys) -> None:
 
 def test_config_show_prints_legacy_keys_in_their_new_place(capsys) -> None:
     assert main(["config", "show", str(QUICKSTART), "--set", "buffer.port=6000",
-                 "--set", 'rollout.sglang_args=["--x"]']) == 0
+                 "--set", "rollout.engine=sglang", "--set", 'rollout.sglang_args=["--x"]']) == 0
     shown = tomllib.loads(capsys.readouterr().out)
     assert shown["buffer"]["zmq"]["port"] == 6000 and "port" not in shown["buffer"]
     assert shown["rollout"]["sglang"]["args"] == ["--x"]

@@ -259,3 +259,23 @@ def test_the_resolved_config_round_trips_through_load_config_in_the_new_layout(
         assert load_config(tmp_path / "defaults.toml") == load_config(None)
     assert again == cfg
     assert _messages(caplog) == []  # every key written, none deprecated or ignored
+
+
+def test_the_rendered_config_leaves_out_the_backends_not_selected(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every role `asyncrl up` starts reads the run directory's config.toml: a sub-table of a
+    backend not selected is left out of it, so the user hears of its keys once (from `up`),
+    not again from every role."""
+    with caplog.at_level(logging.WARNING, logger=RESOLVE_LOGGER):
+        cfg = load_config(None, ["buffer.type=redis", "buffer.zmq.port=0",
+                                 "rollout.engine=torch", "rollout.vllm.enforce_eager=false"])
+    assert len(_messages(caplog)) == 2  # said once, here
+    text = to_toml(cfg)
+    assert "[buffer.redis]" in text
+    assert "[buffer.zmq]" not in text and "[rollout.vllm]" not in text
+    assert "[rollout.sglang]" not in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=RESOLVE_LOGGER):
+        again = validate_config(tomllib.loads(text))
+    assert _messages(caplog) == []
+    assert again.buffer.redis == cfg.buffer.redis and again.rollout.workers == cfg.rollout.workers
