@@ -137,7 +137,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                               "buffer.redis.url")
         return roles.serve_buffer(cfg, args.address_file)
     if args.command == "eval":
-        from rollouters.eval import run_eval
+        from asyncrl.eval_checkpoint import run_eval
 
         sys.stdout.write(json.dumps(run_eval(cfg, args.checkpoint), indent=2) + "\n")
         return 0

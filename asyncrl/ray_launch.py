@@ -63,7 +63,7 @@ class RoleActor:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from learners.dist import free_port
+        from asyncrl.net import free_port
 
         return free_port()
 
@@ -86,10 +86,11 @@ class RoleActor:
     def run_learner(self, cfg: Config, rank: int, world: int, address: str | None,
                     master_addr: str, master_port: int) -> None:
         from learners.loop import run_learner_rank
+        from rollouters.eval import EngineEvaluator
 
         learner = cfg.learner.model_copy(update={"master_addr": master_addr})
         run_learner_rank(cfg.model_copy(update={"learner": learner}), rank, world, address,
-                         master_port, self.stop)
+                         master_port, self.stop, evaluator=EngineEvaluator)
 
     def run_rollout(self, cfg: Config, index: int, address: str | None) -> None:
         from rollouters.worker import run_rollout_worker

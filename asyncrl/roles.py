@@ -181,9 +181,11 @@ def run_learner(cfg: Config, address: str | None) -> int:
     stop = stop_on_signals()
     if not wait_for_broker(cfg, address, stop):
         return 0
-    from learners.dist import free_port
+    from asyncrl.net import free_port
     from learners.loop import run_learner_rank
+    from rollouters.eval import EngineEvaluator
 
+    rank_main = partial(run_learner_rank, evaluator=EngineEvaluator)  # rank 0's eval
     learner = cfg.learner
     port = learner.master_port or free_port()
     world = learner.nnodes * learner.ranks
@@ -194,10 +196,10 @@ def run_learner(cfg: Config, address: str | None) -> int:
                     learner.master_addr, port)
     if learner.ranks == 1:
         with exit_quietly_when_stopped("learner"):
-            run_learner_rank(cfg, first, world, address, port, stop)
+            rank_main(cfg, first, world, address, port, stop)
         return 0
-    return _run_children(run_learner_rank, [(cfg, first + i, world, address, port)
-                                            for i in range(learner.ranks)], "learner",
+    return _run_children(rank_main, [(cfg, first + i, world, address, port)
+                                     for i in range(learner.ranks)], "learner",
                          cfg.launcher.stop_grace_s("learner"), stop=stop)
 
 

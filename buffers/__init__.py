@@ -5,23 +5,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from asyncrl.control_plane import BufferStopped
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
 __all__ = ["Batch", "Buffer", "BufferClient", "BufferStopped", "ControlPlane", "Grant",
            "PutResult", "connect_buffer", "make_buffer_client", "stopped_by", "unanswered"]
-
-
-class BufferStopped(TimeoutError):
-    """A client given a stop event stopped waiting for the broker because the event was set
-    (the role is stopping on a signal).
-
-    A :class:`TimeoutError`, as a request given up on after ``request_timeout_s`` is: the
-    request is in doubt in the same way (it may still be served), and what already tolerates a
-    lost buffer on its way out (the weight broadcaster's close catches ``TimeoutError``, the
-    lease renewal and the crash report catch ``Exception``) tolerates this too. It is not the
-    ZMQ client's ``NoReply``, so it is never re-sent. The roles take it, or a failure caused by
-    it (:func:`stopped_by`), as the stop it is: exit status 0, not the 3 of a broker that
-    cannot be reached."""
 
 
 def stopped_by(exc: BaseException) -> BufferStopped | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.evaluation import EvaluatorFactory
 from asyncrl.metrics import Timers, val_score
 from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
@@ -110,8 +111,10 @@ class RankContext:
 
 
 def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, master_port: int,
-                     stop: threading.Event | None = None) -> None:
-    """One training rank; rank 0 also owns the weight broadcast, metrics and evaluation."""
+                     stop: threading.Event | None = None, *,
+                     evaluator: EvaluatorFactory) -> None:
+    """One training rank; rank 0 also owns the weight broadcast, metrics and evaluation
+    (``evaluator`` builds its :class:`~asyncrl.evaluation.Evaluator`)."""
     import torch
 
     from asyncrl.models import prepare_model_dir
@@ -137,7 +140,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     try:
         trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
         checkpointer = Checkpointer(cfg)
-        driver = _RankZero(ctx, model_dir) if rank == 0 else None
+        driver = _RankZero(ctx, model_dir, evaluator) if rank == 0 else None
         reached = _reached_before(cfg, _resume(ctx, checkpointer, trainer, driver))
         resumed_at = trainer.version
         if driver is not None:
@@ -569,14 +572,11 @@ def _agree_any(flags: list[bool], world: int) -> list[bool]:
 class _RankZero:
     """What only rank 0 does: broadcast weights, publish versions, write metrics, evaluate."""
 
-    def __init__(self, ctx: RankContext, model_dir: Path) -> None:
-        from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
-        from learners.dist import broadcast_host
+    def __init__(self, ctx: RankContext, model_dir: Path, evaluator: EvaluatorFactory) -> None:
+        from asyncrl.net import broadcast_host
+        from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
+        from asyncrl.weights.publisher import WeightPublisher
         from learners.prefetch import BatchPrefetcher
-        from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
-        from learners.weights_publisher import WeightPublisher
-        from rollouters.engines.torch_engine import TorchEngine
-        from rollouters.eval import make_evaluator
 
         self.ctx, self.cfg = ctx, ctx.cfg
         # The next batch is fetched and collated on a thread of its own, with its own client.
@@ -601,9 +601,7 @@ class _RankZero:
         self.writer = make_sinks(self.cfg.monitor, self.cfg.run_dir, self.cfg.run.name,
                                  self.cfg.model_dump(mode="json"))
         self.endpoint = start_endpoint(self.cfg.monitor, "learner", ctx.member)
-        self.evaluator = make_evaluator(self.cfg, model_dir)
-        self.eval_engine = TorchEngine(load_causal_lm(model_dir, self.cfg.model.dtype, "cpu"),
-                                       eos_id=EOS_ID, pad_id=PAD_ID)
+        self.evaluator = evaluator(self.cfg, model_dir)
         self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
@@ -652,8 +650,7 @@ class _RankZero:
         return self.reached is not None
 
     def evaluate(self, state, version: int) -> dict[str, float]:
-        self.eval_engine.load_weights(state.items(), version=version)
-        self.last_eval = self.evaluator(self.eval_engine)
+        self.last_eval = self.evaluator.evaluate(state, version)
         return self.last_eval
 
     def data_ran_out(self) -> bool:

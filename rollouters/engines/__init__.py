@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.weights.receiver import WeightReceiver
     from buffers.protocol import ControlPlane
-    from learners.weights_receiver import WeightReceiver
     from rollouters.engines.base import Engine
 
 
 def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
     """The engine ``cfg.rollout.engine`` names, for rollout worker ``index``."""
+    from asyncrl.devices import resolve_device
     from asyncrl.models import EOS_ID, PAD_ID
-    from learners.dist import resolve_device
 
     kind = cfg.rollout.engine
     seed = cfg.run.seed * 1000 + index
@@ -88,7 +88,7 @@ def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
     broadcast itself (:class:`SglangWeightPeer`); every other engine through this process,
     adopting the received tensors where it can (``adopt_weights``), else copying them.
     ``host``: where this process's end of the broadcast binds (``weights.host``)."""
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
     from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
 
     if isinstance(engine, SglangEngine):

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import torch
 
+from asyncrl.weights.plan import BucketPlan
+from asyncrl.weights.receiver import WeightReceiver
 from buffers.protocol import ControlPlane
-from learners.weights_plan import BucketPlan
-from learners.weights_receiver import WeightReceiver
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 
@@ -267,8 +267,8 @@ def parse_completion(item: dict[str, Any], version: int) -> Completion:
 
 class SglangWeightPeer(WeightReceiver):
     """The rollout side of the weight sync for an SGLang engine: follows the announcements of
-    :class:`learners.weights.WeightBroadcaster` exactly like :class:`WeightReceiver` (same
-    join → go handshake, same acks, same eviction), but the group member is the SGLang
+    :class:`asyncrl.weights.broadcaster.WeightBroadcaster` exactly like :class:`WeightReceiver`
+    (same join → go handshake, same acks, same eviction), but the group member is the SGLang
     server, not this process. On a new epoch it asks the server to join the group
     (``/init_weights_update_group`` with the announcement's ``group`` name, our rank as
     ``rank_offset`` and the backend); on each update it pauses generation, asks for one
@@ -282,11 +282,11 @@ class SglangWeightPeer(WeightReceiver):
     * its side of the group uses the store layout of SGLang's ``init_custom_process_group``
       (rendezvous at ``master_address:master_port``, which is our store; keys under
       ``PrefixStore(group_name)`` then torch's ``f"{group_name}/"`` and ``"cpu/"`` prefixes):
-      :func:`learners.weights_group.new_group` builds exactly that chain;
+      :meth:`asyncrl.weights.gloo.GlooTransport.connect` builds exactly that chain;
     * buckets are packed without padding (``align = 1``,
-      :func:`learners.weights.broadcast_align`), because SGLang's ``FlattenedTensorBucket``
-      concatenates the tensors' bytes back to back; :func:`sglang_requests` refuses a padded
-      plan rather than let the collective fail;
+      :func:`asyncrl.weights.broadcaster.broadcast_align`), because SGLang's
+      ``FlattenedTensorBucket`` concatenates the tensors' bytes back to back;
+      :func:`sglang_requests` refuses a padded plan rather than let the collective fail;
     * one rank per server: SGLang joins as ``rank_offset + tp_rank``, and the announcement
       gives every member one rank, so servers must run with ``tp_size = 1`` (data-parallel
       fleets are fine: one worker and one server each);
@@ -323,7 +323,7 @@ class SglangWeightPeer(WeightReceiver):
                     rank, world)
         return True
 
-    def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
+    def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
         """Pause, one request per bucket (the server receives it), resume; no tensors here."""
         assert self._group_name is not None
         version = self._version_in_flight

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
+from asyncrl.weights.plan import BucketPlan, TensorSpec
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
-from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
-from learners.weights_plan import BucketPlan, TensorSpec
 from rollouters.engines.sglang_engine import (
     SglangEngine,
     SglangError,
@@ -202,7 +202,7 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     """``rollout.engine = "sglang"`` with ``rollout.url``: one server per worker, and the
     worker's weight receiver is the peer (the server receives the broadcast itself)."""
     from asyncrl.config import load_config
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
     from rollouters.engines import make_engine, make_weight_receiver
 
     url, _ = server

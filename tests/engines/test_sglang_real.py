@@ -66,9 +66,9 @@ def test_weight_sync_through_the_broadcast_group(engine: SglangEngine) -> None:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster, broadcast_align
 
     state = AutoModelForCausalLM.from_pretrained(MODEL, torch_dtype="auto").state_dict()
     prompt = [[7, 8, 9]]

@@ -132,8 +132,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     model never learns, and these races need the target met at a known step."""
     import rollouters.eval
     from asyncrl.config import load_config
+    from asyncrl.net import free_port
     from buffers.zmq_client import ZmqBufferClient
-    from learners.dist import free_port
     from learners.loop import run_learner_rank
 
     monkeypatch.setattr(rollouters.eval, "make_evaluator",
@@ -158,7 +158,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port(), stop)
+        run_learner_rank(cfg, 0, 1, address, free_port(), stop,
+                         evaluator=rollouters.eval.EngineEvaluator)
     finally:
         watcher.join()
     return cfg, sets
@@ -172,8 +173,9 @@ def test_a_learner_that_reached_its_eval_target_as_the_buffer_was_lost_finishes_
     the buffer is gone). Started again, it only finishes the run: export, final eval, the run
     marked done. Before, the checkpoint did not say the target was reached, and the resumed
     learner trained on until an eval reached it again (a second step here)."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
     from learners.loop import run_learner_rank
+    from rollouters.eval import EngineEvaluator
 
     def kill(buffer: subprocess.Popen, rollout: subprocess.Popen, _) -> None:
         for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
@@ -198,7 +200,7 @@ def test_a_learner_that_reached_its_eval_target_as_the_buffer_was_lost_finishes_
     port = address.rsplit(":", 1)[1]
     _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.zmq.port={port}")
     rollout = processes.start("rollout-2", "rollout", str(SIM), *sets, "--buffer", address)
-    run_learner_rank(cfg, 0, 1, address, free_port())
+    run_learner_rank(cfg, 0, 1, address, free_port(), evaluator=EngineEvaluator)
     assert "resuming at version 1" in caplog.text, caplog.text
     assert "finishing it without training on" in caplog.text, caplog.text
     assert [r["step"] for r in step_records(metrics)] == [1]   # no step trained again

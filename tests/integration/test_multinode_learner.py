@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.integration.conftest import QUICKSTART, Processes
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.integration.conftest import (QUICKSTART, ROOT, Processes, role_env, step_records,
                                         wait_for)
 

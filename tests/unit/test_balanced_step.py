@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from asyncrl.config.schema import LearnerConfig, LossConfig
+from asyncrl.net import free_port
 from learners.balance import split_batch
 from learners.batching import collate
-from learners.dist import free_port
 from learners.packing import plan_micro_batches
 from tests.unit.test_fsdp2 import _initial_state, join_all, make_groups, tiny_model_dir  # noqa: F401
 

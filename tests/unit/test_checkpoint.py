@@ -22,7 +22,8 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     """A 1-rank gloo group in this process, torn down after the test."""
-    from learners.dist import free_port, init_learner_group, shutdown_learner_group
+    from asyncrl.net import free_port
+    from learners.dist import init_learner_group, shutdown_learner_group
 
     torch.set_num_threads(1)
     init_learner_group(0, 1, master_port=free_port(), timeout_s=60.0)

@@ -64,7 +64,7 @@ def test_a_stop_ends_the_wait_for_a_broker_that_never_answers(silent_broker, req
 
 
 def test_a_stop_ends_the_resends_to_a_broker_gone_for_good(caplog):
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
     address, stop_broker = start_broker_thread(
         BufferConfig(zmq=ZmqBufferConfig(port=free_port())), 1)
@@ -146,7 +146,7 @@ def test_a_learner_whose_broker_was_killed_exits_promptly_on_sigterm(
 def test_a_stopping_roles_weight_receiver_ends_without_a_traceback(silent_broker, caplog):
     """The receiver's thread polls announcements through its own client: a stop with the
     broker gone ends it quietly, instead of a traceback per poll until it is joined."""
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     address, _ = silent_broker
     stop = threading.Event()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from buffers.protocol import DATA_EXHAUSTED, STOPPED
+from asyncrl.control_plane import STOPPED
+from buffers.protocol import DATA_EXHAUSTED
 from learners.loop import data_ran_out
 
 

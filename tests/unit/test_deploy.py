@@ -135,7 +135,7 @@ def test_up_dry_run_prints_the_ray_placement():
 
 def test_weights_host_auto_is_the_interface_that_reaches_the_buffer():
     from asyncrl.config import load_config
-    from learners.dist import broadcast_host
+    from asyncrl.net import broadcast_host
 
     cfg = load_config(None, ["weights.host=auto"])
     assert broadcast_host(cfg, "tcp://127.0.0.1:5555") == "127.0.0.1"

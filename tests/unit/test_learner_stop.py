@@ -7,9 +7,10 @@ import threading
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.net import free_port
 from buffers.zmq_broker import start_broker_thread
-from learners.dist import free_port
 from learners.loop import run_learner_rank
+from rollouters.eval import EngineEvaluator
 
 
 @pytest.mark.timeout(120)
@@ -25,7 +26,7 @@ def test_a_learner_stopped_before_its_first_step_exports_nothing(tmp_path):
     stop = threading.Event()
     stop.set()
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port(), stop)
+        run_learner_rank(cfg, 0, 1, address, free_port(), stop, evaluator=EngineEvaluator)
     finally:
         stop_broker()
     run_dir = cfg.run_dir
@@ -83,7 +84,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port())
+        run_learner_rank(cfg, 0, 1, address, free_port(), evaluator=EngineEvaluator)
         with ZmqBufferClient(address, timeout_s=10) as client:
             assert client.get_key(RUN_STATUS_KEY)[1] == {"status": DONE}
     finally:
@@ -144,7 +145,7 @@ def _rank_told_alone(rank: int, args: list[str], address: str, port: int, after_
             stop.set()
         threading.Thread(target=stop_after_step_1, daemon=True).start()
     try:
-        run_learner_rank(cfg, rank, 2, address, port, stop)
+        run_learner_rank(cfg, rank, 2, address, port, stop, evaluator=EngineEvaluator)
         results[rank] = "returned"
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = f"{type(exc).__name__}: {exc}"
@@ -211,7 +212,8 @@ def _rank_zero_fails(rank: int, args: list[str], address: str, port: int, result
         loop._RankZero.after_step = fail
     start = time.monotonic()
     try:
-        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        run_learner_rank(load_config(None, args), rank, 2, address, port,
+                         evaluator=EngineEvaluator)
         results[rank] = ("returned", time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
@@ -248,7 +250,8 @@ def _rank_zero_stopped_at_the_end(rank: int, args: list[str], address: str, port
             raise BufferStopped("stopped waiting for the reply to 'get_keys': stopping")
         loop._RankZero.finish = finish
     try:
-        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        run_learner_rank(load_config(None, args), rank, 2, address, port,
+                         evaluator=EngineEvaluator)
         results[rank] = "returned"
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.config.schema import Config, RunConfig
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.unit.test_zmq_buffer import broker  # noqa: F401 (fixture: real brokers)
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncrl.net import free_port
 from learners.balance import pack_shares, scatter_batch, split_batch
 from learners.batching import collate
-from learners.dist import free_port
 from tests.unit.test_zmq_buffer import make_group
 
 pytestmark = pytest.mark.timeout(120)

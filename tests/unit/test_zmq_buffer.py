@@ -327,7 +327,7 @@ def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
     """A broker restart at the same address: a read sent while it was down (the status, or
     the weight-sync acks the learner's publisher polls) is answered by the new broker; a put is
     never re-sent (it fails, in doubt, at once)."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
     config = BufferConfig(zmq=ZmqBufferConfig(port=free_port()))
     address, stop = start_broker_thread(config, groups_per_step=1)
@@ -359,7 +359,7 @@ def test_a_waiter_of_a_lost_broker_sees_the_keys_its_successor_sets():
     still be news to a client that waits for keys newer than the old broker's (a rollout
     worker waiting for the next weight announcement). Numbering again from 1 left such a
     waiter parked for good, and the run stalled."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
     config = BufferConfig(zmq=ZmqBufferConfig(port=free_port()))
     address, stop = start_broker_thread(config, groups_per_step=1)

@@ -9,10 +9,12 @@ One update, as seen on the control plane (``weights/announce``)::
      "buckets": [{"nbytes", "count"}, ...]}
 
 Members are the alive ``rollout`` members of the control plane that have not said they
-stopped, sorted. A *membership epoch* is one process group over them (named ``group``, see
-:func:`learners.weights_group.group_name`, with SGLang's store layout so an SGLang server can
-be a member); it is reused while they stay the same. When they change, the new epoch starts
-with a handshake on the control plane so that nobody blocks on a dead peer: receivers write
+stopped, sorted. A *membership epoch* is one group over them (named ``group``, see
+:func:`asyncrl.weights.rendezvous.group_name`), carried by the transport ``transport`` names
+(:mod:`asyncrl.weights.transport`: ``gloo`` with SGLang's store layout so an SGLang server can
+be a member, or ``sim``), built with the announced ``transport_opts``; it is reused while the
+members and the options stay the same. When they change, the new epoch starts with a
+handshake on the control plane so that nobody blocks on a dead peer: receivers write
 ``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
 one departs: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
 ``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
@@ -32,8 +34,8 @@ engine, whose supervisor may have restarted it under a new name already) or that
 stopped. Its departure ends the wait at once: it is evicted and the next attempt goes on
 without it, so a killed engine costs the heartbeat timeout, not ``timeout_s``; a member alive
 but slow is still waited for up to ``timeout_s``. An evicted member is left out until it
-heartbeats again after its eviction. :class:`WeightReceiver` (the rollout side) lives in
-:mod:`learners.weights_receiver`.
+heartbeats again after its eviction. :class:`~asyncrl.weights.receiver.WeightReceiver` (the
+rollout side) lives in :mod:`asyncrl.weights.receiver`.
 """
 
 from __future__ import annotations
@@ -46,26 +48,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from asyncrl.config.schema import WeightsConfig
-from buffers.protocol import STOPPED, ControlPlane
-from learners.weights_group import (
+from asyncrl.control_plane import STOPPED, ControlPlane
+from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
+from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
     GROUP_KEY,
     ack_key,
     await_keys,
-    broadcast_async,
-    drop_group,
     group_name,
     join_key,
-    new_group,
     serve_store,
 )
-from learners.weights_plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
-from learners.weights_receiver import WeightReceiver
+from asyncrl.weights.transport import Pending, WeightTransport, transport_class
 
-__all__ = ["WeightBroadcaster", "WeightReceiver", "broadcast_align", "engine_weights"]
+__all__ = ["WeightBroadcaster", "broadcast_align", "engine_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +82,7 @@ def _present(entry: Mapping[str, Any] | None) -> bool:
 class _Group:
     epoch: int
     members: tuple[str, ...]
-    pg: dist.ProcessGroup
+    transport: WeightTransport
 
 
 def engine_weights(cfg: WeightsConfig, engine: str) -> WeightsConfig:
@@ -117,11 +115,10 @@ class WeightBroadcaster:
         self._host = host
         self._align = align
         self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
-        self._transport_opts: dict[str, Any] = {}  # announced; new_group's extra arguments
+        self._transport_class = transport_class(cfg.transport)  # raises for an unknown one
+        self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
-        if cfg.transport not in ("gloo", "sim"):
-            raise NotImplementedError(f"weight transport {cfg.transport!r} (gloo or sim)")
         self._store = serve_store(host, cfg.timeout_s)
         self.address = f"{host}:{self._store.port}"
         self._epoch = 0
@@ -189,7 +186,7 @@ class WeightBroadcaster:
 
     def _drop(self) -> None:
         if self._group is not None:
-            drop_group(self._group.pg)
+            self._group.transport.close()
             self._group = None
 
     # --- one update ------------------------------------------------------------------------
@@ -202,11 +199,10 @@ class WeightBroadcaster:
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
                             int(self._cfg.alone_mb * 2**20))
-        if self._cfg.transport == "sim":
-            opts = {"s_per_byte": self._sim_sync_s / max(plan.total_bytes, 1)}
-            if opts != self._transport_opts:
-                self._drop()  # a group's wire speed is fixed when it is created
-                self._transport_opts = opts
+        opts = self._transport_class.announced_opts(plan.total_bytes, self._sim_sync_s)
+        if opts != self._transport_opts:
+            self._drop()  # a group's options (sim: its wire speed) are fixed at its creation
+            self._transport_opts = opts
         try:
             delivered, attempts = self._deliver(plan, state_dict, version)
             evicted = len(self._evicted_now)
@@ -229,7 +225,7 @@ class WeightBroadcaster:
                 return [], attempt - 1
             try:
                 delivered = self._attempt(plan, state, version, members)
-            except RuntimeError as exc:  # gloo: a peer vanished or timed out mid-collective
+            except RuntimeError as exc:  # a peer vanished or timed out mid-collective
                 logger.warning("weights: version %d epoch %d failed (%s); rebuilding the group",
                                version, self._epoch, str(exc).splitlines()[0][:200])
                 self._drop()
@@ -252,7 +248,7 @@ class WeightBroadcaster:
             return []
         assert self._group is not None
         started = time.monotonic()
-        self._send(self._group.pg, plan, state)
+        self._send(self._group.transport, plan, state)
         sent = time.monotonic()
         departed, late = self._wait_acks(members, version)
         self._phases = {"timing/weight_send": sent - started,
@@ -265,7 +261,7 @@ class WeightBroadcaster:
             return []
         return members
 
-    def _send(self, pg: dist.ProcessGroup, plan: BucketPlan,
+    def _send(self, transport: WeightTransport, plan: BucketPlan,
               state: Mapping[str, torch.Tensor]) -> None:
         """Broadcast every bucket, packing bucket i+1 while bucket i is on the wire.
 
@@ -276,10 +272,10 @@ class WeightBroadcaster:
         if not plan.bucket_nbytes:
             return
         staging = self._staging_for(plan, state)
-        pending: dist.Work | None = None
+        pending: Pending | None = None
         for index in range(len(plan.bucket_nbytes)):
             out = staging.slot(index) if staging.holds(index) else None
-            work = broadcast_async(pg, pack_bucket(plan, index, state, out))
+            work = transport.send(pack_bucket(plan, index, state, out))
             if pending is not None:
                 pending.wait()
             pending = work
@@ -321,9 +317,10 @@ class WeightBroadcaster:
         if late:
             self._evict(late, f"did not join within {self._cfg.timeout_s:.1f}s")
             return False
-        pg = new_group(self._cfg.transport, self._store, group_name(self._token, epoch), 0,
-                       len(members) + 1, self._cfg.timeout_s, self._host, **self._transport_opts)
-        self._group = _Group(epoch, tuple(members), pg)
+        transport = self._transport_class(host=self._host, timeout_s=self._cfg.timeout_s,
+                                          **self._transport_opts)
+        transport.connect(self._store, group_name(self._token, epoch), 0, len(members) + 1)
+        self._group = _Group(epoch, tuple(members), transport)
         logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
         return True
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from buffers.protocol import ControlPlane
-from learners.weights import WeightBroadcaster
+from asyncrl.control_plane import ControlPlane
+from asyncrl.weights.broadcaster import WeightBroadcaster
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """Rollout side of the weight sync: :class:`WeightReceiver`, one background thread per engine.
 
-It follows the announcements of :class:`learners.weights.WeightBroadcaster` (the format and
-handshake are documented there), joins the epoch's group, receives every bucket, hands the
-named tensors to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so
-a lost learner or a broken group costs one timeout, after which the next announcement is
-served; ``stop`` is seen within a long-poll slice except during a transfer.
+It follows the announcements of :class:`asyncrl.weights.broadcaster.WeightBroadcaster` (the
+format and handshake are documented there), joins the epoch's group over the announced
+transport (:mod:`asyncrl.weights.transport`), receives every bucket, hands the named tensors
+to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so a lost
+learner or a broken group costs one timeout, after which the next announcement is served;
+``stop`` is seen within a long-poll slice except during a transfer.
 
 Receive buffers are a pool reused across updates (one slot per bucket, rebuilt when the plan
 changes, dropped when the group is): fresh ones page-fault on every byte. All of an update's
@@ -34,21 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from buffers import BufferStopped
-from buffers.protocol import ControlPlane
-from learners.weights_group import (
+from asyncrl.control_plane import BufferStopped, ControlPlane
+from asyncrl.weights.plan import BucketBuffers, BucketPlan, unpack_bucket
+from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
     GROUP_KEY,
     ack_key,
     await_key,
-    broadcast_async,
-    buffer_device,
     dial_store,
-    drop_group,
     join_key,
-    new_group,
 )
-from learners.weights_plan import BucketBuffers, BucketPlan, unpack_bucket
+from asyncrl.weights.transport import WeightTransport, make_transport
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +60,8 @@ class WeightReceiver:
     ``apply(named, version)`` is called once per update with every tensor of it; the tensors
     view reused receive buffers, so they are valid only until ``apply`` returns (copy what you
     keep), unless ``adopt``: then they stay valid until ``apply`` is called with the next
-    update, so the engine may keep them as its weights. ``host`` is the address the gloo
-    device binds.
+    update, so the engine may keep them as its weights. ``host`` is the address this end of
+    the group binds (``weights.host``).
     """
 
     def __init__(self, control: ControlPlane, member: str, apply: Apply,
@@ -78,8 +75,8 @@ class WeightReceiver:
         self._version_cv = threading.Condition()
         self._last_version = -1
         self._seq = 0  # sequence number of the last announcement handled
-        self._group: dist.ProcessGroup | None = None
-        self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._group
+        self._transport: WeightTransport | None = None  # this end of the epoch's group
+        self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._transport
         self._store: dist.TCPStore | None = None
         self._adopt = adopt
         # receive buffers, reused while the plan holds; two when the engine adopts tensors
@@ -122,7 +119,7 @@ class WeightReceiver:
                     self._serve(announcement)
             except BufferStopped:  # the role is stopping, and its broker does not answer
                 break
-            except RuntimeError as exc:  # gloo or store: a peer is gone or the epoch moved on
+            except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
                 logger.warning("weights: receiver %s left its group: %s", self.member,
                                str(exc).splitlines()[0][:200] if str(exc) else repr(exc))
                 self._leave()
@@ -142,8 +139,7 @@ class WeightReceiver:
             if not self._join(ann, members.index(self.member) + 1, len(members) + 1):
                 return
         version = int(ann["version"])
-        named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]),
-                              ann.get("transport", "gloo"))
+        named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]))
         self._apply(named, version)
         if self._adopt:  # the engine holds this pool now: the next update uses the other
             self._next_pool = 1 - self._next_pool
@@ -159,9 +155,10 @@ class WeightReceiver:
             return False
         store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
         self._store = dial_store(store, timeout_s)
-        self._group = new_group(ann.get("transport", "gloo"), self._store, ann["group"], rank,
-                                world, timeout_s, self._host, **ann.get("transport_opts", {}))
-        self._group_id = (store, epoch)
+        transport = make_transport(ann["transport"], host=self._host, timeout_s=timeout_s,
+                                   **ann.get("transport_opts", {}))
+        transport.connect(self._store, ann["group"], rank, world)
+        self._transport, self._group_id = transport, (store, epoch)
         logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
         return True
 
@@ -184,13 +181,14 @@ class WeightReceiver:
         return decision is not None and decision.get("epoch") == epoch \
             and bool(decision.get("go"))
 
-    def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
-        """Every bucket into the pool: all broadcasts are posted first (they complete in
+    def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
+        """Every bucket into the pool: all receives are posted first (they complete in
         order), then each is waited for and unpacked while the next ones arrive."""
-        assert self._group is not None
-        pool = self._pool_for(plan, buffer_device(transport))
+        transport = self._transport
+        assert transport is not None
+        pool = self._pool_for(plan, transport.buffer_device())
         buffers = [pool.slot(index) for index in range(len(plan.bucket_nbytes))]
-        works = [broadcast_async(self._group, flat) for flat in buffers]
+        works = [transport.receive(flat) for flat in buffers]
         named: dict[str, torch.Tensor] = {}
         for index, (work, flat) in enumerate(zip(works, buffers)):
             work.wait()
@@ -211,6 +209,7 @@ class WeightReceiver:
     def _leave(self) -> None:
         """Drop the group (aborting any broadcast still pending into the pool) and the pool
         with it, so that no aborted receive can write into buffers a later update reads."""
-        drop_group(self._group)
-        self._group, self._group_id, self._store = None, None, None
+        if self._transport is not None:
+            self._transport.close()
+        self._transport, self._group_id, self._store = None, None, None
         self._pools = [None] * len(self._pools)  # an adopted pool lives on in the engine

@@ -1,28 +1,25 @@
-"""Transport pieces of the weight broadcast: control-plane keys, the group, and bounded waits.
+"""The rendezvous of the weight broadcast: control-plane keys, the epoch's store, bounded waits.
 
-The broadcast group lives beside the learners' world (a standalone process group over its own
-``TCPStore``, see ``notes/cpu-stack.md``), so rollout processes never join the learners'
-``init_process_group``. Everything here is bounded by a timeout: a dead peer costs at most one
-timeout, never a hang. Only :func:`new_group` knows the backend; moving to NCCL changes that
-function and the buffers' device, not the announcement or the bucket format.
+Every membership epoch meets through the control plane (the announcement, each receiver's
+join, the broadcaster's go, each receiver's ack) and one ``TCPStore`` served by the
+broadcaster, which the epoch's group (:mod:`asyncrl.weights.transport`) is built over.
+Everything here is bounded by a timeout: a dead peer costs at most one timeout, never a hang.
+None of it depends on the transport: moving to NCCL changes the group and the buffers' device,
+not the announcement, the keys or the bucket format.
 """
 
 from __future__ import annotations
 
 import datetime
-import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from buffers.protocol import ControlPlane
-
-logger = logging.getLogger(__name__)
+from asyncrl.control_plane import ControlPlane
 
 ANNOUNCE_KEY = "weights/announce"  # broadcaster → receivers: one update (see WeightBroadcaster)
 GROUP_KEY = "weights/group"  # broadcaster → receivers: {"epoch", "store", "go": bool}
@@ -61,71 +58,11 @@ def dial_store(address: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=_timeout(timeout_s))
 
 
-def buffer_device(transport: str) -> torch.device:
-    """Where bucket buffers live for ``transport`` (NCCL would need CUDA buffers)."""
-    return torch.device("cuda" if transport == "nccl" else "cpu")
-
-
 def group_name(token: str, epoch: int) -> str:
     """The name of one epoch's group: unique per broadcaster (``token``) and epoch, because
     a long-lived engine (an SGLang server) keeps every group it joined by name and refuses to
     join a second group of the same name."""
     return f"asyncrl-{token}-epoch{epoch}"
-
-
-def new_group(transport: str, store: dist.Store, name: str, rank: int, world: int,
-              timeout_s: float, host: str, **transport_opts: Any) -> dist.ProcessGroup:
-    """The broadcast group ``name`` (one membership epoch); blocks until all ``world`` ranks
-    joined (or raises after ``timeout_s``). ``transport_opts`` come from the announcement
-    (``sim``: ``s_per_byte``).
-
-    The store keys follow the layout of SGLang's ``init_custom_process_group`` (also vLLM's
-    and OpenRLHF's): ``PrefixStore(name, store)`` handed to torch's
-    ``_new_process_group_helper``, which adds ``PrefixStore(f"{name}/")`` and, per device
-    backend, ``PrefixStore("cpu/")`` for gloo. Building the same chain here lets an SGLang
-    server (rank >= 1 via ``/init_weights_update_group``) meet our ranks in one group, while
-    this process keeps the group out of torch's global registry (no default group needed,
-    no name clashes, nothing to unregister)."""
-    if transport == "sim":
-        from learners.weights_sim import SimGroup
-
-        group = SimGroup(rank, world, float(transport_opts["s_per_byte"]))
-        return group  # type: ignore[return-value]  # what broadcast_async and drop_group use
-    if transport != "gloo":
-        raise NotImplementedError(f"weight transport {transport!r} (gloo or sim)")
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = _timeout(timeout_s)
-    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
-    return dist.ProcessGroupGloo(keys, rank, world, opts)
-
-
-def broadcast(group: dist.ProcessGroup, flat: torch.Tensor) -> None:
-    """Broadcast ``flat`` in place from rank 0; raises on the group's timeout or a lost peer."""
-    broadcast_async(group, flat).wait()
-
-
-def broadcast_async(group: dist.ProcessGroup, flat: torch.Tensor) -> dist.Work:
-    """Start broadcasting ``flat`` from rank 0 and return at once, so the caller can pack or
-    unpack another bucket meanwhile. ``flat`` must stay untouched until ``wait()`` returns;
-    ``wait()`` raises on the group's timeout or a lost peer. Collectives of one group match
-    by issue order, so every rank must issue its broadcasts in the same order."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    return group.broadcast([flat], opts)
-
-
-def drop_group(group: dist.ProcessGroup | None) -> None:
-    """Tear a group down without a barrier: peers may be dead, and a barrier would wait for
-    them. ``abort`` closes the connections, so a live peer blocked in a collective of this
-    group fails at once instead of waiting out its timeout."""
-    if group is None:
-        return
-    try:
-        group.abort()
-    except RuntimeError as exc:  # already broken: the connections are gone either way
-        logger.debug("abort of a broken weight group: %s", exc)
 
 
 def await_key(control: ControlPlane, key: str, accept: Callable[[dict[str, Any]], bool],

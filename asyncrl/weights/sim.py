@@ -1,4 +1,4 @@
-"""The ``sim`` weight transport: a process-group stand-in whose broadcast is a wait.
+"""The ``sim`` weight transport: a group stand-in whose broadcast is a wait.
 
 With ``weights.transport = "sim"`` the whole weight-sync protocol stays real (announcement,
 join/go handshake, the epoch's store, buckets, acks, eviction); only the bytes do not travel.
@@ -6,13 +6,14 @@ Each broadcast of ``n`` bytes occupies a simulated wire for ``n · s_per_byte`` 
 the broadcasts posted before it on the same group, which is how a real group serialises them.
 The broadcaster sets ``s_per_byte`` so that one full update takes ``sim.sync_s`` (a model's
 size over a bandwidth) whatever the size of the tiny stand-in model, and announces it to the
-receivers (``transport_opts``).
+receivers (``transport_opts``, :meth:`SimTransport.announced_opts`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -33,22 +34,41 @@ class SimWork:
         return True
 
 
-class SimGroup:
-    """What :func:`learners.weights_group.broadcast_async` and ``drop_group`` use of a group."""
+class SimTransport:
+    """One end of a simulated group; see :class:`asyncrl.weights.transport.WeightTransport`.
+    It needs no store, no address and no peers (``host`` and ``timeout_s`` are unused):
+    :meth:`connect` only records the rank."""
 
-    def __init__(self, rank: int, world: int, s_per_byte: float) -> None:
-        self.rank, self.world = rank, world
-        self._s_per_byte = s_per_byte
+    def __init__(self, *, host: str, timeout_s: float, s_per_byte: float) -> None:
+        self.rank, self.world = 0, 1
+        self._s_per_byte = float(s_per_byte)
         self._wire_free_at = 0.0
         self._aborted = threading.Event()
         self._lock = threading.Lock()
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> SimWork:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    @staticmethod
+    def announced_opts(update_bytes: int, sim_sync_s: float) -> dict[str, Any]:
+        """The wire speed at which an update of ``update_bytes`` takes ``sim_sync_s``."""
+        return {"s_per_byte": sim_sync_s / max(update_bytes, 1)}
+
+    def connect(self, store: object, group: str, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def send(self, flat: torch.Tensor) -> SimWork:
+        return self._post(flat)
+
+    def receive(self, flat: torch.Tensor) -> SimWork:
+        return self._post(flat)
+
+    def _post(self, flat: torch.Tensor) -> SimWork:
+        nbytes = flat.numel() * flat.element_size()
         with self._lock:
             start = max(time.monotonic(), self._wire_free_at)
             self._wire_free_at = start + nbytes * self._s_per_byte
             return SimWork(self._wire_free_at, self._aborted)
 
-    def abort(self) -> None:
+    def buffer_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def close(self) -> None:
         self._aborted.set()
