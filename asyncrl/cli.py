@@ -11,8 +11,8 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
-from asyncrl.preflight import NotRunning, import_from_cwd
-from asyncrl.supervise import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
+from asyncrl.exits import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
+from asyncrl.launch.preflight import NotRunning, import_from_cwd
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _endpoint(address: str, source: str) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from asyncrl import roles
+    from asyncrl.launch import roles
 
     if args.command == "plot":
         from asyncrl.plot import NothingToPlot, plot_run
@@ -180,8 +180,8 @@ def _resume_override(args: argparse.Namespace) -> list[str]:
 
 def _observe(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.monitor import make_view, print_status, watch
-    from asyncrl.preflight import check_broker, check_redis
-    from asyncrl.roles import stop_on_signals
+    from asyncrl.launch.preflight import check_broker, check_redis
+    from asyncrl.launch.signals import stop_on_signals
     from buffers import connect_buffer
 
     address = buffer_address(cfg, args.buffer)

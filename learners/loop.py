@@ -118,7 +118,7 @@ def run_learner_rank(cfg: Config, rank: int, world: int, address: str | None, ma
     import torch
 
     from asyncrl.models import prepare_model_dir
-    from asyncrl.supervise import GroupLeft
+    from asyncrl.exits import GroupLeft
     from learners.backends import make_trainer
     from learners.checkpoint import Checkpointer
     from learners.dist import init_learner_group, peer_left, shutdown_learner_group

@@ -24,7 +24,7 @@ from asyncrl.wire import Rejections, encode_group, encode_group_views
 from buffers import make_buffer_client
 from buffers.protocol import PutResult
 from buffers.lease import keep_leased
-from buffers.redis_buffer import RedisBufferClient, reset_run
+from buffers.redis_buffer import RedisBufferClient, reset_run, start_run
 from buffers.redis_entries import put_results, stage_put
 from buffers.redis_connect import connect, connection_kwargs, run_namespace
 from buffers.packing import pack_group
@@ -334,6 +334,16 @@ def test_reset_run_deletes_every_key_of_the_run_and_no_other(redis_server, open_
     raw.set("asyncrl:tother", b"not this run's")
     assert reset_run(c.config, "t") >= 4
     assert sorted(raw.scan_iter(match="asyncrl:t*")) == [b"asyncrl:tother"]
+
+
+def test_up_keeps_a_resumed_runs_state_and_clears_a_new_runs(redis_server, open_client):
+    """What both launchers do with Redis at the start of a run (:func:`start_run`)."""
+    c = open_client(groups_per_step=8)
+    c.put("w", make_group("g0"))
+    start_run(c.config, "t", resuming=True)
+    assert c.status()["accepted"] == 1
+    start_run(c.config, "t", resuming=False)
+    assert not list(admin(redis_server).scan_iter(match="asyncrl:t*"))
 
 
 def test_waiting_blocks_in_redis_instead_of_spinning(redis_server, open_client):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launch import is_resuming
+from asyncrl.launch.run_dir import is_resuming
 from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from asyncrl.roles import BROKER_WAIT_LOG_S
+from asyncrl.launch.roles import BROKER_WAIT_LOG_S
 from tests.integration.conftest import QUICKSTART, Processes, wait_for
 
 FIRST_LINE_S = 10.0  # interpreter start and config load included, on a busy 2-core machine

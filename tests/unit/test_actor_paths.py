@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from asyncrl.actor_paths import for_actors, python_path
+from asyncrl.launch.actor_paths import for_actors, python_path
 from asyncrl.config import Config
 
 

@@ -166,7 +166,7 @@ def _fake_checkpoint(directory: Path, version: int, **counters) -> Path:
 
 def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path) -> None:
     from asyncrl.config import load_config
-    from asyncrl.launch import is_resuming, write_run_dir
+    from asyncrl.launch.run_dir import is_resuming, write_run_dir
 
     overrides = [f"run.output_dir={tmp_path}", "run.name=r", "learner.total_steps=20"]
     cfg = load_config(QUICKSTART, overrides)

@@ -58,7 +58,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     the run's end: `asyncrl up` resumes it (it used to archive it and start a new run), and the
     learner trains no step, exports, runs the final eval and marks the run done. Records of
     steps after the checkpoint's (the buffer did not outlive the learner) are set aside."""
-    from asyncrl.launch import is_resuming
+    from asyncrl.launch.run_dir import is_resuming
     from asyncrl.metrics import read_jsonl
     from asyncrl.models import prepare_model_dir
     from buffers.protocol import DONE, RUN_STATUS_KEY
@@ -162,7 +162,7 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
     with the process group."""
     import torch.multiprocessing as mp
 
-    from asyncrl.launch import is_resuming
+    from asyncrl.launch.run_dir import is_resuming
     from buffers.protocol import RUN_STATUS_KEY, RUNNING
     from buffers.zmq_client import ZmqBufferClient
     from learners.checkpoint import read_meta, step_dirs

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.preflight import (NotRunning, check_broker, check_redis, check_startup,
-                               model_path_error, path_errors, plugin_errors)
+from asyncrl.launch.preflight import (NotRunning, check_broker, check_redis, check_startup,
+                                      model_path_error, path_errors, plugin_errors)
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE_TURN = ROOT / "examples" / "agent" / "single_turn.toml"

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.supervise import (CONFIG_ERROR_EXIT, GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft,
-                               RestartBudget, RestartPolicy, exit_reason, report_config_error)
+from asyncrl.exits import (CONFIG_ERROR_EXIT, GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft,
+                                  exit_reason, report_config_error)
+from asyncrl.launch.restart import Restarts, RestartPolicy
+from asyncrl.launch.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -75,22 +77,6 @@ def die_with_parent() -> None:
     """Linux: deliver SIGTERM to this process when its parent exits (no orphans)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def stop_on_signals() -> threading.Event:
-    """First SIGTERM/SIGINT: set the returned event. Second: exit immediately."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            logger.warning("second %s: exiting now", signal.Signals(signum).name)
-            os._exit(128 + signum)
-        logger.info("%s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
 
 
 def serve_buffer(cfg: Config, address_file: Path | None) -> int:
@@ -165,7 +151,7 @@ def wait_for_broker(cfg: Config, address: str | None, stop: threading.Event) -> 
 
 
 def _broker_listening(cfg: Config, address: str) -> bool:
-    from asyncrl.preflight import NotRunning, check_broker
+    from asyncrl.launch.preflight import NotRunning, check_broker
 
     try:
         check_broker(address, cfg.run.name, wait_s=BROKER_PROBE_S)
@@ -262,42 +248,31 @@ def exit_quietly_when_stopped(role: str) -> Iterator[None]:
 
 
 class _Child:
-    """One spawned child and its restart budget (when it may be restarted at all)."""
+    """One spawned child and when it restarts (when it may be restarted at all)."""
 
     def __init__(self, ctx: Any, target: Callable[..., None], args: tuple, name: str,
-                 index: int, budget: RestartBudget | None) -> None:
-        self.ctx, self.target, self.args, self.name, self.budget = ctx, target, args, name, budget
+                 index: int, policy: RestartPolicy | None) -> None:
+        self.ctx, self.target, self.args, self.name = ctx, target, args, name
         self.index = index
         self.proc: Any = None
-        self.started = 0.0
-        self.restart_at: float | None = None
+        self.restarts = Restarts(name, policy)
 
     def start(self) -> None:
         self.proc = self.ctx.Process(target=_child_main, args=(self.target, self.args,
                                                                self.name), name=self.name)
         self.proc.start()
-        self.started, self.restart_at = time.monotonic(), None
+        self.restarts.started()
 
     def crashed(self) -> bool:
-        return self.restart_at is None and self.proc.exitcode not in (None, 0)
+        return not self.restarts.waiting and self.proc.exitcode not in (None, 0)
 
     def schedule_restart(self) -> bool:
-        """After a crash: log why and when it restarts; False when out of restarts or
-        stopped by a config error (which a restart would only repeat)."""
-        reason = exit_reason(self.proc.exitcode)
-        ran = time.monotonic() - self.started
-        if self.proc.exitcode == CONFIG_ERROR_EXIT:
-            logger.error("%s stopped on a configuration error after %.1fs: stopping the "
-                         "others", self.name, ran)
-            return False
-        delay = self.budget.next_delay(ran) if self.budget is not None else None
-        if delay is None:
-            logger.error("%s %s after %.1fs: stopping the others", self.name, reason, ran)
-            return False
-        logger.warning("%s %s after %.1fs: %s in %.1fs", self.name, reason, ran,
-                       self.budget.describe(), delay)
-        self.restart_at = time.monotonic() + delay
-        return True
+        """After a crash: the restart is scheduled (and logged), or, False, the line saying
+        why it is not is logged (out of restarts, or a config error a restart would repeat)."""
+        refusal = self.restarts.crashed_with_exit(self.proc.exitcode)
+        if refusal is not None:
+            logger.error("%s: stopping the others", refusal.text)
+        return refusal is None
 
 
 def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
@@ -313,8 +288,7 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
     Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
     ctx = mp.get_context("spawn")
     stop = stop or stop_on_signals()
-    children = [_Child(ctx, target, args, f"{role}[{first_index + i}]", first_index + i,
-                       RestartBudget(policy) if policy is not None else None)
+    children = [_Child(ctx, target, args, f"{role}[{first_index + i}]", first_index + i, policy)
                 for i, args in enumerate(arg_list)]
     for child in children:
         child.start()
@@ -323,7 +297,7 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
         # A rank that left because another left (GROUP_LEFT_EXIT) is looked at last: the one
         # that left first, dead by then, is the cause to report.
         for child in sorted(children, key=lambda c: c.proc.exitcode == GROUP_LEFT_EXIT):
-            if child.restart_at is not None and time.monotonic() >= child.restart_at:
+            if child.restarts.due():
                 child.start()
             elif child.crashed():
                 if on_crash is not None:

@@ -4,7 +4,7 @@ Ray actors do not run in the driver's working directory: on a cluster started wi
 start`` they run in the directory ``ray start`` ran in (measured: a driver in ``a/`` and a
 head started in ``b/`` give actors the working directory ``b/``). ``asyncrl up`` checks the
 config's paths and plugin imports from the driver's directory
-(:func:`~asyncrl.preflight.check_startup`), so without this a relative ``data.path`` or a
+(:func:`~asyncrl.launch.preflight.check_startup`), so without this a relative ``data.path`` or a
 plugin module next to the config passed the check and then failed in every actor, each
 restarted until the budget ran out. Here every local path the config names is resolved
 against the driver's directory, and that directory goes on the actors' ``PYTHONPATH``, as

@@ -9,10 +9,13 @@ broker), each with a stop event the driver sets, so shutdown is the same ordered
 as the local launcher's: learner first (it saves), then the rollout fleet, then the broker. Role
 logs reach the driver through Ray's log streaming, prefixed with the role's name.
 
-Failures follow the local launcher's contract too: :func:`~asyncrl.preflight.check_startup`
-runs before Ray is even imported (a bad path, plugin or Redis URL: exit 2, nothing started), and
-a role that stops on a :class:`~asyncrl.config.ConfigError` is never restarted: the run stops
-with exit status :data:`~asyncrl.supervise.CONFIG_ERROR_EXIT` and the error in one line.
+Failures follow the local launcher's contract too:
+:func:`~asyncrl.launch.preflight.check_startup` runs before Ray is even imported (a bad path,
+plugin or Redis URL: exit 2, nothing started), a crashed rollout worker is restarted by the same
+policy (:mod:`asyncrl.launch.restart`), and a role that stops on a
+:class:`~asyncrl.config.ConfigError` is never restarted: the run stops with exit status
+:data:`~asyncrl.exits.CONFIG_ERROR_EXIT` and the error in one line. A second Ctrl-C
+kills the actors still stopping, as with the local launcher.
 
 Ray is imported only here, and only when this launcher is used.
 """
@@ -22,32 +25,32 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from asyncrl.actor_paths import for_actors, python_path
 from asyncrl.config import Config, ConfigError
-from asyncrl.launch import RoleFailed, is_resuming, reopen_run, run_dir_note, write_run_dir
+from asyncrl.launch.actor_paths import for_actors, python_path
+from asyncrl.launch.preflight import check_startup
+from asyncrl.launch.restart import Restarts, RestartPolicy, RoleFailed
+from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_dir_note,
+                                    status_client, write_run_dir)
+from asyncrl.launch.signals import LauncherSignals
 from asyncrl.monitor import make_view
-from asyncrl.preflight import check_startup
-from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class RoleActor:
     """One role process on the cluster. Two threads: one runs the role, one may stop it."""
 
     def __init__(self, name: str) -> None:
-        from asyncrl.roles import setup_logging
+        from asyncrl.launch.roles import setup_logging
 
         self.name = name
         self.stop = threading.Event()
@@ -112,15 +115,14 @@ class _Failure:
 
 @dataclass
 class _Placed:
-    """A running actor, the call that runs its role, and where it is placed."""
+    """A running actor, the call that runs its role, where it is placed, and when it restarts
+    (learners and the broker never: a crash of one ends the run)."""
 
     name: str
     actor: Any
     ref: Any
     bundle: Any  # (placement group, bundle index)
-    started: float = field(default_factory=time.monotonic)
-    budget: RestartBudget | None = None
-    restart_at: float | None = None
+    restarts: Restarts
 
 
 class RayLauncher:
@@ -129,7 +131,8 @@ class RayLauncher:
     def __init__(self, cfg: Config, out: IO[str] = sys.stdout) -> None:
         self.cfg = cfg
         self.out = out
-        self.stop = threading.Event()
+        self.signals = LauncherSignals()
+        self.stop = self.signals.stop
         self.policy = RestartPolicy.from_config(cfg.launcher)
         self.buffer: _Placed | None = None
         self.learners: list[_Placed] = []
@@ -160,7 +163,7 @@ class RayLauncher:
         good, 2 when one stopped on a config error. Raises :class:`ConfigError` before Ray
         starts for what :func:`check_startup` can check from here."""
         check_startup(self.cfg)
-        self.cfg = for_actors(self.cfg, Path.cwd())  # actors run elsewhere (asyncrl.actor_paths)
+        self.cfg = for_actors(self.cfg, Path.cwd())  # actors run elsewhere (see actor_paths)
         address = self.cfg.launcher.address
         if not address or address.split(":")[0] in ("127.0.0.1", "localhost"):
             # Ray replaces a loopback address with the machine's external one unless this is
@@ -171,8 +174,7 @@ class RayLauncher:
         resuming = is_resuming(self.cfg)
         write_run_dir(self.cfg, resuming)
         self._init_ray(ray)
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self.stop.set())
+        self.signals.install()
         show_final = True  # not for a run a config error stopped, as with the local launcher
         try:
             self.address = self._start_buffer(ray, resuming)
@@ -182,10 +184,8 @@ class RayLauncher:
             self.rollouts = [self._start_rollout(ray, i) for i in range(self.cfg.rollout.workers)]
             return self._supervise(ray)
         except RoleFailed as exc:
-            logger.error("%s", exc)
-            self.out.write(f"run stopped: {exc}\n")
-            show_final = exc.exit_code != CONFIG_ERROR_EXIT
-            return exc.exit_code
+            show_final = not exc.config_error
+            return exc.report(self.out)
         finally:
             self.shutdown(ray)
             ray.shutdown()
@@ -248,14 +248,14 @@ class RayLauncher:
 
     def _start_buffer(self, ray: Any, resuming: bool) -> str | None:
         if self.cfg.buffer.type == "redis":
-            from buffers.redis_buffer import reset_run
+            from buffers.redis_buffer import start_run
 
-            if not resuming:
-                reset_run(self.cfg.buffer, self.cfg.run.name)
+            start_run(self.cfg.buffer, self.cfg.run.name, resuming)
             return None
         actor = self._actor(ray, "buffer", self.cfg.resources.buffer)
         address = ray.get(actor.bind_buffer.remote(self.cfg))
-        self.buffer = _Placed("buffer", actor, actor.serve_buffer.remote(), None)
+        self.buffer = _Placed("buffer", actor, actor.serve_buffer.remote(), None,
+                              Restarts("buffer"))
         (self.cfg.run_dir / "buffer.addr").write_text(address)  # for status / monitor / joins
         logger.info("buffer broker at %s", address)
         return address
@@ -268,24 +268,26 @@ class RayLauncher:
         master_addr = ray.get(actors[0].node_ip.remote())
         port = self.cfg.learner.master_port or ray.get(actors[0].free_port.remote())
         self.learners = [_Placed(f"learner[{rank}]", actor, actor.run_learner.remote(
-            self.cfg, rank, world, self.address, master_addr, port), (pg, rank))
-            for rank, actor in enumerate(actors)]
+            self.cfg, rank, world, self.address, master_addr, port), (pg, rank),
+            Restarts(f"learner[{rank}]")) for rank, actor in enumerate(actors)]
 
     def _start_rollout(self, ray: Any, index: int, bundle: Any = None,
-                       budget: RestartBudget | None = None) -> _Placed:
+                       restarts: Restarts | None = None) -> _Placed:
+        """Place rollout worker ``index``: in a placement group of its own, or, restarted, in
+        its predecessor's ``bundle`` and on its ``restarts``."""
+        name = f"rollout[{index}]"
         if bundle is None:
-            bundle = (self._placement_group(ray, f"rollout[{index}]", 1,
-                                            self.cfg.resources.rollout, "STRICT_PACK"), 0)
-        actor = self._actor(ray, f"rollout[{index}]", self.cfg.resources.rollout, bundle)
-        return _Placed(f"rollout[{index}]", actor,
-                       actor.run_rollout.remote(self.cfg, index, self.address), bundle,
-                       budget=budget or RestartBudget(self.policy))
+            bundle = (self._placement_group(ray, name, 1, self.cfg.resources.rollout,
+                                            "STRICT_PACK"), 0)
+        actor = self._actor(ray, name, self.cfg.resources.rollout, bundle)
+        restarts = restarts or Restarts(name, self.policy)
+        restarts.started()
+        return _Placed(name, actor, actor.run_rollout.remote(self.cfg, index, self.address),
+                       bundle, restarts)
 
     # --- supervise ------------------------------------------------------------------------------
 
     def _supervise(self, ray: Any) -> int:
-        from asyncrl.launch import status_client
-
         client = status_client(self.cfg, self.address)
         view = make_view(self.cfg.monitor, self.out, self.cfg.run_dir, lines=True)
         try:
@@ -306,60 +308,43 @@ class RayLauncher:
         """Check every role once; True when the learners finished. A failed learner or broker
         ends the run (RoleFailed); a failed rollout worker is restarted while its budget lasts."""
         for placed in [*self.learners, *([self.buffer] if self.buffer else [])]:
-            error = self._error(ray, placed)
-            if error is not None:
-                raise RoleFailed(f"{placed.name} failed: {error} [{run_dir_note(self.cfg)}]")
+            self._check(ray, placed)
         if self.buffer is not None and _done(ray, self.buffer.ref):
             raise RoleFailed("buffer stopped while the run was going on")
         for i, placed in enumerate(self.rollouts):
-            if placed.restart_at is not None:
-                if time.monotonic() >= placed.restart_at:
-                    self.rollouts[i] = self._start_rollout(ray, i, placed.bundle, placed.budget)
-                continue
-            error = self._error(ray, placed)
-            if error is not None:
-                self._schedule_restart(ray, placed, error)
+            if placed.restarts.due():
+                self.rollouts[i] = self._start_rollout(ray, i, placed.bundle, placed.restarts)
+            elif not placed.restarts.waiting:
+                self._check(ray, placed)
         return all(_done(ray, p.ref) for p in self.learners)
 
-    def _error(self, ray: Any, placed: _Placed) -> str | None:
-        """The error the role's call ended with, in one line (None: running, or done).
-        Raises :class:`RoleFailed` (exit 2) for a configuration error: never restarted."""
+    def _check(self, ray: Any, placed: _Placed) -> None:
+        """If the role's call ended in error: schedule its restart (its actor killed: the
+        restart gets a new one in the same bundle), or raise :class:`RoleFailed`."""
         failure = _failure(ray, placed.ref)
-        if failure is not None and failure.config_error:
-            raise RoleFailed.config_error(placed.name, failure.text)
-        return failure.text if failure is not None else None
-
-    def _schedule_restart(self, ray: Any, placed: _Placed, error: str) -> None:
-        ran = time.monotonic() - placed.started
-        delay = placed.budget.next_delay(ran) if placed.budget is not None else None
-        if delay is None:
-            raise RoleFailed(f"{placed.name} failed again, out of restarts: {error}")
-        logger.warning("%s failed after %.1fs (%s): %s in %.1fs", placed.name, ran, error,
-                       placed.budget.describe(), delay)
+        if failure is None:
+            return
+        refusal = placed.restarts.crashed("failed", failure.text, failure.config_error)
+        if refusal is not None:
+            raise RoleFailed.refused(refusal, "" if refusal.config_error
+                                     else run_dir_note(self.cfg))
         ray.kill(placed.actor, no_restart=True)
-        placed.restart_at = time.monotonic() + delay
 
     # --- stop -----------------------------------------------------------------------------------
 
     def shutdown(self, ray: Any) -> None:
         """Learners first (they save), then the rollout fleet, then the broker; each is asked
         to stop, given ``launcher.stop_timeout_s`` (the learners
-        ``launcher.learner_stop_timeout_s``), then killed."""
+        ``launcher.learner_stop_timeout_s``; none after a second signal), then killed."""
         for fleet in (self.learners, self.rollouts, [self.buffer] if self.buffer else []):
-            live = [p for p in fleet if p.restart_at is None]
+            live = [p for p in fleet if not p.restarts.waiting]
             for placed in live:
                 try:
                     placed.actor.request_stop.remote()
                 except Exception as exc:  # noqa: BLE001 - a dead actor: nothing to stop
                     logger.debug("stop %s: %s", placed.name, exc)
-            refs = [p.ref for p in live]
-            if refs:
-                role = fleet[0].name.split("[")[0]
-                _, pending = ray.wait(refs, num_returns=len(refs),
-                                      timeout=self.cfg.launcher.stop_grace_s(role))
-                if pending:
-                    logger.warning("%d %s actors did not stop in time: killing them",
-                                   len(pending), role)
+            if live:
+                self._wait_stopped(ray, [p.ref for p in live], fleet[0].name.split("[")[0])
             for placed in fleet:
                 ray.kill(placed.actor, no_restart=True)
         for pg in self.groups:
@@ -367,9 +352,15 @@ class RayLauncher:
 
             remove_placement_group(pg)
 
-    def _print_final(self) -> None:
-        from asyncrl.launch import print_final
+    def _wait_stopped(self, ray: Any, refs: list[Any], role: str) -> None:
+        """Give a role's actors their grace to stop (none after a second signal); say so when
+        some did not stop in time."""
+        if self.signals.overran(lambda: not _pending(ray, refs),
+                                self.cfg.launcher.stop_grace_s(role)):
+            logger.warning("%d %s actors did not stop in time: killing them",
+                           len(_pending(ray, refs)), role)
 
+    def _print_final(self) -> None:
         print_final(self.cfg, self.out)
 
 
@@ -385,8 +376,13 @@ def _totals(resources: dict[str, float]) -> dict[str, float]:
 
 
 def _done(ray: Any, ref: Any) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
+    return not _pending(ray, [ref])
+
+
+def _pending(ray: Any, refs: list[Any]) -> list[Any]:
+    """The calls of ``refs`` still running."""
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return pending
 
 
 def _failure(ray: Any, ref: Any) -> _Failure | None:
