@@ -24,10 +24,8 @@ PACKAGES = ("asyncrl", "buffers", "learners", "rollouters")
 # import one of them.
 ENTRY = {
     "asyncrl.cli": "the command line: dispatches to every role",
-    "asyncrl.launch": "`asyncrl up`: starts the buffer, learner and rollout roles",
-    "asyncrl.ray_launch": "the Ray launcher: runs every role in Ray actors",
-    "asyncrl.roles": "each role's process: builds the learner's evaluator from rollouters",
-    "asyncrl.preflight": "startup checks against the buffer backend and the workflow",
+    "asyncrl.launch": "`asyncrl up` (local and Ray), each role's process, preflight checks: "
+                      "starts the buffer, learner and rollout roles and wires them together",
     "asyncrl.monitor": "the live view: reads the buffer's status keys",
     "asyncrl.eval_checkpoint": "`asyncrl eval`: a learner checkpoint scored by rollouters",
 }
