@@ -20,7 +20,7 @@ RUNNING = "running"
 DONE = "done"
 # The ``exit`` of a rollout worker's last heartbeat when its share of data.path ran out
 # (data.epochs passes), with ``shard``: [its index, the fleet's worker count]. The learner
-# ends the run once every share ran out (learners.loop.data_ran_out).
+# ends the run once every share ran out (learners.batch_feed.data_ran_out).
 DATA_EXHAUSTED = "data exhausted"
 
 

@@ -223,7 +223,7 @@ def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
             target(*args, stop_on_signals())
     except ConfigError as exc:  # the exit status tells the parent not to restart this child
         sys.exit(report_config_error(exc))
-    except TimeoutError as exc:  # e.g. learners.loop.BufferLost, raised on every rank
+    except TimeoutError as exc:  # e.g. learners.lost.BufferLost, raised on every rank
         logger.error("%s stopped: %s", role, exc)
         sys.exit(NO_ANSWER_EXIT)
     except GroupLeft as exc:  # the rank that left is the cause (_run_children reports it)

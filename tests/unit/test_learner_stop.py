@@ -41,14 +41,14 @@ def test_a_resume_finishes_only_while_the_recorded_score_meets_the_target(target
     into the run's end, unless ``eval.stop_at_accuracy`` was raised past the recorded score,
     or unset, since: then it trains on. A checkpoint without the record trains on."""
     from learners.checkpoint import CheckpointMeta
-    from learners.loop import _reached_before
+    from learners.lifecycle import reached_before
 
     cfg = load_config(None, [f"eval.stop_at_accuracy={target}"] if target is not None else [])
     recorded = {"version": 7, "score": 0.9, "target": 0.9}
     meta = CheckpointMeta(7, 0.0, "", 1, counters={"eval_target": recorded})
-    assert _reached_before(cfg, meta) == (recorded if finishes else None)
-    assert _reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
-    assert _reached_before(cfg, None) is None
+    assert reached_before(cfg, meta) == (recorded if finishes else None)
+    assert reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
+    assert reached_before(cfg, None) is None
 
 
 @pytest.mark.timeout(120)
@@ -63,7 +63,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     from asyncrl.models import prepare_model_dir
     from buffers.protocol import DONE, RUN_STATUS_KEY
     from buffers.zmq_client import ZmqBufferClient
-    from learners import loop
+    from learners import lifecycle
     from learners.backends import make_trainer
     from learners.checkpoint import Checkpointer, read_meta, step_dirs
 
@@ -74,7 +74,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     trainer = make_trainer(prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed),
                            cfg.learner, "cpu", sim=cfg.sim, lora=cfg.model.lora)
     trainer.version = 3
-    Checkpointer(cfg).save(trainer, loop._counters(cfg, 3, {}))   # as checkpoint.every_steps
+    Checkpointer(cfg).save(trainer, lifecycle.counters(cfg, 3, {}))   # as checkpoint.every_steps
     assert is_resuming(cfg)
     # The dead learner's records: the steps 4 and 5 of a line the buffer lost (this broker is
     # a fresh one, seeded with version 3), and a last line torn by its death.
@@ -204,12 +204,12 @@ def _rank_zero_fails(rank: int, args: list[str], address: str, port: int, result
     would), on rank 0 alone."""
     import time
 
-    from learners import loop
+    from learners.rank_zero import RankZero
 
     if rank == 0:
         def fail(*_args, **_kwargs):
             raise RuntimeError("rank 0 alone failed")
-        loop._RankZero.after_step = fail
+        RankZero.publish = fail
     start = time.monotonic()
     try:
         run_learner_rank(load_config(None, args), rank, 2, address, port,
@@ -243,12 +243,12 @@ def _rank_zero_stopped_at_the_end(rank: int, args: list[str], address: str, port
     """One learner rank; rank 0's end of run (after the last collective) meets a buffer that
     no longer answers a stopping role, as when the buffer hangs while the learner stops."""
     from buffers import BufferStopped
-    from learners import loop
+    from learners.rank_zero import RankZero
 
     if rank == 0:
         def finish(*_args, **_kwargs):
             raise BufferStopped("stopped waiting for the reply to 'get_keys': stopping")
-        loop._RankZero.finish = finish
+        RankZero.finish = finish
     try:
         run_learner_rank(load_config(None, args), rank, 2, address, port,
                          evaluator=EngineEvaluator)
