@@ -4,9 +4,9 @@ has one shape and every rank meets the same collectives in the same order.
 
 Rank 0 (:class:`~learners.rank_zero.RankZero`) reads the buffer (prefetch, lease, ack),
 publishes the weights, writes the metrics and evaluates. The other ranks
-(:class:`OtherRank`) hold no batch and talk to the buffer only to heartbeat: each of their
-methods returns at once, with what stands for "nothing" there (no batch, no record, no
-shares, no stop).
+(:class:`OtherRank`) get their share of the batch in the scatter and publish nothing: each
+of their methods returns at once, with what stands for "nothing" there (no batch, no record,
+no shares, no stop).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class RankContext:
+    """One rank's place in the run: its config, rank, and a buffer client of its own."""
+
     cfg: Config
     rank: int
     world: int
