@@ -1,7 +1,7 @@
 """The one restart policy of every supervisor: `asyncrl up` (local processes or Ray actors) and
 a role's children (`asyncrl rollout`'s workers, `asyncrl learner`'s ranks).
 
-Rollout workers may die and rejoin at any time (DESIGN.md, fault model), so a crashed one is
+Rollout workers may die and rejoin at any time (docs/fault-tolerance.md), so a crashed one is
 restarted rather than ending the run; but a worker that crashes on start (a bad model path, an
 engine that cannot load) would otherwise loop forever, so restarts are bounded: after
 ``launcher.max_restarts`` consecutive crashes the run stops with the reason. A process that ran
