@@ -28,10 +28,11 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import BufferConfig
 
 T = TypeVar("T")
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
 CONNECT_TIMEOUT_CAP_S = 5.0
+REDIS_PROBE_S = 2.0
+"""How long `up` and `status` retry a Redis that refuses them before reporting it
+(:func:`check_redis`). The roles' own clients keep retrying for ``buffer.request_timeout_s`` (a
+Redis restarting mid-run); at start a refused connection is a wrong URL or a server not
+started, and waiting hides that."""
 
 
 class ReconnectRetry(Retry):
@@ -142,6 +148,21 @@ def connect(config: BufferConfig, stop: threading.Event | None = None) -> Client
         raise ValueError(f"buffer.redis.url {server.url!r}: a Redis Cluster has only database 0")
     retry = kwargs.pop("retry")  # the cluster client takes it as an argument of its own
     return RedisCluster.from_url(server.url, retry=retry, **kwargs)
+
+
+def check_redis(config: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:
+    """Raise a :class:`ConfigError` naming ``buffer.redis.url`` when Redis there does not answer a
+    PING within about ``wait_s`` (refused, unknown host, wrong password, not Redis)."""
+    try:
+        client = connect(config.model_copy(update={"request_timeout_s": wait_s}))
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except RedisError as exc:
+        raise ConfigError(f"buffer.redis.url: {config.redis.url!r}: {exc}") from None
+    except ValueError as exc:  # connect()'s own checks of the URL and TLS files
+        raise ConfigError(str(exc)) from None
 
 
 def _cluster_enabled(client: redis.Redis, url: str) -> bool:

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config, ConfigError
+from buffers.backends import buffer_backend
 from learners.agreement import agree_max
 from learners.lora import engine_state, sends_adapters
 
@@ -108,13 +109,7 @@ def check_fresh_buffer(ctx: RankContext) -> None:
         "the buffer's version at a fresh start")
     if version == 0:
         return
-    if cfg.buffer.type == "redis":
-        where = "clear the run's Redis keys, as a fresh `asyncrl up` does"
-    else:
-        from buffers.zmq_replay import spill_file
-
-        spill = spill_file(cfg.buffer.zmq.spill_path, cfg.run_dir)
-        where = f"move its spill file {spill} aside" if spill else "restart the broker"
+    where = buffer_backend(cfg.buffer).earlier_run_hint(cfg.run_dir)
     raise ConfigError(
         f"run.name = {cfg.run.name!r}: the buffer holds this run at version {version}, and "
         f"this learner has no checkpoint in {cfg.run_dir / cfg.checkpoint.dir} to resume "

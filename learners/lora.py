@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
+from asyncrl.engine_kinds import engine_kind
 from asyncrl.weights.lora_wire import A, B, adapter_name, merge
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_ENGINES = ("torch",)  # engines that merge adapters themselves (``rollout.engine``)
 PEFT_PREFIX = "base_model.model."  # PeftModel → LoraModel → the HF model
 _ADAPTER = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.default\.weight$")
 
@@ -162,7 +162,7 @@ def gather_adapters(model: nn.Module, scale: float, rank: int) -> dict[str, torc
 
 def sends_adapters(cfg: Config) -> bool:
     """Do this run's engines get adapters (and merge them), rather than merged weights?"""
-    return bool(cfg.model.lora.rank) and cfg.rollout.engine in ADAPTER_ENGINES
+    return bool(cfg.model.lora.rank) and engine_kind(cfg.rollout.engine).merges_adapters
 
 
 def engine_state(trainer: Any, cfg: Config) -> dict[str, torch.Tensor]:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from asyncrl.config.errors import ConfigError
+from asyncrl.engine_kinds import engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -59,9 +60,22 @@ LEGACY_KEYS: dict[str, str] = {
 }
 """Each flat key of the earlier layout, and where it lives now."""
 
-SELECTORS: dict[str, str] = {"buffer": "type", "rollout": "engine"}
-"""The field of a section that picks its backend: a sub-table named after another value of
-it is not read (``[buffer.redis]`` with ``buffer.type = "zmq"``)."""
+
+def _buffer_table(backend: str) -> str | None:
+    """Each buffer backend reads the sub-table of its name (``[buffer.redis]``)."""
+    return backend
+
+
+def _engine_table(engine: str) -> str | None:
+    """An engine kind reads the sub-table its descriptor names (``[rollout.vllm]`` is read by
+    ``vllm``, not by ``vllm-server``)."""
+    return engine_kind(engine).table
+
+
+SELECTORS: dict[str, tuple[str, Callable[[str], str | None]]] = {
+    "buffer": ("type", _buffer_table), "rollout": ("engine", _engine_table)}
+"""The field of a section that picks its backend, and the sub-table each value reads: every
+other backend sub-table is not read (``[buffer.redis]`` with ``buffer.type = "zmq"``)."""
 
 
 def map_legacy_keys(data: Mapping[str, Any], source: str = "<config>") -> dict[str, Any]:
@@ -103,12 +117,12 @@ def _table(data: dict[str, Any], path: list[str], create: bool = False) -> dict[
 def warn_unselected(config: Config) -> None:
     """Warn, naming the keys, about every sub-table of a backend that ``config`` does not
     select and that is set away from its defaults: nothing reads it."""
-    for name, selector in SELECTORS.items():
+    for name, (selector, reads) in SELECTORS.items():
         section = getattr(config, name)
         chosen = getattr(section, selector)
         for field, info in type(section).model_fields.items():
             table = getattr(section, field)
-            if field == chosen or not isinstance(table, BaseModel):
+            if field == reads(chosen) or not isinstance(table, BaseModel):
                 continue
             default = info.get_default(call_default_factory=True)
             changed = [f"{name}.{field}.{key}" for key in type(table).model_fields
@@ -122,12 +136,13 @@ def selected_only(dump: dict[str, Any]) -> dict[str, Any]:
     """``dump`` (a root config's ``model_dump``) without the sub-tables of the backends it
     does not select: what a role reading it back needs, and no key it would warn about."""
     kept = dict(dump)
-    for name, selector in SELECTORS.items():
+    for name, (selector, reads) in SELECTORS.items():
         section = kept.get(name)
         if not isinstance(section, dict) or selector not in section:
             continue
+        read = reads(section[selector])
         kept[name] = {key: value for key, value in section.items()
-                      if not isinstance(value, dict) or key == section[selector]
+                      if not isinstance(value, dict) or key == read
                       or key not in _backend_tables(name)}
     return kept
 

@@ -11,6 +11,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.engine_kinds import engine_kind
+
 
 _S = TypeVar("_S", bound="Section")
 
@@ -325,8 +327,9 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check_server_url(self) -> RolloutConfig:
-        if self.engine == "vllm-server" and not self.url.strip():
-            raise ValueError("rollout.engine = 'vllm-server' needs rollout.url (the server fleet)")
+        if engine_kind(self.engine).needs_url and not self.url.strip():
+            raise ValueError(f"rollout.engine = {self.engine!r} needs rollout.url (the server "
+                             "fleet)")
         return self
 
 

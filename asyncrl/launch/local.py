@@ -28,6 +28,7 @@ from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_di
                                     status_client, write_run_dir)
 from asyncrl.launch.signals import LauncherSignals
 from asyncrl.monitor import make_view
+from buffers.backends import buffer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,12 @@ class LocalLauncher:
                 self._print_final()
 
     def _start_buffer(self, config_path: Path, address_file: Path) -> str | None:
-        """ZMQ: start the broker and learn its address. Redis: the server is the broker, with
-        no address to learn; a new run clears what an earlier run of its name left there."""
-        if self.cfg.buffer.type == "redis":
-            from buffers.redis_buffer import start_run
-
-            start_run(self.cfg.buffer, self.cfg.run.name, self.resuming)
+        """Start the run on the buffer (Redis: a new run clears what an earlier run of its
+        name left there), then its broker process if it has one (ZMQ), and learn its address;
+        None without one (Redis: the server is the broker)."""
+        backend = buffer_backend(self.cfg.buffer)
+        backend.start_run(self.cfg.run.name, self.resuming)
+        if not backend.broker:
             return None
         buffer = self._start("buffer", config_path, "--address-file", str(address_file),
                              restartable=True)
@@ -214,7 +215,7 @@ class LocalLauncher:
         """The commands `up` would run, one line each (``asyncrl up --dry-run``)."""
         config, at = self.cfg.run_dir / "config.toml", " --buffer ADDRESS"
         lines = []
-        if self.cfg.buffer.type == "zmq":
+        if buffer_backend(self.cfg.buffer).broker:
             lines.append(f"asyncrl buffer {config} --address-file {self.cfg.run_dir}/buffer.addr")
         else:
             at = ""

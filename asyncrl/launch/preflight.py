@@ -2,9 +2,11 @@
 
 Schema validation (:mod:`asyncrl.config`) sees values only; these checks look at the machine the
 roles will run on: do the data files and a local ``model.path`` exist, do the plugin import
-paths import, does Redis answer at ``buffer.redis.url``. Without them each mistake surfaced in a
-role process, which its supervisor restarted several times before the run stopped. Every problem
-found is reported at once, as a :class:`ConfigError` naming its key (exit status 2).
+paths import, does the buffer's server that no role starts answer (Redis at
+``buffer.redis.url``: :meth:`buffers.backends.BufferBackend.preflight`). Without them each
+mistake surfaced in a role process, which its supervisor restarted several times before the run
+stopped. Every problem found is reported at once, as a :class:`ConfigError` naming its key (exit
+status 2).
 
 The roles keep their own checks (they may be started by hand, elsewhere); these only move the
 common mistakes to the front. `status` and `monitor` check the same way that there is a run to
@@ -21,12 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from asyncrl.config import BufferConfig, Config, ConfigError, ModelConfig
-
-REDIS_PROBE_S = 2.0
-"""How long `up` and `status` retry a Redis that refuses them before reporting it. The roles'
-own clients keep retrying for ``buffer.request_timeout_s`` (a Redis restarting mid-run); at
-start a refused connection is a wrong URL or a server not started, and waiting hides that."""
+from asyncrl.config import Config, ConfigError, ModelConfig
 
 BROKER_PROBE_S = 2.0
 """How long `status` and `monitor` wait for a TCP connection to the broker before asking it."""
@@ -42,11 +39,12 @@ class NotRunning(RuntimeError):
 def check_startup(cfg: Config) -> None:
     """Raise one :class:`ConfigError` listing every path, import or Redis URL that would stop
     a role of this run at start."""
+    from buffers.backends import buffer_backend  # lazily: buffers imports numpy
+
     errors = [*path_errors(cfg), *plugin_errors(cfg)]
     if errors:
         raise ConfigError("\n".join(errors))
-    if cfg.buffer.type == "redis":
-        check_redis(cfg.buffer)
+    buffer_backend(cfg.buffer).preflight()  # Redis, which no role starts, must answer
 
 
 def path_errors(cfg: Config) -> list[str]:
@@ -124,25 +122,6 @@ def _importable_from_cwd() -> Iterator[None]:
     finally:
         if added is not None:
             sys.path.remove(added)
-
-
-def check_redis(buffer: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:
-    """Raise a :class:`ConfigError` naming ``buffer.redis.url`` when Redis there does not answer a
-    PING within about ``wait_s`` (refused, unknown host, wrong password, not Redis)."""
-    from redis.exceptions import RedisError
-
-    from buffers.redis_connect import connect
-
-    try:
-        client = connect(buffer.model_copy(update={"request_timeout_s": wait_s}))
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except RedisError as exc:
-        raise ConfigError(f"buffer.redis.url: {buffer.redis.url!r}: {exc}") from None
-    except ValueError as exc:  # connect()'s own checks of the URL and TLS files
-        raise ConfigError(str(exc)) from None
 
 
 def check_broker(address: str, run_name: str, wait_s: float = BROKER_PROBE_S) -> None:

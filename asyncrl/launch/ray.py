@@ -39,6 +39,7 @@ from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_di
                                     status_client, write_run_dir)
 from asyncrl.launch.signals import LauncherSignals
 from asyncrl.monitor import make_view
+from buffers.backends import buffer_backend
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class RayLauncher:
         """What `up` would place, one line each (``asyncrl up --dry-run``)."""
         c, r = self.cfg, self.cfg.resources
         lines = [f"ray.init(address={c.launcher.address or 'a private local cluster'!r})"]
-        if c.buffer.type == "zmq":
+        if buffer_backend(c.buffer).broker:
             lines.append(f"actor buffer: ZMQ broker on {c.buffer.zmq.host}:{c.buffer.zmq.port} "
                          f"(num_cpus={r.buffer.cpus}, num_gpus={r.buffer.gpus})")
         world = c.learner.nnodes * c.learner.ranks
@@ -217,7 +218,7 @@ class RayLauncher:
 
     def _needed(self, kind: str) -> float:
         r, c = self.cfg.resources, self.cfg
-        return (getattr(r.buffer, kind) * (c.buffer.type == "zmq")
+        return (getattr(r.buffer, kind) * buffer_backend(c.buffer).broker
                 + getattr(r.learner, kind) * c.learner.nnodes * c.learner.ranks
                 + getattr(r.rollout, kind) * c.rollout.workers)
 
@@ -247,10 +248,9 @@ class RayLauncher:
         return pg
 
     def _start_buffer(self, ray: Any, resuming: bool) -> str | None:
-        if self.cfg.buffer.type == "redis":
-            from buffers.redis_buffer import start_run
-
-            start_run(self.cfg.buffer, self.cfg.run.name, resuming)
+        backend = buffer_backend(self.cfg.buffer)
+        backend.start_run(self.cfg.run.name, resuming)
+        if not backend.broker:  # Redis: the server is the broker
             return None
         actor = self._actor(ray, "buffer", self.cfg.resources.buffer)
         address = ray.get(actor.bind_buffer.remote(self.cfg))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.engine_kinds import engine_kind
 from asyncrl.exits import (CONFIG_ERROR_EXIT, GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft,
                                   exit_reason, report_config_error)
 from asyncrl.launch.restart import Restarts, RestartPolicy
@@ -198,7 +199,7 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
         return 0
     from rollouters.worker import report_crashed, run_rollout_worker
 
-    if cfg.rollout.engine == "sim":  # simulated engines only wait: threads, a few processes
+    if engine_kind(cfg.rollout.engine).threads:  # workers as threads of a few processes
         from rollouters.worker import SIM_WORKERS_PER_PROCESS, run_worker_threads
 
         indices = list(range(first_index, first_index + workers))

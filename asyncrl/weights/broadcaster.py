@@ -51,6 +51,7 @@ import torch
 
 from asyncrl.config.schema import WeightsConfig
 from asyncrl.control_plane import STOPPED, ControlPlane
+from asyncrl.engine_kinds import engine_kind
 from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
 from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
@@ -86,16 +87,20 @@ class _Group:
 
 
 def engine_weights(cfg: WeightsConfig, engine: str) -> WeightsConfig:
-    """``cfg`` as engines of kind ``engine`` (``rollout.engine``) need it: an SGLang peer
-    makes one blocking HTTP request per bucket while its server is paused, so for SGLang every
-    tensor is packed into buckets (``alone_mb = 0``): few large requests, not one per tensor."""
-    return cfg.model_copy(update={"alone_mb": 0.0}) if engine == "sglang" else cfg
+    """``cfg`` as engines of kind ``engine`` (``rollout.engine``) need it: one whose server
+    makes one blocking HTTP request per bucket while paused (SGLang) gets every tensor packed
+    into buckets (``alone_mb = 0``): few large requests, not one per tensor
+    (:attr:`~asyncrl.engine_kinds.EngineKind.packs_every_tensor`)."""
+    packs_all = engine_kind(engine).packs_every_tensor
+    return cfg.model_copy(update={"alone_mb": 0.0}) if packs_all else cfg
 
 
 def broadcast_align(engine: str) -> int:
     """The bucket alignment the engines of kind ``engine`` (``rollout.engine``) can receive:
-    SGLang's flattened buckets carry no padding, our receivers take any alignment."""
-    return 1 if engine == "sglang" else ALIGN
+    SGLang's flattened buckets carry no padding, our receivers take any alignment
+    (:attr:`~asyncrl.engine_kinds.EngineKind.bucket_align`)."""
+    align = engine_kind(engine).bucket_align
+    return ALIGN if align is None else align
 
 
 class WeightBroadcaster:

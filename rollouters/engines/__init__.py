@@ -1,7 +1,9 @@
 """Inference engines behind one :class:`~rollouters.engines.base.Engine` protocol.
 
-:func:`make_engine` is the only place that knows the engine kinds; the worker loop and the
-workflows see just the protocol. Engine modules are imported lazily: vLLM is an optional
+:func:`make_engine` is the only place that builds engines by their kind's name; the worker loop
+and the workflows see just the protocol. What the rest of the code asks of a kind (does it need
+``rollout.url``, run as threads, merge LoRA adapters itself) is in
+:mod:`asyncrl.engine_kinds`. Engine modules are imported lazily: vLLM is an optional
 dependency and slow to import.
 """
 
@@ -84,15 +86,17 @@ def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) ->
 
 def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
                          host: str = "127.0.0.1") -> WeightReceiver:
-    """The rollout side of the weight sync for ``engine``: an SGLang server receives the
-    broadcast itself (:class:`SglangWeightPeer`); every other engine through this process,
-    adopting the received tensors where it can (``adopt_weights``), else copying them.
-    ``host``: where this process's end of the broadcast binds (``weights.host``)."""
+    """The rollout side of the weight sync for ``engine``: an engine whose server receives
+    the broadcast itself brings its own receiver (``weight_receiver``: SGLang's
+    :class:`~rollouters.engines.sglang_engine.SglangWeightPeer`); every other engine receives
+    through this process, adopting the received tensors where it can (``adopt_weights``),
+    else copying them. ``host``: where this process's end of the broadcast binds
+    (``weights.host``)."""
     from asyncrl.weights.receiver import WeightReceiver
-    from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
 
-    if isinstance(engine, SglangEngine):
-        return SglangWeightPeer(control, member, engine)
+    own = getattr(engine, "weight_receiver", None)
+    if own is not None:
+        return own(control, member)
     adopt = getattr(engine, "adopt_weights", None)
     if adopt is not None:  # zero-copy commit: the engine keeps the received tensors
         return WeightReceiver(control, member, adopt, host=host, adopt=True)

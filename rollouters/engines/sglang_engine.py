@@ -238,6 +238,11 @@ class SglangEngine:
         byte twice and need ``update_weights_from_tensor``'s same-host serialisation."""
         raise NotImplementedError("SglangEngine receives weights through SglangWeightPeer")
 
+    def weight_receiver(self, control: ControlPlane, member: str) -> SglangWeightPeer:
+        """This engine's side of the weight sync: the server receives the broadcast itself,
+        this process only follows the announcements and asks it (:class:`SglangWeightPeer`)."""
+        return SglangWeightPeer(control, member, self)
+
     def close(self) -> None:
         """Stop the server if we launched it (an attached one keeps running: it is not ours);
         every HTTP call opens and closes its own connection."""

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.launch.preflight import (NotRunning, check_broker, check_redis, check_startup,
-                                      model_path_error, path_errors, plugin_errors)
+from asyncrl.launch.preflight import (NotRunning, check_broker, check_startup, model_path_error,
+                                      path_errors, plugin_errors)
+from buffers.redis_connect import check_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE_TURN = ROOT / "examples" / "agent" / "single_turn.toml"
