@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import logging
+import subprocess
+import sys
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,3 +250,14 @@ def test_the_redis_backend_is_its_own_broker(tmp_path: Path) -> None:
         "clear the run's Redis keys, as a fresh `asyncrl up` does"
     with pytest.raises(ValueError, match="needs groups_per_step"):
         backend.client(None, run_id="r", groups_per_step=None, stop=None)
+
+
+def test_asyncrl_buffer_without_a_broker_process_is_a_config_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "buffer",
+                           str(ROOT / "configs" / "quickstart.toml"), "--set", "buffer.type=redis",
+                           "--set", "buffer.zmq.port=5555", "--set", f"run.output_dir={tmp_path}"],
+                          cwd=ROOT, text=True, capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("asyncrl: buffer.type = 'redis': Redis is the broker, there is no "
+                           "`asyncrl buffer` process to run; point the roles at "
+                           "buffer.redis.url\n")
