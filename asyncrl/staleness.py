@@ -82,9 +82,6 @@ class StalenessGate:
         """How many new groups may start now (≥ 0)."""
         return max(0, self.capacity(version) - accepted - in_flight)
 
-    def is_open(self, version: int, accepted: int, in_flight: int) -> bool:
-        return accepted + in_flight < self.capacity(version)
-
     def is_fresh(self, learner_version: int, oldest_token_version: int) -> bool:
         """May a sample whose oldest token is ``oldest_token_version`` be trained at V?"""
         return is_fresh(learner_version, oldest_token_version, self.max_staleness)

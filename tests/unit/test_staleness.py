@@ -13,8 +13,7 @@ def test_capacity_and_allowance_by_hand() -> None:
     gate = StalenessGate(max_staleness=2, groups_per_step=4)
     assert gate.capacity(0) == 12            # (0 + 2 + 1) × 4
     assert gate.allowance(0, accepted=5, in_flight=3) == 4
-    assert gate.is_open(0, 5, 3)
-    assert not gate.is_open(0, 8, 4)
+    assert gate.allowance(0, 8, 4) == 0      # full: closed
     assert gate.allowance(0, 10, 4) == 0     # never negative
     assert gate.allowance(1, 10, 4) == 2     # a new version opens one step's worth
 
