@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.load import to_toml
-from asyncrl.preflight import NotRunning, import_from_cwd
-from asyncrl.supervise import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
+from asyncrl.exits import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
+from asyncrl.launch.preflight import NotRunning, import_from_cwd
 
 logger = logging.getLogger(__name__)
 
@@ -70,36 +69,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def buffer_address(cfg: Config, explicit: str | None) -> str | None:
     """--buffer, else the address `asyncrl up` recorded in the run directory, else the config.
-    None with Redis: ``buffer.url`` is the address."""
-    if cfg.buffer.type == "redis":
-        return None
-    if explicit:
-        return _endpoint(explicit, "--buffer")
-    recorded = cfg.run_dir / "buffer.addr"
-    if recorded.exists():
-        return _endpoint(recorded.read_text(errors="replace").strip(), str(recorded))
-    if cfg.buffer.port == 0:
-        raise ConfigError("buffer.port is 0 (pick a free port) and no --buffer address was given "
-                          f"nor recorded in {recorded}")
-    return f"tcp://{cfg.buffer.host}:{cfg.buffer.port}"
+    None without a broker process (Redis: ``buffer.redis.url`` is the address)."""
+    from buffers.backends import buffer_backend  # lazily: buffers imports numpy
 
-
-_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
-
-
-def _endpoint(address: str, source: str) -> str:
-    """A broker address as ZMQ dials it; anything else is a config error naming where it
-    came from (was ``zmq.error.ZMQError: Invalid argument`` with a traceback, or, for an
-    empty ``buffer.addr``, a minute of waiting)."""
-    match = _ENDPOINT.fullmatch(address)
-    if match is None or not 0 < int(match.group(2)) < 65536:
-        raise ConfigError(f"{source}: {address!r} is not a broker address "
-                          "(tcp://HOST:PORT, e.g. tcp://127.0.0.1:5555)")
-    return address
+    return buffer_backend(cfg.buffer).dial_address(explicit, cfg.run_dir / "buffer.addr")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from asyncrl import roles
+    from asyncrl.launch import roles
 
     if args.command == "plot":
         from asyncrl.plot import NothingToPlot, plot_run
@@ -131,12 +108,9 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 0
         return launcher.up()
     if args.command == "buffer":
-        if cfg.buffer.type != "zmq":
-            raise ConfigError(f"buffer.type = {cfg.buffer.type!r}: Redis is the broker, there is "
-                              "no `asyncrl buffer` process to run; point the roles at buffer.url")
-        return roles.serve_buffer(cfg, args.address_file)
+        return _serve_buffer(cfg, args)
     if args.command == "eval":
-        from rollouters.eval import run_eval
+        from asyncrl.eval_checkpoint import run_eval
 
         sys.stdout.write(json.dumps(run_eval(cfg, args.checkpoint), indent=2) + "\n")
         return 0
@@ -177,16 +151,27 @@ def _resume_override(args: argparse.Namespace) -> list[str]:
     return [f"checkpoint.path={json.dumps(str(path.resolve()))}"] if path else []
 
 
+def _serve_buffer(cfg: Config, args: argparse.Namespace) -> int:
+    """`asyncrl buffer`: the broker process of a backend that has one."""
+    from asyncrl.launch import roles
+    from buffers.backends import buffer_backend
+
+    backend = buffer_backend(cfg.buffer)
+    if not backend.broker:
+        raise ConfigError(f"buffer.type = {cfg.buffer.type!r}: {backend.no_broker}")
+    return roles.serve_buffer(cfg, args.address_file)
+
+
 def _observe(cfg: Config, args: argparse.Namespace) -> int:
     from asyncrl.monitor import make_view, print_status, watch
-    from asyncrl.preflight import check_broker, check_redis
-    from asyncrl.roles import stop_on_signals
+    from asyncrl.launch.preflight import check_broker
+    from asyncrl.launch.signals import stop_on_signals
     from buffers import connect_buffer
+    from buffers.backends import buffer_backend
 
     address = buffer_address(cfg, args.buffer)
-    if address is None:
-        check_redis(cfg.buffer)
-    else:
+    buffer_backend(cfg.buffer).preflight()  # a server no role starts (Redis) answers
+    if address is not None:
         check_broker(address, cfg.run.name)
     client = connect_buffer(cfg, address)
     try:

@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.live import Live
 
 from asyncrl.config.schema import MonitorConfig
-from buffers.protocol import DATA_EXHAUSTED, STOPPED
+from asyncrl.control_plane import STOPPED
+from buffers.protocol import DATA_EXHAUSTED
 from asyncrl.dashboard import dashboard, fmt
 from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
                               History, learner_info, rollouts)

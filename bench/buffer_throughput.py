@@ -21,9 +21,9 @@ to one consumer that takes batches of ``--batch`` groups:
   ``put_many`` of 8 groups (one engine batch, as the rollout worker does) instead of ``put``.
 
 The backend consumer keeps ``--take-depth`` batch requests in flight (default 1, what the
-learner's prefetcher does; :class:`buffers.take_ahead.TakeAhead`); Redis serves one at a time.
+learner's prefetcher does; :class:`bench.inflight.TakeAhead`); Redis serves one at a time.
 Producers of the put-many rows keep ``--put-depth`` ``put_many`` calls in flight (default 1,
-what a rollout worker does; :class:`buffers.put_ahead.PutAhead`; Redis: one at a time).
+what a rollout worker does; :class:`bench.inflight.PutAhead`; Redis: one at a time).
 
 Producers are processes, not threads, so Python producers do not share one GIL (the consumer
 runs in this process, the ZMQ broker in another). Every process, raw or backend, keeps large
@@ -67,7 +67,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config.schema import BufferConfig  # noqa: E402
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig, ZmqBufferConfig  # noqa: E402
 from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
 
 logger = logging.getLogger("bench.buffer_throughput")
@@ -86,7 +86,7 @@ class Spec:
     redis_url: str
     put_many: int = 0  # producers use put_many(chunk) where the backend has it
     spill_dir: str = ""  # the ZMQ broker journals to a spill file there
-    io_threads: int = BufferConfig.model_fields["io_threads"].default  # broker's, and the proxy's
+    io_threads: int = ZmqBufferConfig.model_fields["io_threads"].default  # broker's and proxy's
     chunk: int = 8  # groups per put_many in the put-many rows: one engine batch of a worker
     gate_poll_s: float = 0.002  # a producer refused a grant asks again after this long
     take_depth: int = 1  # the consumer's get_batch requests in flight (TakeAhead)
@@ -119,7 +119,7 @@ def _backend_producer(spec: Spec, make_client: Callable[[], Any], index: int,
     (fewer round trips than a worker, so the rows measure puts), and whatever was granted is
     put, as a worker puts what it generated: a producer that waited for a whole chunk's
     grant would starve when producers × chunk exceeds ``max_groups``."""
-    from buffers.put_ahead import PutAhead
+    from bench.inflight import PutAhead
 
     client = make_client()
     name, sent, granted = f"p{index}", 0, 0
@@ -159,7 +159,8 @@ def _redis_backend_client(spec: Spec, namespace: str) -> Any:
 
 
 def _redis_config(spec: Spec, namespace: str) -> BufferConfig:
-    return BufferConfig(type="redis", url=spec.redis_url, namespace=namespace,
+    return BufferConfig(type="redis",
+                        redis=RedisBufferConfig(url=spec.redis_url, namespace=namespace),
                         max_staleness=10**9, max_groups=spec.max_groups, request_timeout_s=2.0)
 
 
@@ -206,8 +207,8 @@ def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
     from buffers.zmq_broker import ZmqBroker
 
     spill = f"{spec.spill_dir}/bench-{uuid.uuid4().hex[:8]}.spill" if spec.spill_dir else ""
-    config = BufferConfig(port=0, max_staleness=10**9, max_groups=spec.max_groups,
-                          reclaim_idle_s=600.0, spill_path=spill, io_threads=spec.io_threads)
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=spill, io_threads=spec.io_threads),
+                          max_staleness=10**9, max_groups=spec.max_groups, reclaim_idle_s=600.0)
     broker = ZmqBroker(config, groups_per_step=1, run_id="")
     address_queue.put(broker.bind())
     try:
@@ -324,8 +325,8 @@ def run_row(ctx: Any, target: Callable[..., None], args_of: Callable[[int], tupl
 def _backend_take(consumer: Any, spec: Spec) -> Callable[[], int]:
     """The consumer of a backend row: a learner that takes a batch and acks it at once, the
     ack riding on the next request sent (``get_batch(ack=...)``, one round trip), with
-    ``--take-depth`` requests in flight (:class:`buffers.take_ahead.TakeAhead`; Redis: one)."""
-    from buffers.take_ahead import TakeAhead
+    ``--take-depth`` requests in flight (:class:`bench.inflight.TakeAhead`; Redis: one)."""
+    from bench.inflight import TakeAhead
 
     ahead = TakeAhead(consumer, "learner", spec.batch, spec.take_depth, timeout_s=0.2)
     previous = None
@@ -629,16 +630,16 @@ def main() -> int:
     parser.add_argument("--max-groups", type=int, default=64, help="buffer bound (groups)")
     parser.add_argument("--take-depth", type=int, default=1,
                         help="the consumer's get_batch requests in flight (zmq rows; "
-                             "buffers.take_ahead.TakeAhead)")
+                             "bench/inflight.py)")
     parser.add_argument("--put-depth", type=int, default=1,
                         help="each producer's put_many calls in flight (put-many rows; "
-                             "buffers.put_ahead.PutAhead)")
+                             "bench/inflight.py)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--only", nargs="+", choices=ROWS, help="a subset of the rows")
     parser.add_argument("--spill-dir", default="",
                         help="also run zmq-spill: put_many with the broker's spill file here")
     parser.add_argument("--io-threads", type=int, default=Spec.io_threads,
-                        help="ZMQ I/O threads of the broker (buffer.io_threads) and of the "
+                        help="ZMQ I/O threads of the broker (buffer.zmq.io_threads) and of the "
                              "raw 2-hop proxy")
     parser.add_argument("--default-malloc", action="store_true",
                         help="do not keep large buffers in the heap (glibc defaults)")

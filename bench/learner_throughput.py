@@ -43,10 +43,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.config.schema import LearnerConfig  # noqa: E402
+from asyncrl.net import free_port  # noqa: E402
 from asyncrl.wire import TrajectoryGroup  # noqa: E402
 from bench.qwen_shapes import FULL, SMALL  # noqa: E402
 from learners.batching import collate  # noqa: E402
-from learners.dist import free_port, init_learner_group, shutdown_learner_group  # noqa: E402
+from learners.dist import init_learner_group, shutdown_learner_group  # noqa: E402
 from learners.packing import plan_micro_batches  # noqa: E402
 
 logger = logging.getLogger("bench.learner_throughput")

@@ -28,7 +28,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config.schema import BufferConfig  # noqa: E402
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig  # noqa: E402
 from buffers import make_buffer_client  # noqa: E402
 from tests.buffers import make_group  # noqa: E402
 
@@ -38,8 +38,8 @@ BATCH = 8
 def measure(url: str, queued: int, takes: int, slowlog: bool) -> tuple[float, float | None]:
     """(median round trip of get_batch, median Redis-side duration of the take script) in ms."""
     namespace = f"bench-take-{uuid.uuid4().hex[:8]}"
-    config = BufferConfig(type="redis", url=url, namespace=namespace, max_staleness=10**6,
-                          max_groups=queued + BATCH * (takes + 1))
+    config = BufferConfig(type="redis", redis=RedisBufferConfig(url=url, namespace=namespace),
+                          max_staleness=10**6, max_groups=queued + BATCH * (takes + 1))
     client = make_buffer_client(config, run_id="bench", groups_per_step=10**6)
     raw = redis.Redis.from_url(url)
     try:

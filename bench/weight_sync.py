@@ -47,17 +47,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.config.schema import BufferConfig, WeightsConfig
+from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+from asyncrl.weights.broadcaster import WeightBroadcaster
+from asyncrl.weights.gloo import GlooTransport
+from asyncrl.weights.plan import pack_bucket, plan_buckets
+from asyncrl.weights.receiver import WeightReceiver
+from asyncrl.weights.rendezvous import dial_store, serve_store
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
-from learners.weights import WeightBroadcaster, WeightReceiver
-from learners.weights_group import (
-    broadcast,
-    dial_store,
-    new_group,
-    serve_store,
-)
-from learners.weights_plan import pack_bucket, plan_buckets
 
 logger = logging.getLogger("bench.weight_sync")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**31 - 1), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
@@ -116,15 +113,15 @@ def receiver_main(address: str, member: str, args: argparse.Namespace) -> None:
 
 def serve_raw(raw: dict[str, Any], rank: int) -> None:
     store = dial_store(raw["store"], 120.0)
-    group = new_group("gloo", store, f"raw{raw['epoch']}", rank, len(raw["members"]) + 1,
-                      120.0, "127.0.0.1")
+    transport = GlooTransport(host="127.0.0.1", timeout_s=120.0)
+    transport.connect(store, f"raw{raw['epoch']}", rank, len(raw["members"]) + 1)
     buffers = [torch.empty(n, dtype=torch.uint8) for n in raw["sizes"]]
     done = torch.zeros(1)
     for _ in range(raw["rounds"]):
         for flat in buffers:
-            broadcast(group, flat)
-        group.allreduce([done]).wait()
-    group.abort()
+            transport.receive(flat).wait()
+        transport.group.allreduce([done]).wait()
+    transport.close()
 
 
 # --- learner side -----------------------------------------------------------------------------
@@ -160,19 +157,19 @@ class RawGroup:
         control.set_key(RAW_KEY, {"store": f"127.0.0.1:{self.store.port}", "epoch": epoch,
                                   "members": members, "sizes": list(plan.bucket_nbytes),
                                   "rounds": rounds})
-        self.group = new_group("gloo", self.store, f"raw{epoch}", 0, len(members) + 1, 120.0,
-                               "127.0.0.1")
+        self.transport = GlooTransport(host="127.0.0.1", timeout_s=120.0)
+        self.transport.connect(self.store, f"raw{epoch}", 0, len(members) + 1)
 
     def round(self) -> float:
         """Seconds until every engine holds every bucket (the allreduce ends the round)."""
         start = time.perf_counter()
         for flat in self.buckets:
-            broadcast(self.group, flat)
-        self.group.allreduce([torch.zeros(1)]).wait()
+            self.transport.send(flat).wait()
+        self.transport.group.allreduce([torch.zeros(1)]).wait()
         return time.perf_counter() - start
 
     def close(self) -> None:
-        self.group.abort()
+        self.transport.close()
 
 
 def bench_config(control: ZmqBufferClient, state: dict[str, torch.Tensor], bucket_mb: float,
@@ -218,7 +215,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     params = sum(t.numel() for t in state.values())
     logger.info("model: %.1fM parameters, %.1f MB", params / 1e6, nbytes / 1e6)
     address, stop_broker = start_broker_thread(  # raw rounds block heartbeats: a long timeout
-        BufferConfig(port=0, heartbeat_timeout_s=600.0), groups_per_step=1)
+        BufferConfig(zmq=ZmqBufferConfig(port=0), heartbeat_timeout_s=600.0), groups_per_step=1)
     control = ZmqBufferClient(address, 120.0)
     procs: list[subprocess.Popen] = []
     rows, version, epoch = [], 1, 1000  # raw groups' store prefixes: epoch1001, ...

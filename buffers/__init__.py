@@ -5,23 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from asyncrl.control_plane import BufferStopped
+from buffers.backends import buffer_backend
 from buffers.protocol import Batch, Buffer, BufferClient, ControlPlane, Grant, PutResult
 
 __all__ = ["Batch", "Buffer", "BufferClient", "BufferStopped", "ControlPlane", "Grant",
-           "PutResult", "connect_buffer", "make_buffer_client", "stopped_by", "unanswered"]
-
-
-class BufferStopped(TimeoutError):
-    """A client given a stop event stopped waiting for the broker because the event was set
-    (the role is stopping on a signal).
-
-    A :class:`TimeoutError`, as a request given up on after ``request_timeout_s`` is: the
-    request is in doubt in the same way (it may still be served), and what already tolerates a
-    lost buffer on its way out (the weight broadcaster's close catches ``TimeoutError``, the
-    lease renewal and the crash report catch ``Exception``) tolerates this too. It is not the
-    ZMQ client's ``NoReply``, so it is never re-sent. The roles take it, or a failure caused by
-    it (:func:`stopped_by`), as the stop it is: exit status 0, not the 3 of a broker that
-    cannot be reached."""
+           "PutResult", "buffer_backend", "connect_buffer", "make_buffer_client", "stopped_by",
+           "unanswered"]
 
 
 def stopped_by(exc: BaseException) -> BufferStopped | None:
@@ -63,12 +53,13 @@ def connect_buffer(cfg, address: str | None = None,
 def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
                        groups_per_step: int | None = None,
                        stop: threading.Event | None = None) -> BufferClient:
-    """The one factory: a client for ``config.type`` (a :class:`asyncrl.config.BufferConfig`).
+    """A client for the backend ``config.type`` names (a :class:`asyncrl.config.BufferConfig`;
+    :func:`~buffers.backends.buffer_backend` is the factory that knows the names).
 
     ``address`` (``tcp://host:port``) overrides the one derived from the config, for roles
     pointed at a ZMQ broker started elsewhere. Redis has no broker process, so every client
     applies the gate itself and needs what the ZMQ broker is started with: ``run_id`` (the
-    run name; keys live under ``buffer.namespace`` or ``asyncrl:<run_id>``) and
+    run name; keys live under ``buffer.redis.namespace`` or ``asyncrl:<run_id>``) and
     ``groups_per_step`` (``learner.groups_per_step``). Both are ignored for ZMQ.
 
     ``stop``: the role's stop event. Once set, a request no longer waits out
@@ -78,16 +69,5 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     :class:`~buffers.redis_stop.StopGuard`), so a role whose buffer is gone for good still
     stops promptly on a signal. A live one still answers: long polls run their course.
     """
-    if config.type == "zmq":
-        from buffers.zmq_client import ZmqBufferClient
-
-        return ZmqBufferClient.from_config(config, address, stop=stop)
-    if config.type == "redis":
-        from buffers.redis_buffer import RedisBufferClient
-
-        if groups_per_step is None:
-            raise ValueError("buffer.type = 'redis' needs groups_per_step "
-                             "(learner.groups_per_step): every client applies the gate")
-        return RedisBufferClient(config, run_id=run_id, groups_per_step=groups_per_step,
-                                 stop=stop)
-    raise ValueError(f"buffer.type: unknown backend {config.type!r}")
+    return buffer_backend(config).client(address, run_id=run_id,
+                                         groups_per_step=groups_per_step, stop=stop)

@@ -7,7 +7,7 @@ the header's rules on the object orjson parsed, the array sizes, and one loop ov
 for the value checks and the oldest version, instead of five numpy passes and the header's
 Python. The broker's Python time per 1k-token group fell from ~69 to ~39 µs when the array half
 moved there, and by a further quarter (best of three 49.8 -> 37.4 µs on a noisier day) when the
-header's rules did (``bench/results/groupscan/broker_hot.py``, 2-core VM; those figures
+header's rules did (``bench/RESULTS.md``, 2-core VM; those figures
 include ~15 µs a group of the harness building ``zmq.Frame`` objects, since taken out: the
 broker's own work is ~14 µs a group now, 6.5 of it this check). Where the extension
 did not build, the learner's own :func:`~asyncrl.wire.decode_group` checks the group. The

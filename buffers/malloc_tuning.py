@@ -7,8 +7,8 @@ message, a Redis reply) was then a fresh ``mmap``: a page fault for each of its 
 on first touch, an ``munmap`` when freed. On the buffer benchmark's 8×8k row this cut the
 producer's CPU per group from about 700 to 400 µs and raised throughput by 45-70 %.
 
-Process-wide, so a role calls it once at its start (:mod:`asyncrl.roles`); a library never
-does it behind its caller's back. The cost: up to :data:`TRIM_THRESHOLD` of freed memory
+Process-wide, so a role calls it once at its start (:mod:`asyncrl.launch.roles`); a library
+never does it behind its caller's back. The cost: up to :data:`TRIM_THRESHOLD` of freed memory
 stays mapped in the process instead of going back to the system.
 """
 

@@ -1,7 +1,8 @@
 """What rollouters and learners need from a buffer, whatever carries it (ZMQ broker, Redis).
 
 Two small protocols: :class:`Buffer` is the data plane (the gate, groups in, batches out),
-:class:`ControlPlane` the rest (the published version, heartbeats, rendezvous keys, status).
+:class:`ControlPlane` the rest (the published version, heartbeats, rendezvous keys, status;
+defined in :mod:`asyncrl.control_plane`, since the weight sync in the core speaks to it too).
 A client object implements both; it is not thread-safe, so each thread opens its own.
 """
 
@@ -11,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.control_plane import ControlPlane
 from asyncrl.wire import TrajectoryGroup
 
 RUN_STATUS_KEY = "run/status"  # the key the learner marks the run done with: {"status": ...}
 RUNNING = "running"
 DONE = "done"
-STOPPED = "stopped"  # the ``state`` in a member's last heartbeat: it will not come back
 # The ``exit`` of a rollout worker's last heartbeat when its share of data.path ran out
 # (data.epochs passes), with ``shard``: [its index, the fleet's worker count]. The learner
-# ends the run once every share ran out (learners.loop.data_ran_out).
+# ends the run once every share ran out (learners.batch_feed.data_ran_out).
 DATA_EXHAUSTED = "data exhausted"
 
 
@@ -105,46 +106,6 @@ class Buffer(Protocol):
         Returns how many of them ``consumer`` still holds: fewer means the rest were already
         reclaimed by another consumer (at-least-once; their ack will count them once). A
         consumer that stops renewing (dead) loses its groups after ``reclaim_idle_s``."""
-
-
-@runtime_checkable
-class ControlPlane(Protocol):
-    def publish_version(self, version: int) -> None:
-        """Publish the learner version (after its weights reached the engines). A buffer with
-        no progress at all (version 0, nothing consumed) told of a version ``v`` > 1 lost its
-        state while the learner trained: it takes the steps over as
-        ``restore_progress(v, v × groups_per_step)`` would, so its gate stays right."""
-
-    def restore_progress(self, version: int, consumed: int) -> int:
-        """A learner resumed from a checkpoint of ``version``, taken after ``consumed`` groups
-        were consumed. A buffer that has consumed fewer did not live through those steps (a
-        broker restarted without spill, a reset Redis namespace): it takes them over, so its
-        version becomes at least ``version`` and ``accepted`` and ``consumed`` grow by the
-        difference; the gate then admits what it would have had it lived through them (no
-        flood of ``version × groups_per_step`` groups, no version going back). A buffer that
-        did is unchanged. Idempotent. Returns the buffer's version."""
-
-    def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
-        """Say ``member`` is alive; ``info`` carries its metrics. Returns the run state
-        (``version``, ``run_status``)."""
-
-    def set_key(self, key: str, value: dict[str, Any]) -> int:
-        """Store a small JSON value (rendezvous, announcements); returns its sequence number:
-        above every number the key had before, also from a buffer that lost it (restarted
-        without its spill file, or a Redis without persistence), so that a waiter's
-        ``newer_than`` never outlives the buffer it came from."""
-
-    def get_key(self, key: str, newer_than: int = 0,
-                timeout_s: float = 0.0) -> tuple[int, dict[str, Any]] | None:
-        """The value with a sequence number above ``newer_than``, waiting up to ``timeout_s``."""
-
-    def get_keys(self, keys: Sequence[str]) -> dict[str, tuple[int, dict[str, Any]]]:
-        """The current ``(seq, value)`` of each of ``keys`` that is set, in ONE round trip,
-        without waiting: a rendezvous over many members (joins, acks) reads them all at once
-        instead of one request per member."""
-
-    def status(self) -> dict[str, Any]:
-        """Everything the monitor shows, as one JSON-able dict."""
 
 
 class BufferClient(Buffer, ControlPlane, Protocol):

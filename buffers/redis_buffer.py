@@ -120,7 +120,7 @@ class BufferRefused(RuntimeError):
 
 
 class RedisBufferClient:
-    """Buffer and control plane of run ``run_id`` in the Redis at ``config.url``.
+    """Buffer and control plane of run ``run_id`` in the Redis at ``config.redis.url``.
 
     Not thread-safe (like every client): open one per thread. ``stop``: the owner's stop
     event (see the module docstring).
@@ -409,6 +409,16 @@ class RedisBufferClient:
 
 def _dumps(value: dict[str, Any]) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def start_run(config: BufferConfig, run_id: str, resuming: bool) -> None:
+    """`asyncrl up` starts run ``run_id`` (either launcher): a resumed run keeps its state in
+    Redis; a new one starts from an empty namespace (:func:`reset_run`)."""
+    if resuming:
+        logger.info("redis %s: resuming run %r, its state is kept", config.redis.url, run_id)
+        return
+    deleted = reset_run(config, run_id)
+    logger.info("redis %s: fresh run %r (%d old keys removed)", config.redis.url, run_id, deleted)
 
 
 def reset_run(config: BufferConfig, run_id: str) -> int:

@@ -4,11 +4,11 @@
 Kept apart from the client so the mapping from config to redis-py arguments is one pure
 function that tests can check without a server (and without TLS certificates).
 
-A ``buffer.url`` that names a node of a Redis Cluster is detected (``INFO cluster``, unless
-``buffer.cluster`` says yes or no) and served by redis-py's cluster client, so switching to a
-cluster is that one line too. Every key of a run must then live in one hash slot (the scripts
-touch them together), so the run's namespace is wrapped in a hash tag, ``{asyncrl:run}``,
-unless it carries one already.
+A ``buffer.redis.url`` that names a node of a Redis Cluster is detected (``INFO cluster``,
+unless ``buffer.redis.cluster`` says yes or no) and served by redis-py's cluster client, so
+switching to a cluster is that one line too. Every key of a run must then live in one hash slot
+(the scripts touch them together), so the run's namespace is wrapped in a hash tag,
+``{asyncrl:run}``, unless it carries one already.
 
 A client given the role's stop event does not retry a lost connection once it is set
 (:class:`ReconnectRetry`); the rest of what a stop means is :mod:`buffers.redis_stop`.
@@ -28,10 +28,11 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.connection import parse_url
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import BufferConfig
 
 T = TypeVar("T")
@@ -40,6 +41,11 @@ logger = logging.getLogger(__name__)
 BACKOFF_BASE_S = 0.05
 BACKOFF_CAP_S = 1.0
 CONNECT_TIMEOUT_CAP_S = 5.0
+REDIS_PROBE_S = 2.0
+"""How long `up` and `status` retry a Redis that refuses them before reporting it
+(:func:`check_redis`). The roles' own clients keep retrying for ``buffer.request_timeout_s`` (a
+Redis restarting mid-run); at start a refused connection is a wrong URL or a server not
+started, and waiting hides that."""
 
 
 class ReconnectRetry(Retry):
@@ -90,21 +96,23 @@ def reconnect_retries(total_s: float) -> int:
 
 def connection_kwargs(config: BufferConfig,
                       stop: threading.Event | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``redis.Redis.from_url(config.url, ...)``; ``stop``: the
+    """Keyword arguments for ``redis.Redis.from_url(config.redis.url, ...)``; ``stop``: the
     owner's stop event (no retries once it is set).
 
     Only connection errors are retried: a command that reached Redis and failed is not
     repeated (a script's effects may already be applied). TLS options need a ``rediss://``
     URL; setting them on a plain URL is a config error rather than a silently clear channel.
     """
-    scheme = urlsplit(config.url).scheme
+    server = config.redis
+    scheme = urlsplit(server.url).scheme
     if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"buffer.url: expected redis://, rediss:// or unix://, got {config.url!r}")
-    tls = {name: value for name, value in (("ssl_ca_certs", config.tls_ca_file),
-                                           ("ssl_certfile", config.tls_cert_file),
-                                           ("ssl_keyfile", config.tls_key_file)) if value}
+        raise ValueError(f"buffer.redis.url: expected redis://, rediss:// or unix://, "
+                         f"got {server.url!r}")
+    tls = {name: value for name, value in (("ssl_ca_certs", server.tls_ca_file),
+                                           ("ssl_certfile", server.tls_cert_file),
+                                           ("ssl_keyfile", server.tls_key_file)) if value}
     if tls and scheme != "rediss":
-        raise ValueError("buffer.tls_* files are set but buffer.url is not rediss://")
+        raise ValueError("buffer.redis.tls_* files are set but buffer.redis.url is not rediss://")
     kwargs: dict[str, Any] = {
         "socket_timeout": config.request_timeout_s,
         "socket_connect_timeout": min(config.request_timeout_s, CONNECT_TIMEOUT_CAP_S),
@@ -114,10 +122,10 @@ def connection_kwargs(config: BufferConfig,
         "decode_responses": False,
         **tls,
     }
-    if config.username:
-        kwargs["username"] = config.username
-    if config.password:
-        kwargs["password"] = config.password
+    if server.username:
+        kwargs["username"] = server.username
+    if server.password:
+        kwargs["password"] = server.password
     return kwargs
 
 
@@ -125,20 +133,36 @@ Client = redis.Redis | RedisCluster
 
 
 def connect(config: BufferConfig, stop: threading.Event | None = None) -> Client:
-    """A client for ``config.url``: the cluster client for a Redis Cluster node
-    (``buffer.cluster``; "auto" sends one ``INFO cluster`` to find out, and a unix socket is
+    """A client for ``config.redis.url``: the cluster client for a Redis Cluster node
+    (``buffer.redis.cluster``; "auto" sends one ``INFO cluster`` to find out, and a unix socket is
     never a cluster node). Nothing else is sent. ``stop``: see :func:`connection_kwargs`."""
     kwargs = connection_kwargs(config, stop)
-    if config.cluster != "yes":
-        client = redis.Redis.from_url(config.url, **kwargs)
-        if config.cluster == "no" or urlsplit(config.url).scheme == "unix" or \
-                not _cluster_enabled(client, config.url):
+    server = config.redis
+    if server.cluster != "yes":
+        client = redis.Redis.from_url(server.url, **kwargs)
+        if server.cluster == "no" or urlsplit(server.url).scheme == "unix" or \
+                not _cluster_enabled(client, server.url):
             return client  # the probe's connection serves the first command
         client.close()
-    if parse_url(config.url).get("db", 0):
-        raise ValueError(f"buffer.url {config.url!r}: a Redis Cluster has only database 0")
+    if parse_url(server.url).get("db", 0):
+        raise ValueError(f"buffer.redis.url {server.url!r}: a Redis Cluster has only database 0")
     retry = kwargs.pop("retry")  # the cluster client takes it as an argument of its own
-    return RedisCluster.from_url(config.url, retry=retry, **kwargs)
+    return RedisCluster.from_url(server.url, retry=retry, **kwargs)
+
+
+def check_redis(config: BufferConfig, wait_s: float = REDIS_PROBE_S) -> None:
+    """Raise a :class:`ConfigError` naming ``buffer.redis.url`` when Redis there does not answer a
+    PING within about ``wait_s`` (refused, unknown host, wrong password, not Redis)."""
+    try:
+        client = connect(config.model_copy(update={"request_timeout_s": wait_s}))
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except RedisError as exc:
+        raise ConfigError(f"buffer.redis.url: {config.redis.url!r}: {exc}") from None
+    except ValueError as exc:  # connect()'s own checks of the URL and TLS files
+        raise ConfigError(str(exc)) from None
 
 
 def _cluster_enabled(client: redis.Redis, url: str) -> bool:
@@ -147,12 +171,12 @@ def _cluster_enabled(client: redis.Redis, url: str) -> bool:
         return bool(int(client.info("cluster").get("cluster_enabled", 0)))
     except NoPermissionError:
         logger.info("redis at %s: this user may not run INFO, taken as a single server "
-                    "(set buffer.cluster = \"yes\" for a cluster)", url)
+                    "(set buffer.redis.cluster = \"yes\" for a cluster)", url)
         return False
     except ResponseError as exc:
         client.close()
         if "not allowed in cluster mode" in str(exc):  # the URL's database, selected first
-            raise ValueError(f"buffer.url {url!r}: a Redis Cluster has only database 0"
+            raise ValueError(f"buffer.redis.url {url!r}: a Redis Cluster has only database 0"
                              ) from None
         raise
     except BaseException:
@@ -165,9 +189,9 @@ def is_cluster(client: Client) -> bool:
 
 
 def run_namespace(config: BufferConfig, run_id: str, cluster: bool) -> str:
-    """The key prefix of run ``run_id``: ``buffer.namespace``, or ``asyncrl:<run>``; in a
+    """The key prefix of run ``run_id``: ``buffer.redis.namespace``, or ``asyncrl:<run>``; in a
     cluster wrapped in a hash tag unless it has one, so that every key is in one slot."""
-    namespace = config.namespace or f"asyncrl:{run_id or 'default'}"
+    namespace = config.redis.namespace or f"asyncrl:{run_id or 'default'}"
     if cluster and not _hash_tag(namespace):
         namespace = f"{{{namespace}}}"
     return namespace

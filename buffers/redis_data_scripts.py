@@ -7,9 +7,10 @@ scripts carried the payloads, every byte was copied into a Lua string and back: 
 of a put took 4x a plain ``XADD`` of the same bytes.)
 
 Each body runs after :data:`buffers.redis_scripts.PRELUDE` (key names ``K_*``, the gate
-parameters, and helpers such as ``touch``, ``reap``, ``gate_update`` and ``remove``); see
-:mod:`buffers.redis_scripts` for the key layout. Kept as plain strings so that Redis, not
-Python, is where each rule runs atomically.
+parameters, helpers such as ``touch``, ``reap``, ``gate_update`` and ``remove``, and the
+staleness rule of :mod:`asyncrl.staleness` restated in Lua: ``is_stale``, ``queued_stale``,
+``engine_may_start``, ``allowance``); see :mod:`buffers.redis_scripts` for the key layout.
+Kept as plain strings so that Redis, not Python, is where each rule runs atomically.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ local now = now_ms()
 touch(producer, now)
 reap(now)
 local version, granted = num(K_STATE, 'version'), 0
-if run_status() == 'running' and version - engine_version <= S then
+if run_status() == 'running' and engine_may_start(version, engine_version) then
   local room = MAX_GROUPS - redis.call('XLEN', K_INDEX) - in_flight_total()
   granted = math.max(0, math.min(want, allowance(), room))
   if granted > 0 then add_in_flight(producer, granted) end
@@ -119,7 +120,6 @@ local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_held = tonumber(ARGV[9])
 ensure_group()
 local acked = ack_entries(10 + n_held)
-local function stale(minv) return minv >= 0 and learner_version - minv > S end
 
 local lost = {}
 for i = 10, 9 + n_held do  -- held ids stay ours only if nobody reclaimed them; keep them fresh
@@ -167,17 +167,15 @@ end
 
 -- Drop the stale candidates; the fresh reclaimable ones join their producer's candidates.
 local dropped, n_fresh, again_of = 0, 0, {}
-if learner_version - S - 1 >= 0 then
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_QUEUEV, 0, learner_version - S - 1)) do
-    unqueue(m)  -- remove() does too, but only while the entry is there
-    dropped = dropped + remove(qparse(m).id)
-  end
+for _, m in ipairs(queued_stale(learner_version)) do
+  unqueue(m)  -- remove() does too, but only while the entry is there
+  dropped = dropped + remove(qparse(m).id)
 end
 for _, id in ipairs(reclaimable) do
   local f = read_entry(id)
   if f then
     local minv, p = entry_facts(f)
-    if stale(minv) then dropped = dropped + remove(id)
+    if is_stale(learner_version, minv) then dropped = dropped + remove(id)
     else
       n_fresh = n_fresh + 1
       again_of[p] = again_of[p] or {}

@@ -5,7 +5,7 @@ Why Lua: the gate (``accepted + in_flight`` against ``(V + s + 1) × gps``), a p
 one atomic step across several keys, and they need Redis' own clock (``TIME``) so that the
 clocks of different machines never decide whether a member is alive.
 
-Key layout under a namespace ``ns`` (``buffer.namespace`` or ``asyncrl:<run_id>``):
+Key layout under a namespace ``ns`` (``buffer.redis.namespace`` or ``asyncrl:<run_id>``):
 
 =================  =======  ==================================================================
 ``ns:state``       hash     version, accepted, consumed, dropped_stale, run_status, run_id,
@@ -130,11 +130,26 @@ local function reap(now)  -- silent producers' in-flight groups go back to the g
     end
   end
 end
-local function allowance()  -- a group dropped as stale gives its slot back
-  local cap = (num(K_STATE, 'version') + S + 1) * GPS
-  local live = num(K_STATE, 'accepted') - num(K_STATE, 'dropped_stale')
-  return math.max(0, cap - live - in_flight_total())
+
+-- The staleness rule of asyncrl/staleness.py, which Lua cannot call, restated (is_stale is
+-- not is_fresh, stale_cutoff is stale_below) and checked against it by
+-- tests/buffers/test_staleness_parity.py. minv is a group's oldest token version; a negative
+-- one (NO_VERSION) means no generated token: its staleness is 0 and it is never stale.
+local function staleness(learner_version, minv)
+  if minv >= 0 then return learner_version - minv end
+  return 0
 end
+local function is_stale(learner_version, minv) return staleness(learner_version, minv) > S end
+local function stale_cutoff(learner_version)  -- stale: 0 <= minv < stale_cutoff
+  return learner_version - S
+end
+local function engine_may_start(version, engine_version) return version - engine_version <= S end
+local function capacity(version) return (version + S + 1) * GPS end
+local function allowance()  -- a group dropped as stale gives its slot back
+  local live = num(K_STATE, 'accepted') - num(K_STATE, 'dropped_stale')
+  return math.max(0, capacity(num(K_STATE, 'version')) - live - in_flight_total())
+end
+
 local function gate_update(now)  -- closed time accrues between the calls that see it closed
   local closed = run_status() == 'running' and allowance() == 0
   local since = redis.call('HGET', K_STATE, 'gate_closed_since')
@@ -217,6 +232,11 @@ end
 local function unqueue(m)  -- m leaves the queue if it is there
   redis.call('ZREM', K_QUEUE, m)
   redis.call('ZREM', K_QUEUEV, m)
+end
+local function queued_stale(learner_version)  -- the queued members stale at learner_version
+  local cutoff = stale_cutoff(learner_version)
+  if cutoff <= 0 then return {} end
+  return redis.call('ZRANGEBYSCORE', K_QUEUEV, 0, cutoff - 1)
 end
 local function read_entry(id)  -- an index entry's fields, or nil if it is gone
   local e = redis.call('XRANGE', K_INDEX, id, id)

@@ -1,4 +1,4 @@
-"""The broker socket's hardening: CURVE authentication (``buffer.auth = "curve"``), a message
+"""The broker socket's hardening: CURVE authentication (``buffer.zmq.auth = "curve"``), a message
 size bound, and the bind address.
 
 Size: ``ZMQ_MAXMSGSIZE`` is set a little above ``buffer.max_message_bytes``. libzmq checks it
@@ -8,7 +8,7 @@ itself, and the broker keeps serving everybody). A group within the slack, or on
 several frames, reaches the broker, which rejects it with the counted reason ``oversized``.
 So a hostile peer can make the broker hold at most one message of its frames at a time.
 
-Bind address: ``buffer.host`` (127.0.0.1 by default); binding elsewhere without CURVE is
+Bind address: ``buffer.zmq.host`` (127.0.0.1 by default); binding elsewhere without CURVE is
 logged as a warning.
 
 Why CURVE: the broker serves anything that can reach its port (groups in, batches out,
@@ -17,7 +17,7 @@ with a ZAP authenticator, admits only clients whose public key the operator plac
 ``clients/``. A client with no key or an unknown key never completes the handshake: its
 requests are never delivered (it times out) and the broker keeps serving everybody else.
 
-Layout of ``buffer.curve_keys_dir`` (what :func:`generate_curve_keys` writes)::
+Layout of ``buffer.zmq.curve_keys_dir`` (what :func:`generate_curve_keys` writes)::
 
     server.key          server public key (every client needs it)
     server.key_secret   server key pair (the broker only)
@@ -67,7 +67,7 @@ def generate_curve_keys(keys_dir: str | Path, clients: Iterable[str] = (CLIENT,)
 
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     if not path.is_file():
-        raise FileNotFoundError(f"buffer.curve_keys_dir: no {path} (generate keys with "
+        raise FileNotFoundError(f"buffer.zmq.curve_keys_dir: no {path} (generate keys with "
                                 f"buffers.zmq_auth.generate_curve_keys)")
     public, secret_key = zmq.auth.load_certificate(path)
     if secret and secret_key is None:
@@ -80,7 +80,7 @@ class CurveServer:
 
     def __init__(self, context: zmq.Context, keys_dir: str) -> None:
         if not keys_dir:
-            raise ValueError("buffer.auth = \"curve\" needs buffer.curve_keys_dir")
+            raise ValueError("buffer.zmq.auth = \"curve\" needs buffer.zmq.curve_keys_dir")
         root = Path(keys_dir)
         self.public, self.secret = _load(root / f"{SERVER}.key_secret", secret=True)
         clients = root / CLIENTS_DIR
@@ -117,17 +117,17 @@ def bind_router(context: zmq.Context, config: BufferConfig
     one); returns it, its CURVE server (to stop on close) and the address clients dial."""
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + FRAME_SLACK)
-    curve = None
-    if config.auth == "curve":
-        curve = CurveServer(context, config.curve_keys_dir)
+    curve, zmq_cfg = None, config.zmq
+    if zmq_cfg.auth == "curve":
+        curve = CurveServer(context, zmq_cfg.curve_keys_dir)
         curve.apply(socket)
-    elif config.host not in LOOPBACK:
-        logger.warning("buffer broker binds %s without authentication (buffer.auth = "
-                       "\"curve\" enables it)", config.host)
-    socket.bind(f"tcp://{config.host}:{config.port or '*'}")
+    elif zmq_cfg.host not in LOOPBACK:
+        logger.warning("buffer broker binds %s without authentication (buffer.zmq.auth = "
+                       "\"curve\" enables it)", zmq_cfg.host)
+    socket.bind(f"tcp://{zmq_cfg.host}:{zmq_cfg.port or '*'}")
     endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "*", "") else config.host
+    host = "127.0.0.1" if zmq_cfg.host in ("0.0.0.0", "*", "") else zmq_cfg.host
     address = f"tcp://{host}:{int(endpoint.rsplit(':', 1)[1])}"
     logger.info("buffer broker listening on %s (bound %s, auth %s)", address, endpoint,
-                config.auth)
+                zmq_cfg.auth)
     return socket, curve, address

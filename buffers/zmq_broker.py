@@ -61,9 +61,9 @@ class ZmqBroker:
 
     def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "",
                  run_dir: Path | None = None) -> None:
-        """``run_dir`` is where ``buffer.spill_path = "auto"`` journals (none: memory only)."""
+        """``run_dir`` is where ``buffer.zmq.spill_path = "auto"`` journals (none: memory only)."""
         self.config = config
-        self.spill = spill_file(config.spill_path, run_dir)
+        self.spill = spill_file(config.zmq.spill_path, run_dir)
         journal, recovered = open_spill(self.spill) if self.spill else (None, None)
         if self.spill:
             logger.info("journaling accepted groups to %s", self.spill)
@@ -72,7 +72,7 @@ class ZmqBroker:
         self.state = BrokerState(config, groups_per_step, run_id, journal=journal,
                                  recovered=recovered)
         self.bad_requests: Counter[str] = Counter()
-        self._context = zmq.Context(config.io_threads)
+        self._context = zmq.Context(config.zmq.io_threads)
         self._curve: CurveServer | None = None
         self._socket: zmq.Socket | None = None
         self._waits = Waits()
@@ -309,7 +309,7 @@ class ZmqBroker:
         return Reply(True, {**status_of(self.state), "bad_requests": dict(self.bad_requests),
                             "waiting": self._waits.counts(),
                             "backpressure": dict(self._waits.backpressure),
-                            "auth": self.config.auth})
+                            "auth": self.config.zmq.auth})
 
     def _shutdown(self, request: Request) -> Reply:
         logger.info("shutdown requested")

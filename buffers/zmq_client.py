@@ -37,14 +37,14 @@ early, and a put into a full buffer, given up in doubt as after a timeout. Witho
 event nothing changes.
 
 A consumer may keep several ``get_batch`` requests in flight
-(:meth:`ZmqBufferClient.send_get_batch`, :meth:`ZmqBufferClient.receive_batch`;
-:class:`buffers.take_ahead.TakeAhead` uses them): the broker serves one consumer's requests in
-the order they were sent, and replies that arrive while another request waits are kept for
-theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
+(:meth:`ZmqBufferClient.send_get_batch`, :meth:`ZmqBufferClient.receive_batch`; the buffer
+benchmark's ``TakeAhead``, ``bench/inflight.py``, uses them): the broker serves one consumer's
+requests in the order they were sent, and replies that arrive while another request waits are
+kept for theirs. Requests lost with a connection are re-sent, in order, within ``reconnect_s``.
 A producer may likewise keep several ``put_many`` calls in flight
-(:meth:`ZmqBufferClient.send_put_many`, :meth:`ZmqBufferClient.receive_puts`;
-:class:`buffers.put_ahead.PutAhead` uses them), never re-sent: one lost with its connection is
-in doubt, as a put that timed out.
+(:meth:`ZmqBufferClient.send_put_many`, :meth:`ZmqBufferClient.receive_puts`; the benchmark's
+``PutAhead`` uses them), never re-sent: one lost with its connection is in doubt, as a put
+that timed out.
 
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
@@ -160,7 +160,7 @@ class ZmqBufferClient:
                  curve_name: str = "client", reconnect_s: float = 0.0,
                  stop: threading.Event | None = None, put_window: int = PUT_WINDOW) -> None:
         """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
-        ``buffer.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
+        ``buffer.zmq.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
         ``reconnect_s``: how long to keep re-sending a safe request that got no reply.
         ``stop``: the owner's stop event; once set, requests stop waiting for a broker that
         does not answer (see the module docstring). ``put_window``: at most this many put
@@ -193,12 +193,13 @@ class ZmqBufferClient:
     def from_config(cls, config: BufferConfig, address: str | None = None,
                     stop: threading.Event | None = None) -> ZmqBufferClient:
         """The client a :class:`BufferConfig` describes (address, timeout, CURVE keys)."""
-        keys = config.curve_keys_dir if config.auth == "curve" else None
-        if config.auth == "curve" and not keys:
-            raise ValueError("buffer.auth = \"curve\" needs buffer.curve_keys_dir")
-        return cls(address or f"tcp://{config.host}:{config.port}",
+        zmq_cfg = config.zmq
+        keys = zmq_cfg.curve_keys_dir if zmq_cfg.auth == "curve" else None
+        if zmq_cfg.auth == "curve" and not keys:
+            raise ValueError("buffer.zmq.auth = \"curve\" needs buffer.zmq.curve_keys_dir")
+        return cls(address or f"tcp://{zmq_cfg.host}:{zmq_cfg.port}",
                    timeout_s=config.request_timeout_s, curve_keys_dir=keys,
-                   reconnect_s=config.reconnect_s, stop=stop)
+                   reconnect_s=zmq_cfg.reconnect_s, stop=stop)
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER to the broker, and a monitor that hears when its connection drops."""

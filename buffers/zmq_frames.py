@@ -5,10 +5,10 @@ build an ``IntFlag`` (``SNDMORE | flags``, through ``enum``) for every frame sen
 ``getsockopt(RCVMORE)`` for every frame received, although the Cython ``recv`` has already
 read that flag into ``Frame.more``. A message of 12 frames (a ``put_many`` of 8 groups, or a
 batch) cost 20 µs to receive and 19 µs to send on the 2-core VM; these loops, which call the
-Cython methods with plain ints, 8 and 5 µs (``bench/results/broker-split/sugar_vs_direct.py``).
+Cython methods with plain ints, 8 and 5 µs (``bench/RESULTS.md``).
 The broker pays that on every request and every batch it serves, the clients on every reply,
 and the broker's main thread is what bounds small groups: its CPU per 1k-token group fell
-from ~46 to ~39 µs (``bench/results/broker-split/broker_split.py``).
+from ~46 to ~39 µs (``bench/RESULTS.md``).
 
 The semantics are pyzmq's, ``copy=False``: ``zmq.Frame`` objects go out without a copy,
 buffers below the socket's ``copy_threshold`` are copied, larger ones are sent zero-copy.

@@ -17,10 +17,12 @@ from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
+from asyncrl.staleness import below_cutoff
+
 
 class Queued(Protocol):
     producer: str
-    min_version: int  # -1: no version information (served first)
+    min_version: int  # NO_VERSION (-1): no generated token (served first, never stale)
     seq: int
 
 
@@ -94,19 +96,20 @@ class GroupQueue(Generic[G]):
         return chosen
 
     def has_below(self, cutoff: int) -> bool:
-        """Whether a queued group's oldest version is in ``[0, cutoff)`` (O(versions held))."""
-        return any(0 <= version < cutoff for version in self._versions)
+        """Whether a queued group is stale at ``cutoff`` (:func:`asyncrl.staleness.stale_below`:
+        its oldest version is in ``[0, cutoff)``). O(versions held)."""
+        return any(below_cutoff(version, cutoff) for version in self._versions)
 
     def drop_below(self, cutoff: int) -> list[G]:
-        """Remove and return, in queue order, every group whose oldest version is in
-        ``[0, cutoff)`` (stale). O(queue), but only when there is one: see :meth:`has_below`."""
+        """Remove and return, in queue order, every group stale at ``cutoff`` (see
+        :meth:`has_below`). O(queue), but only when there is one."""
         if not self.has_below(cutoff):
             return []
         stale: list[tuple[int, G]] = []
         for producer, items in list(self._by_producer.items()):
             kept: deque[tuple[int, G]] = deque()
             for item in items:
-                (stale if 0 <= item[1].min_version < cutoff else kept).append(item)
+                (stale if below_cutoff(item[1].min_version, cutoff) else kept).append(item)
             if kept:
                 self._by_producer[producer] = kept
             else:

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 def spill_file(setting: str, run_dir: Path | None) -> Path | None:
-    """Where a broker journals (``buffer.spill_path``): ``auto`` is the run directory's
+    """Where a broker journals (``buffer.zmq.spill_path``): ``auto`` is the run directory's
     ``buffer.spill`` and needs one (a broker built without a run, as tests and benchmarks do,
     keeps memory only); empty is memory only; anything else is the path."""
     if setting == SPILL_AUTO:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.staleness import StalenessGate
+from asyncrl.staleness import StalenessGate, staleness
 from asyncrl.wire import Rejections, WireError
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
@@ -59,7 +59,7 @@ class QueuedGroup:
     delivered_at: float = 0.0
 
     def staleness(self, learner_version: int) -> int:
-        return learner_version - self.min_version if self.min_version >= 0 else 0
+        return staleness(learner_version, self.min_version)
 
 
 class BrokerState:
@@ -203,7 +203,7 @@ class BrokerState:
         return groups
 
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
-        stale = self.queue.drop_below(learner_version - self.gate.max_staleness)
+        stale = self.queue.drop_below(self.gate.stale_below(learner_version))
         if not stale:
             return
         self._forget(stale)
@@ -320,7 +320,7 @@ class BrokerState:
             raise StateError("version", f"version {version} is behind {self.version}")
         if self.version == 0 and self.consumed == 0 and version > 1:
             logger.warning("told of version %d with no progress of its own: this broker lost "
-                           "the run's state (restarted without buffer.spill_path?); taking "
+                           "the run's state (restarted without buffer.zmq.spill_path?); taking "
                            "over %d steps", version, version)
             self.restore_progress(version, version * self.gate.groups_per_step)
         if version != self.version:

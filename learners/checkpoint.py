@@ -33,10 +33,10 @@ Where each part of the async state lives (issue 5, item 5):
   so where to read next is simply its head. Groups consumed by steps after V (lost with the
   learner) were acked and are not trained again.
 - gate counters (``accepted``, ``consumed``, ``in_flight``) and unacked groups: durable in the
-  buffer (Redis; the ZMQ broker with ``buffer.spill_path``), which outlives the learner;
+  buffer (Redis; the ZMQ broker with ``buffer.zmq.spill_path``), which outlives the learner;
   unacked groups are redelivered after ``buffer.reclaim_idle_s``. A buffer that did NOT
   outlive it (a broker without spill restarted, a Redis namespace reset) is seeded from here at
-  resume (``ControlPlane.restore_progress(V, groups_consumed)``, ``learners.loop._resume``):
+  resume (``ControlPlane.restore_progress(V, groups_consumed)``, ``learners.lifecycle.resume``):
   its version becomes V and ``accepted``/``consumed`` count the V steps' groups, so versions
   keep increasing from V and the gate admits exactly what it would have. Unacked groups of a
   buffer that lost its state are gone with it (never in a checkpoint: they are rollout output).

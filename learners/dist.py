@@ -7,59 +7,14 @@ explicit, so a learner entry point reads ``init → train → shutdown``.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from asyncrl.devices import resolve_device
+
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close).
-
-    Racy by nature: another process may take it before the group binds it. Good enough for
-    tests and single-node runs where only we are picking ports.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def broadcast_host(cfg, address: str | None) -> str:
-    """``weights.host`` resolved: ``"auto"`` is the local address of the interface that routes
-    to the buffer (the one the other machines of the run reach us on); anything else as is."""
-    if cfg.weights.host != "auto":
-        return cfg.weights.host
-    from urllib.parse import urlsplit
-
-    target = urlsplit(address if address else cfg.buffer.url).hostname or cfg.buffer.host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((target, 9))  # UDP: picks the route, sends nothing
-        host = probe.getsockname()[0]
-    logger.info("weights.host auto: %s (the route to the buffer at %s)", host, target)
-    return host
-
-
-def resolve_device(device: str, rank: int, key: str = "learner.device") -> torch.device:
-    """``"auto"`` → CUDA if available, else CPU; a CUDA rank uses GPU ``rank % count``.
-    ``key``: the setting ``device`` came from, named when no GPU is there for it (this used to
-    fail with ``ZeroDivisionError: integer modulo by zero``, after minutes of restarts)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        count = torch.cuda.device_count()
-        if count == 0:
-            from asyncrl.config import ConfigError
-
-            raise ConfigError(f"{key}: 'cuda', but this process sees no CUDA device (torch "
-                              f"{torch.__version__}, CUDA_VISIBLE_DEVICES="
-                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); set "
-                              f"it to 'cpu' or 'auto'")
-        return torch.device("cuda", rank % count)
-    return torch.device(device)
 
 
 def init_learner_group(rank: int, world: int, *, master_port: int,

@@ -15,7 +15,7 @@ After a step the engines get one of two things (:func:`engine_state`):
   HF weights as they are (vLLM in-process or server, SGLang), and for HF exports and
   evaluation by ``from_pretrained``: they need no LoRA support at all.
 
-Both travel in memory over the same broadcast; the format is in ``learners.lora_wire``.
+Both travel in memory over the same broadcast; the format is in ``asyncrl.weights.lora_wire``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
-from learners.lora_wire import A, B, adapter_name, merge
+from asyncrl.engine_kinds import engine_kind
+from asyncrl.weights.lora_wire import A, B, adapter_name, merge
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_ENGINES = ("torch",)  # engines that merge adapters themselves (``rollout.engine``)
 PEFT_PREFIX = "base_model.model."  # PeftModel → LoraModel → the HF model
 _ADAPTER = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.default\.weight$")
 
@@ -145,7 +145,7 @@ def merged_state(peft_state: Mapping[str, torch.Tensor], scale: float) -> dict[s
 
 
 def gather_adapters(model: nn.Module, scale: float, rank: int) -> dict[str, torch.Tensor]:
-    """Every adapter, full and on CPU, named for the wire (``learners.lora_wire``: B already
+    """Every adapter, full and on CPU, named for the wire (``asyncrl.weights.lora_wire``: B already
     multiplied by ``scale``), on rank 0; an empty dict on the others. COLLECTIVE: each
     sharded adapter is all-gathered, in the same order on every rank."""
     out: dict[str, torch.Tensor] = {}
@@ -162,7 +162,7 @@ def gather_adapters(model: nn.Module, scale: float, rank: int) -> dict[str, torc
 
 def sends_adapters(cfg: Config) -> bool:
     """Do this run's engines get adapters (and merge them), rather than merged weights?"""
-    return bool(cfg.model.lora.rank) and cfg.rollout.engine in ADAPTER_ENGINES
+    return bool(cfg.model.lora.rank) and engine_kind(cfg.rollout.engine).merges_adapters
 
 
 def engine_state(trainer: Any, cfg: Config) -> dict[str, torch.Tensor]:

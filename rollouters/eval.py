@@ -2,18 +2,19 @@
 
 Digit tasks: exact-match accuracy of one batched call. Workflows (single-turn, multi-turn
 agents, custom): the SAME workflow as training, one greedy episode per held-out sample, scored
-by its return (the mean is the test score). :func:`make_evaluator` picks one from the config.
+by its return (the mean is the test score). :func:`make_evaluator` picks one from the config;
+:class:`EngineEvaluator` is the learner's evaluator (``asyncrl eval`` on a checkpoint:
+:mod:`asyncrl.eval_checkpoint`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.metrics import val_score_key
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 from rollouters.engines.base import Engine
 from rollouters.tasks.digits import Task
 
@@ -103,62 +104,18 @@ def make_evaluator(cfg: Config, model_dir: str | Path) -> Callable[[Engine], dic
     return lambda engine: evaluate_workflow(engine, cfg, tokenizer, cfg.run.seed)
 
 
-def load_policy(cfg: Config, checkpoint: str | Path):
-    """``(model, version, model_dir)`` from an HF model directory (``final/``, ``hf/step_V``) or
-    a learner checkpoint (``checkpoints/step_V``, sharded DCP or DeepSpeed's: loaded into the
-    initial model)."""
-    import json
+class EngineEvaluator:
+    """The learner's periodic and final eval (:class:`asyncrl.evaluation.Evaluator`): each
+    version's weights loaded into one CPU torch engine, scored by :func:`make_evaluator`."""
 
-    from asyncrl.models import load_causal_lm, prepare_model_dir
+    def __init__(self, cfg: Config, model_dir: Path) -> None:
+        from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
+        from rollouters.engines.torch_engine import TorchEngine
 
-    path = Path(checkpoint).expanduser()
-    if (path / "config.json").is_file():
-        version = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
-        return load_causal_lm(path, cfg.model.dtype), version, path
-    meta_path = path / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    deepspeed = meta.get("format") == "deepspeed"
-    if not deepspeed and not (path / ".metadata").is_file():
-        from asyncrl.config import ConfigError
+        self._score = make_evaluator(cfg, model_dir)
+        self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, "cpu"),
+                                   eos_id=EOS_ID, pad_id=PAD_ID)
 
-        raise ConfigError(f"--checkpoint {path}: neither an HF model directory "
-                          "(config.json) nor a learner checkpoint (.metadata)")
-    model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-    model = load_causal_lm(model_dir, cfg.model.dtype)
-    if deepspeed:   # the optional dependency is needed only for such a checkpoint
-        from learners.backends.deepspeed import checkpoint_weights
-
-        model.load_state_dict(checkpoint_weights(path))
-    else:
-        model = _load_dcp(model, path, cfg.model.lora)
-    return model, meta.get("version", -1), model_dir
-
-
-def _load_dcp(model, path: Path, lora):
-    """The actor of a sharded DCP checkpoint, as a plain HF model. A LoRA run
-    (``model.lora.rank``) checkpointed the peft-wrapped model: the initial model is wrapped the
-    same way, loaded, then merged (peft's ``merge_and_unload``, on local modules)."""
-    import torch.distributed.checkpoint as dcp
-
-    if lora.rank:
-        from learners.lora import wrap_lora
-
-        model = wrap_lora(model, lora)
-    state = {"actor_model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state["actor_model"])
-    return model.merge_and_unload() if lora.rank else model
-
-
-def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
-    """`asyncrl eval`: the periodic validation, alone, on the weights at ``checkpoint``."""
-    import torch
-
-    from asyncrl.models import EOS_ID, PAD_ID
-    from rollouters.engines.torch_engine import TorchEngine
-
-    torch.set_num_threads(cfg.rollout.threads)
-    model, version, model_dir = load_policy(cfg, checkpoint)
-    engine = TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, version=max(version, 0))
-    return {"checkpoint": str(checkpoint), "version": version,
-            **make_evaluator(cfg, model_dir)(engine)}
+    def evaluate(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
+        self._engine.load_weights(state.items(), version=version)
+        return self._score(self._engine)

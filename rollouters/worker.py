@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
+from asyncrl.control_plane import STOPPED
 from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, BufferStopped, connect_buffer
-from buffers.protocol import DATA_EXHAUSTED, DONE, STOPPED
+from buffers.protocol import DATA_EXHAUSTED, DONE
 
 if TYPE_CHECKING:
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     import torch
 
     from asyncrl.models import prepare_model_dir
-    from learners.dist import broadcast_host
+    from asyncrl.net import broadcast_host
     from rollouters.engines import make_engine, make_weight_receiver
     from rollouters.producers import make_producer
 

@@ -9,12 +9,16 @@ from asyncrl.config.schema import (
     LearnerConfig,
     ModelConfig,
     MonitorConfig,
+    RedisBufferConfig,
     ResourcesConfig,
     RolloutConfig,
     RunConfig,
+    SglangRolloutConfig,
     SimConfig,
     TaskConfig,
+    VllmRolloutConfig,
     WeightsConfig,
+    ZmqBufferConfig,
 )
 
 __all__ = [
@@ -26,12 +30,16 @@ __all__ = [
     "LearnerConfig",
     "ModelConfig",
     "MonitorConfig",
+    "RedisBufferConfig",
     "ResourcesConfig",
     "RolloutConfig",
     "RunConfig",
+    "SglangRolloutConfig",
     "SimConfig",
     "TaskConfig",
+    "VllmRolloutConfig",
     "WeightsConfig",
+    "ZmqBufferConfig",
     "load_config",
     "parse_overrides",
 ]

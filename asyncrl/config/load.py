@@ -15,11 +15,10 @@ from typing import Any
 import tomllib
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.config.errors import ConfigError
+from asyncrl.config.resolve import map_legacy_keys, selected_only, warn_unselected
 from asyncrl.config.schema import Config
 
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names every offending key path."""
 
 
 def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
@@ -61,29 +60,40 @@ def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, 
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
-    """Load ``path`` (or only defaults when None), apply overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-        except UnicodeDecodeError as exc:   # was a traceback
-            raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte {exc.start}: "
-                              f"{exc.object[exc.start:exc.start + 1]!r})") from None
-    data = deep_merge(data, parse_overrides(overrides))
-    return validate_config(data, source=str(path) if path else "<defaults>")
+    """Load ``path`` (or only defaults when None), apply overrides, validate.
+
+    Legacy keys are mapped in the file and in the overrides apart, before they merge, so an
+    override of a new key (``--set buffer.zmq.port=...``) wins over the file's old name of it
+    (``buffer.port``) as any override wins over the file."""
+    source = str(path) if path is not None else "<defaults>"
+    data = map_legacy_keys(_read_toml(Path(path)), source) if path is not None else {}
+    data = deep_merge(data, map_legacy_keys(parse_overrides(overrides), "--set"))
+    return validate_config(data, source=source)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:   # was a traceback
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r})") from None
 
 
 def validate_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    """The :class:`Config` of the raw dict ``data`` (parsed TOML): legacy keys mapped, then
+    validated, then the keys of backends not selected named (:mod:`asyncrl.config.resolve`)."""
+    data = map_legacy_keys(data, source)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         lines = [_describe(err) for err in exc.errors()]
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+    warn_unselected(config)
+    return config
 
 
 def _describe(err: Mapping[str, Any]) -> str:
@@ -112,9 +122,10 @@ def _model_at(loc: list[str]) -> type[BaseModel]:
 
 
 def to_toml(config: BaseModel) -> str:
-    """Render a config as TOML (the resolved config written to every run directory)."""
+    """Render a config as TOML (the resolved config written to every run directory), without
+    the sub-tables of backends it does not select (:func:`~asyncrl.config.resolve.selected_only`)."""
     out: list[str] = []
-    _emit_table(config.model_dump(mode="json"), [], out)
+    _emit_table(selected_only(config.model_dump(mode="json")), [], out)
     return "\n".join(out).lstrip() + "\n"
 
 

@@ -7,15 +7,29 @@ Cross-component checks (``learner.node_rank`` below ``learner.nnodes``) live in
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from asyncrl.engine_kinds import engine_kind
+
+
+_S = TypeVar("_S", bound="Section")
 
 
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, models are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def with_fields(self: _S, path: str = "", /, **fields: Any) -> _S:
+        """A copy with ``fields`` replaced in the sub-section at the dotted ``path`` ("" for
+        this one), e.g. ``cfg.buffer.with_fields("zmq", reconnect_s=0.0)``. Not validated,
+        as ``model_copy`` is not: for values known to be valid."""
+        if not path:
+            return self.model_copy(update=fields)
+        head, _, rest = path.partition(".")
+        return self.model_copy(update={head: getattr(self, head).with_fields(rest, **fields)})
 
 
 class RunConfig(Section):
@@ -40,7 +54,7 @@ class TinyModelConfig(Section):
                                                 "lookup agent env).")
 
 
-SPILL_AUTO = "auto"  # buffer.spill_path: the run directory's buffer.spill
+SPILL_AUTO = "auto"  # buffer.zmq.spill_path: the run directory's buffer.spill
 SPILL_NAME = "buffer.spill"
 DATA_POSITION_DIR = "data"  # in the run directory: each rollout worker's place in data.path
 LORA_ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -189,26 +203,57 @@ class WorkflowConfig(Section):
         return self
 
 
+class ZmqBufferConfig(Section):
+    """The ZMQ backend (``buffer.type = "zmq"``): an embedded broker process (``asyncrl
+    buffer``) that the roles dial; these keys are read only by the broker and its clients."""
+
+    host: str = Field("127.0.0.1", description="Address the broker binds and clients dial.")
+    port: int = Field(5555, ge=0, le=65535, description="Broker port; 0 picks a free one.")
+    auth: Literal["none", "curve"] = Field("none", description="Authentication: CURVE keys.")
+    curve_keys_dir: str = Field("", description="Directory with the CURVE key pairs.")
+    spill_path: str = Field(SPILL_AUTO,
+                            description="Append-only file so a broker restart loses nothing "
+                                        "accepted and unacked. 'auto': <run_dir>/buffer.spill "
+                                        "(a fresh `asyncrl up` sets the previous run's aside, "
+                                        "a resumed one replays it); empty: memory only.")
+    io_threads: int = Field(2, ge=1, le=16,
+                            description="The broker's I/O threads (socket reads and writes, "
+                                        "beside its one thread of Python). 2 moves large "
+                                        "groups 14-20 % faster than 1 on a 16-core host and "
+                                        "made no difference on 2 cores; small groups are bound "
+                                        "by the Python thread.")
+    reconnect_s: float = Field(60.0, ge=0, description="How long a client keeps retrying a "
+                                                       "request that timed out (the broker is "
+                                                       "restarting) before giving up; puts are "
+                                                       "never retried. 0: no retries.")
+
+
+class RedisBufferConfig(Section):
+    """The Redis backend (``buffer.type = "redis"``): Redis Streams, multi-node and durable.
+    Redis is then the broker and `asyncrl buffer` is not needed; every client applies the gate
+    itself."""
+
+    url: str = Field("redis://127.0.0.1:6379/0",
+                     description="Redis URL (redis:// or rediss:// for TLS).")
+    namespace: str = Field("", description="Key prefix; empty uses asyncrl:<run.name> (on a "
+                                           "cluster wrapped in a {hash tag}).")
+    cluster: Literal["auto", "yes", "no"] = Field(
+        "auto", description="Is buffer.redis.url a Redis Cluster node? auto asks it (INFO "
+                            "cluster; an ACL user refused INFO is taken as a single server).")
+    username: str = Field("", description="ACL user (empty: default user).")
+    password: str = Field("", description="Password (or the ACL user's password).")
+    tls_ca_file: str = Field("", description="CA bundle to verify the server (TLS).")
+    tls_cert_file: str = Field("", description="Client certificate for mutual TLS.")
+    tls_key_file: str = Field("", description="Client key for mutual TLS.")
+
+
 class BufferConfig(Section):
+    """The replay buffer: what every backend obeys here, each backend's own keys in its
+    sub-table (``[buffer.zmq]``, ``[buffer.redis]``); only the one ``type`` names is read."""
+
     type: Literal["zmq", "redis"] = Field(
         "zmq", description="Buffer backend: embedded ZMQ broker, or Redis Streams (multi-node, "
                            "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
-    host: str = Field("127.0.0.1", description="Address the ZMQ broker binds and clients dial.")
-    port: int = Field(5555, ge=0, le=65535, description="ZMQ broker port; 0 picks a free one.")
-    url: str = Field("redis://127.0.0.1:6379/0",
-                     description="Redis URL (redis:// or rediss:// for TLS), buffer.type=redis.")
-    namespace: str = Field("", description="Redis key prefix; empty uses asyncrl:<run.name> "
-                                           "(on a cluster wrapped in a {hash tag}).")
-    cluster: Literal["auto", "yes", "no"] = Field(
-        "auto", description="Is buffer.url a Redis Cluster node? auto asks it (INFO cluster; "
-                            "an ACL user refused INFO is taken as a single server).")
-    username: str = Field("", description="Redis ACL user (empty: default user).")
-    password: str = Field("", description="Redis password (or ACL user's password).")
-    tls_ca_file: str = Field("", description="CA bundle to verify the Redis server (TLS).")
-    tls_cert_file: str = Field("", description="Client certificate for Redis mutual TLS.")
-    tls_key_file: str = Field("", description="Client key for Redis mutual TLS.")
-    auth: Literal["none", "curve"] = Field("none", description="ZMQ authentication: CURVE keys.")
-    curve_keys_dir: str = Field("", description="Directory with the ZMQ CURVE key pairs.")
     max_staleness: int = Field(2, ge=0, description="s: never train on a sample staler than s.")
     max_groups: int = Field(4096, ge=1, description="Most groups held before producers wait.")
     max_message_bytes: int = Field(64 << 20, ge=1024,
@@ -217,29 +262,46 @@ class BufferConfig(Section):
                                   description="Groups delivered but neither acked nor renewed "
                                               "for this long (a dead learner) are redelivered; "
                                               "a live learner renews every reclaim_idle_s / 3.")
-    spill_path: str = Field(SPILL_AUTO,
-                            description="ZMQ: append-only file so a broker restart loses "
-                                        "nothing accepted and unacked. 'auto': "
-                                        "<run_dir>/buffer.spill (a fresh `asyncrl up` sets the "
-                                        "previous run's aside, a resumed one replays it); "
-                                        "empty: memory only.")
-    io_threads: int = Field(2, ge=1, le=16,
-                            description="ZMQ: the broker's I/O threads (socket reads and "
-                                        "writes, beside its one thread of Python). 2 moves "
-                                        "large groups 14-20 % faster than 1 on a 16-core "
-                                        "host and made no difference on 2 cores; small "
-                                        "groups are bound by the Python thread.")
     heartbeat_timeout_s: float = Field(15.0, gt=0,
                                        description="A silent rollout worker's in-flight groups "
                                                    "are released after this long.")
     request_timeout_s: float = Field(30.0, gt=0, description="Client-side request timeout.")
-    reconnect_s: float = Field(60.0, ge=0, description="ZMQ: how long a client keeps retrying a "
-                                                       "request that timed out (the broker is "
-                                                       "restarting) before giving up; puts are "
-                                                       "never retried. 0: no retries.")
+    zmq: ZmqBufferConfig = Field(default_factory=ZmqBufferConfig,
+                                 description="buffer.type = 'zmq': the broker's own keys.")
+    redis: RedisBufferConfig = Field(default_factory=RedisBufferConfig,
+                                     description="buffer.type = 'redis': the Redis server's "
+                                                 "own keys.")
+
+
+class VllmRolloutConfig(Section):
+    """The in-process vLLM engine (``rollout.engine = "vllm"``)."""
+
+    kv_cache_memory_mb: int = Field(64, ge=0, description="KV cache size (MB); 0 sizes it "
+                                                          "from gpu_memory_utilization.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
+                                          description="On GPU: fraction of the device's memory "
+                                                      "the engine may take.")
+    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start; "
+                                                  "turn off for long GPU runs).")
+
+
+class SglangRolloutConfig(Section):
+    """SGLang servers (``rollout.engine = "sglang"``) launched by the workers themselves, one
+    each, when ``rollout.url`` is empty; with a ``url`` these keys are not read."""
+
+    module: str = Field("sglang.launch_server",
+                        description="The module each worker runs (`python -m`) to launch its "
+                                    "own server.")
+    args: list[str] = Field(default_factory=list,
+                            description="Extra launch flags (e.g. --mem-fraction-static 0.5).")
+    server_start_timeout_s: float = Field(600.0, gt=0, description="How long a launched server "
+                                                                   "may take to get ready.")
 
 
 class RolloutConfig(Section):
+    """The rollout fleet: what every engine uses here, each engine's own keys in its sub-table
+    (``[rollout.vllm]``, ``[rollout.sglang]``); only the one ``engine`` names is read."""
+
     engine: Literal["torch", "vllm", "vllm-server", "sglang", "sim"] = Field(
         "torch", description="Inference engine: pure-torch reference, in-process vLLM, an "
                              "external vLLM OpenAI server fleet at `url` (attached, not "
@@ -248,21 +310,6 @@ class RolloutConfig(Section):
                              "workers run as threads of one process.")
     url: str = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
                                      "separated, one per worker (worker i attaches to entry i).")
-    sglang_module: str = Field("sglang.launch_server",
-                               description="sglang without `url`: the module each worker runs "
-                                           "(`python -m`) to launch its own server.")
-    sglang_args: list[str] = Field(default_factory=list,
-                                   description="sglang without `url`: extra launch flags (e.g. "
-                                               "--mem-fraction-static 0.5).")
-    server_start_timeout_s: float = Field(600.0, gt=0, description="sglang without `url`: how "
-                                          "long a launched server may take to get ready.")
-    kv_cache_memory_mb: int = Field(64, ge=0, description="vllm: KV cache size (MB); 0 sizes it "
-                                                          "from gpu_memory_utilization.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
-                                          description="vllm on GPU: fraction of the device's "
-                                                      "memory the engine may take.")
-    enforce_eager: bool = Field(True, description="vllm: no CUDA graphs / torch.compile (fast "
-                                                  "start; turn off for long GPU runs).")
     request_timeout_s: float = Field(120.0, gt=0, description="vllm-server, sglang: HTTP "
                                                               "timeout.")
     workers: int = Field(2, ge=1, description="Rollout worker processes (one engine each).")
@@ -272,11 +319,17 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(8, ge=1, description="Generation length limit.")
     threads: int = Field(1, ge=1, description="torch threads per worker.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="Engine device.")
+    vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig,
+                                    description="rollout.engine = 'vllm': the engine's own keys.")
+    sglang: SglangRolloutConfig = Field(default_factory=SglangRolloutConfig,
+                                        description="rollout.engine = 'sglang': launching its "
+                                                    "servers.")
 
     @model_validator(mode="after")
     def _check_server_url(self) -> RolloutConfig:
-        if self.engine == "vllm-server" and not self.url.strip():
-            raise ValueError("rollout.engine = 'vllm-server' needs rollout.url (the server fleet)")
+        if engine_kind(self.engine).needs_url and not self.url.strip():
+            raise ValueError(f"rollout.engine = {self.engine!r} needs rollout.url (the server "
+                             "fleet)")
         return self
 
 

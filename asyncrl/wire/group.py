@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from asyncrl.staleness import staleness
+
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -92,9 +94,9 @@ class TrajectoryGroup:
         return oldest if oldest < 2**31 else -1
 
     def staleness(self, learner_version: int) -> int:
-        """``V − min(token versions)``: how many steps behind its oldest token is."""
-        oldest = self.min_version()
-        return learner_version - oldest if oldest >= 0 else 0
+        """``V − min(token versions)``: how many steps behind its oldest token is (0 with no
+        generated token; :func:`asyncrl.staleness.staleness`)."""
+        return staleness(learner_version, self.min_version())
 
     @classmethod
     def from_samples(cls, group_id: str, prompt_id: str, samples: Sequence[dict[str, Any]],

@@ -47,9 +47,9 @@ except ImportError as exc:  # optional dependency
                       "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8") from exc
 
 from asyncrl.config.schema import LearnerConfig
+from asyncrl.devices import resolve_device
 from learners.backends.micro_steps import MicroSteps, merge_token_stats, save_hf_dir
 from learners.batching import TrainBatch
-from learners.dist import resolve_device
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from learners.backends.micro_steps import (
     merge_token_stats,
     save_hf_dir,
 )
-from learners.dist import resolve_device
+from asyncrl.devices import resolve_device
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
@@ -191,7 +191,7 @@ class Fsdp2Trainer:
 
     def adapter_state_dict(self) -> dict[str, Tensor]:
         """LoRA only: the adapters alone, as engines that merge them receive them
-        (``learners.lora_wire``), on rank 0; an empty dict on the others. COLLECTIVE."""
+        (``asyncrl.weights.lora_wire``), on rank 0; an empty dict on the others. COLLECTIVE."""
         if self.lora is None:
             raise RuntimeError("adapter_state_dict needs model.lora.rank > 0")
         return gather_adapters(self.model, self.lora.scale, self.rank)

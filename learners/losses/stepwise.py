@@ -61,16 +61,6 @@ def per_step_advantages(step_rewards: Sequence[Sequence[float]], outcomes: Seque
     return out
 
 
-def broadcast_advantages(step_rewards: Sequence[Sequence[float]], outcomes: Sequence[float],
-                         kind: str = "grpo", std_norm: bool = True) -> list[list[float]]:
-    """The trajectory-level advantage of each trajectory, repeated on each of its steps."""
-    from learners.losses.advantages import batch_advantages
-
-    totals = torch.tensor([o + sum(r) for r, o in zip(step_rewards, outcomes)])
-    adv = batch_advantages([totals], kind, std_norm=std_norm).tolist()
-    return [[a] * len(r) for a, r in zip(adv, step_rewards)]
-
-
 def token_advantages(length: int, spans: Sequence[Sequence[int]], step_advantages: Sequence[float]
                      ) -> list[float]:
     """Per-token advantages of one sample: each step's value on its ``[start, end)`` span."""

@@ -1,7 +1,9 @@
 """Inference engines behind one :class:`~rollouters.engines.base.Engine` protocol.
 
-:func:`make_engine` is the only place that knows the engine kinds; the worker loop and the
-workflows see just the protocol. Engine modules are imported lazily: vLLM is an optional
+:func:`make_engine` is the only place that builds engines by their kind's name; the worker loop
+and the workflows see just the protocol. What the rest of the code asks of a kind (does it need
+``rollout.url``, run as threads, merge LoRA adapters itself) is in
+:mod:`asyncrl.engine_kinds`. Engine modules are imported lazily: vLLM is an optional
 dependency and slow to import.
 """
 
@@ -12,15 +14,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.weights.receiver import WeightReceiver
     from buffers.protocol import ControlPlane
-    from learners.weights_receiver import WeightReceiver
     from rollouters.engines.base import Engine
 
 
 def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
     """The engine ``cfg.rollout.engine`` names, for rollout worker ``index``."""
+    from asyncrl.devices import resolve_device
     from asyncrl.models import EOS_ID, PAD_ID
-    from learners.dist import resolve_device
 
     kind = cfg.rollout.engine
     seed = cfg.run.seed * 1000 + index
@@ -44,9 +46,9 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
         r = cfg.rollout
         opts = VLLMOptions(eos_id=EOS_ID, dtype=cfg.model.dtype,
                            device="cpu" if device == "cpu" else "cuda", seed=seed,
-                           kv_cache_memory_mb=r.kv_cache_memory_mb,
-                           gpu_memory_utilization=r.gpu_memory_utilization,
-                           enforce_eager=r.enforce_eager,
+                           kv_cache_memory_mb=r.vllm.kv_cache_memory_mb,
+                           gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+                           enforce_eager=r.vllm.enforce_eager,
                            max_num_seqs=max(256, r.groups_per_batch * r.group_size))
         return VLLMEngine(model_dir, opts)
     if kind == "torch":
@@ -69,7 +71,7 @@ def _server_url(cfg: Config, index: int) -> str:
 
 
 def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) -> Engine:
-    """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang_module``)."""
+    """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
     from rollouters.engines.sglang_engine import SglangEngine, SglangServer
 
     r = cfg.rollout
@@ -77,22 +79,24 @@ def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) ->
                 "update_timeout_s": 2 * cfg.weights.timeout_s}  # a join waits for the others
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
-    server = SglangServer(r.sglang_module, model_dir, cfg.model.dtype, seed, list(r.sglang_args),
-                          cfg.run_dir / f"sglang-{index}.log", r.server_start_timeout_s)
+    server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed, list(r.sglang.args),
+                          cfg.run_dir / f"sglang-{index}.log", r.sglang.server_start_timeout_s)
     return SglangEngine(server.url, server=server, **timeouts)
 
 
 def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
                          host: str = "127.0.0.1") -> WeightReceiver:
-    """The rollout side of the weight sync for ``engine``: an SGLang server receives the
-    broadcast itself (:class:`SglangWeightPeer`); every other engine through this process,
-    adopting the received tensors where it can (``adopt_weights``), else copying them.
-    ``host``: where this process's end of the broadcast binds (``weights.host``)."""
-    from learners.weights_receiver import WeightReceiver
-    from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
+    """The rollout side of the weight sync for ``engine``: an engine whose server receives
+    the broadcast itself brings its own receiver (``weight_receiver``: SGLang's
+    :class:`~rollouters.engines.sglang_engine.SglangWeightPeer`); every other engine receives
+    through this process, adopting the received tensors where it can (``adopt_weights``),
+    else copying them. ``host``: where this process's end of the broadcast binds
+    (``weights.host``)."""
+    from asyncrl.weights.receiver import WeightReceiver
 
-    if isinstance(engine, SglangEngine):
-        return SglangWeightPeer(control, member, engine)
+    own = getattr(engine, "weight_receiver", None)
+    if own is not None:
+        return own(control, member)
     adopt = getattr(engine, "adopt_weights", None)
     if adopt is not None:  # zero-copy commit: the engine keeps the received tensors
         return WeightReceiver(control, member, adopt, host=host, adopt=True)

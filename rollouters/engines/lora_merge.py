@@ -1,6 +1,6 @@
 """Engine side of a LoRA adapter update: merge ``W = W0 + B'·A`` from a kept copy of ``W0``.
 
-The learner sends only the adapters (``learners.lora_wire``). The engine keeps the base value
+The learner sends only the adapters (``asyncrl.weights.lora_wire``). The engine keeps the base value
 ``W0`` of every weight it has merged into, taken the first time an adapter arrives for it, and
 computes each merge from that copy: merging into the current weight instead would add every
 update on top of the last one. The cost is one copy of the targeted weights (about the model's
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from learners.lora_wire import check_targets, merge
+from asyncrl.weights.lora_wire import check_targets, merge
 
 Adapters = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -23,10 +23,6 @@ class LoraMerger:
 
     def __init__(self) -> None:
         self._base: dict[str, torch.Tensor] = {}
-
-    @property
-    def merged_names(self) -> list[str]:
-        return sorted(self._base)
 
     def merged(self, adapters: Adapters, targets: Mapping[str, torch.Tensor],
                replaced: Iterable[str] = ()) -> dict[str, torch.Tensor]:

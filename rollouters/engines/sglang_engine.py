@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import torch
 
+from asyncrl.weights.plan import BucketPlan
+from asyncrl.weights.receiver import WeightReceiver
 from buffers.protocol import ControlPlane
-from learners.weights_plan import BucketPlan
-from learners.weights_receiver import WeightReceiver
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 
@@ -94,7 +94,8 @@ class SglangServer:
             except SglangError:
                 if time.monotonic() > deadline:
                     raise SglangTimeout(f"SGLang server {self.url} not ready within "
-                                        f"{timeout_s:.0f}s (rollout.server_start_timeout_s); "
+                                        f"{timeout_s:.0f}s "
+                                        f"(rollout.sglang.server_start_timeout_s); "
                                         f"log: {self.log_path}") from None
                 time.sleep(0.5)
 
@@ -237,6 +238,11 @@ class SglangEngine:
         byte twice and need ``update_weights_from_tensor``'s same-host serialisation."""
         raise NotImplementedError("SglangEngine receives weights through SglangWeightPeer")
 
+    def weight_receiver(self, control: ControlPlane, member: str) -> SglangWeightPeer:
+        """This engine's side of the weight sync: the server receives the broadcast itself,
+        this process only follows the announcements and asks it (:class:`SglangWeightPeer`)."""
+        return SglangWeightPeer(control, member, self)
+
     def close(self) -> None:
         """Stop the server if we launched it (an attached one keeps running: it is not ours);
         every HTTP call opens and closes its own connection."""
@@ -266,8 +272,8 @@ def parse_completion(item: dict[str, Any], version: int) -> Completion:
 
 class SglangWeightPeer(WeightReceiver):
     """The rollout side of the weight sync for an SGLang engine: follows the announcements of
-    :class:`learners.weights.WeightBroadcaster` exactly like :class:`WeightReceiver` (same
-    join → go handshake, same acks, same eviction), but the group member is the SGLang
+    :class:`asyncrl.weights.broadcaster.WeightBroadcaster` exactly like :class:`WeightReceiver`
+    (same join → go handshake, same acks, same eviction), but the group member is the SGLang
     server, not this process. On a new epoch it asks the server to join the group
     (``/init_weights_update_group`` with the announcement's ``group`` name, our rank as
     ``rank_offset`` and the backend); on each update it pauses generation, asks for one
@@ -281,11 +287,11 @@ class SglangWeightPeer(WeightReceiver):
     * its side of the group uses the store layout of SGLang's ``init_custom_process_group``
       (rendezvous at ``master_address:master_port``, which is our store; keys under
       ``PrefixStore(group_name)`` then torch's ``f"{group_name}/"`` and ``"cpu/"`` prefixes):
-      :func:`learners.weights_group.new_group` builds exactly that chain;
+      :meth:`asyncrl.weights.gloo.GlooTransport.connect` builds exactly that chain;
     * buckets are packed without padding (``align = 1``,
-      :func:`learners.weights.broadcast_align`), because SGLang's ``FlattenedTensorBucket``
-      concatenates the tensors' bytes back to back; :func:`sglang_requests` refuses a padded
-      plan rather than let the collective fail;
+      :func:`asyncrl.weights.broadcaster.broadcast_align`), because SGLang's
+      ``FlattenedTensorBucket`` concatenates the tensors' bytes back to back;
+      :func:`sglang_requests` refuses a padded plan rather than let the collective fail;
     * one rank per server: SGLang joins as ``rank_offset + tp_rank``, and the announcement
       gives every member one rank, so servers must run with ``tp_size = 1`` (data-parallel
       fleets are fine: one worker and one server each);
@@ -322,7 +328,7 @@ class SglangWeightPeer(WeightReceiver):
                     rank, world)
         return True
 
-    def _receive(self, plan: BucketPlan, transport: str) -> dict[str, torch.Tensor]:
+    def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
         """Pause, one request per bucket (the server receives it), resume; no tensors here."""
         assert self._group_name is not None
         version = self._version_in_flight

@@ -60,15 +60,6 @@ def step_end_times(cfg: SimConfig, lengths: np.ndarray) -> np.ndarray:
     return cfg.prefill_s + np.cumsum(durations)
 
 
-def expected_call_s(cfg: SimConfig, batch: int, max_new_tokens: int, samples: int = 2000,
-                    seed: int = 0) -> float:
-    """Mean duration of one ``generate`` call of ``batch`` sequences (Monte-Carlo)."""
-    rng = np.random.default_rng(seed)
-    return float(np.mean([step_end_times(cfg, sample_lengths(rng, cfg, batch,
-                                                             max_new_tokens))[-1]
-                          for _ in range(samples)]))
-
-
 class SimEngine:
     """Implements :class:`~rollouters.engines.base.Engine` with waits instead of compute.
 

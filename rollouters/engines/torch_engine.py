@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learners.lora_wire import split_adapters
+from asyncrl.weights.lora_wire import split_adapters
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.lora_merge import LoraMerger
 
@@ -138,8 +138,9 @@ class TorchEngine:
 
         Names are checked before anything is copied, so a bad update leaves the model as it
         was. Tied weights (``lm_head.weight`` and ``model.embed_tokens.weight``) resolve to the
-        same storage; either name, or both, may be sent. LoRA adapters (``learners.lora_wire``
-        names) are merged into the base weights (``rollouters.engines.lora_merge``).
+        same storage; either name, or both, may be sent. LoRA adapters
+        (``asyncrl.weights.lora_wire`` names) are merged into the base weights
+        (``rollouters.engines.lora_merge``).
         """
         adapters, items = split_adapters(weights)
         with self._lock, torch.no_grad():
@@ -160,7 +161,7 @@ class TorchEngine:
         the model does not use, and the commit only re-points each parameter at its new
         tensor, so the engine's pause is microseconds per tensor instead of one memcpy of the
         model. The caller hands ownership over: it must not write into these tensors while
-        the model holds them (:class:`~learners.weights_receiver.WeightReceiver` with
+        the model holds them (:class:`~asyncrl.weights.receiver.WeightReceiver` with
         ``adopt=True`` alternates two receive pools for this). A tensor that cannot be a
         parameter as it is (other dtype or device, not contiguous) and buffers are copied.
         All names and shapes are checked first, so a bad update changes nothing. LoRA

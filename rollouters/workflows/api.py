@@ -77,10 +77,6 @@ class Trajectory:
         self.finish_reason = completion.finish_reason
         return self.steps[-1]
 
-    def set_step_reward(self, index: int, reward: float) -> None:
-        step = self.steps[index]
-        self.steps[index] = Step(step.start, step.end, reward)
-
     @property
     def total_reward(self) -> float:
         return self.reward + sum(s.reward for s in self.steps)

@@ -3,11 +3,11 @@
 Long episodes under staleness: an episode goes on across weight updates (its turns record
 their own versions), but before each engine call it is checked; once its oldest token is more
 than ``buffer.max_staleness`` versions behind the engine's current weights (which the learner
-publishes right after loading them), the learner would drop the whole trajectory, so it is
-stopped now and, by ``workflow.stale_policy``, dropped or restarted from its first turn (at
-most ``workflow.max_requeues`` times). Both are counted. A workflow that raises or runs past
-``workflow.episode_timeout_s`` loses that episode (counted, logged with the sample id); the
-worker goes on.
+publishes right after loading them; :func:`asyncrl.staleness.is_fresh` says no), the learner
+would drop the whole trajectory, so it is stopped now and, by ``workflow.stale_policy``,
+dropped or restarted from its first turn (at most ``workflow.max_requeues`` times). Both are
+counted. A workflow that raises or runs past ``workflow.episode_timeout_s`` loses that episode
+(counted, logged with the sample id); the worker goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import uuid
 from collections import Counter
 
+from asyncrl.staleness import NO_VERSION, is_fresh
 from asyncrl.wire.group import TrajectoryGroup
 from rollouters.engines.base import Completion
 from rollouters.tasks.sample import Sample
@@ -34,15 +35,15 @@ class _StalenessGuard:
 
     def __init__(self, engine: EpisodeEngine, max_staleness: int | None) -> None:
         self.engine, self.max_staleness = engine, max_staleness
-        self.oldest = -1
+        self.oldest = NO_VERSION
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def check(self) -> None:
-        if self.max_staleness is not None and self.oldest >= 0 and \
-                self.engine.version - self.oldest > self.max_staleness:
+        if self.max_staleness is not None and \
+                not is_fresh(self.engine.version, self.oldest, self.max_staleness):
             raise StaleEpisode(f"oldest token v{self.oldest}, engine v{self.engine.version}")
 
     async def generate(self, tokens: list[int], max_new_tokens: int | None = None

@@ -9,7 +9,7 @@
   node. A cluster takes ~2 s to form, so one serves a whole session, each deployment in a
   namespace of its own (same hash tag, so the same slot).
 - :class:`BrokerProcess`: the ZMQ broker as ``python -m asyncrl.cli buffer`` on a fixed port
-  with a ``buffer.spill_path``, so it can be killed and started again at the same address.
+  with a ``buffer.zmq.spill_path``, so it can be killed and started again at the same address.
 - ``backend``: parametrized over "zmq", "redis" and "redis-cluster";
   ``backend.start(**config)`` returns a :class:`Deployment` that makes clients through the
   real factory and restarts its server.
@@ -34,7 +34,8 @@ import redis
 from redis.crc import key_slot
 
 from asyncrl.config.load import to_toml
-from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
+from asyncrl.config.schema import (BufferConfig, Config, LearnerConfig, RedisBufferConfig,
+                                   RunConfig, ZmqBufferConfig)
 from buffers import BufferClient, make_buffer_client
 from tests.buffers import eventually
 
@@ -269,23 +270,25 @@ class Backend:
         fields = {"max_staleness": 1, "request_timeout_s": 5.0, **overrides}
         if self.name == "redis":
             server = RedisServer(directory)
-            config = BufferConfig(type="redis", url=server.url, **fields)
+            config = BufferConfig(type="redis", redis=RedisBufferConfig(url=server.url), **fields)
             server.start()
             deployment = Deployment(self.name, config, groups_per_step, server)
         elif self.name == "redis-cluster":
             assert self.cluster is not None
             tag = f"asyncrl:{RUN_ID}"
             assert self.cluster.owner(tag) != 0  # the URL's node must redirect
-            config = BufferConfig(type="redis", url=self.cluster.url,
-                                  namespace=f"{{{tag}}}:{uuid.uuid4().hex[:8]}", **fields)
+            config = BufferConfig(type="redis", redis=RedisBufferConfig(
+                url=self.cluster.url, namespace=f"{{{tag}}}:{uuid.uuid4().hex[:8]}"), **fields)
             deployment = Deployment(self.name, config, groups_per_step, self.cluster,
                                     owns_server=False)
         else:
-            config = BufferConfig(port=free_port(), spill_path=str(directory / "spill"), **fields)
+            config = BufferConfig(zmq=ZmqBufferConfig(port=free_port(),
+                                                      spill_path=str(directory / "spill")),
+                                  **fields)
             broker = BrokerProcess(directory, config, groups_per_step)
             broker.start()
             deployment = Deployment(self.name, config, groups_per_step, broker,
-                                    address=f"tcp://127.0.0.1:{config.port}")
+                                    address=f"tcp://127.0.0.1:{config.zmq.port}")
         self.deployments.append(deployment)
         return deployment
 

@@ -23,10 +23,9 @@ import orjson
 import pytest
 
 from asyncrl.wire import encode_group
+from bench.inflight import PutAhead, TakeAhead
 from buffers import Batch, Buffer, BufferClient, ControlPlane, PutResult
 from buffers.lease import keep_leased
-from buffers.put_ahead import PutAhead
-from buffers.take_ahead import TakeAhead
 from tests.buffers import eventually, make_group
 from tests.buffers.conftest import ROOT, child_env
 

@@ -19,12 +19,12 @@ import orjson
 import pytest
 import redis
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig
 from asyncrl.wire import Rejections, encode_group, encode_group_views
 from buffers import make_buffer_client
 from buffers.protocol import PutResult
 from buffers.lease import keep_leased
-from buffers.redis_buffer import RedisBufferClient, reset_run
+from buffers.redis_buffer import RedisBufferClient, reset_run, start_run
 from buffers.redis_entries import put_results, stage_put
 from buffers.redis_connect import connect, connection_kwargs, run_namespace
 from buffers.packing import pack_group
@@ -41,7 +41,8 @@ def open_client(redis_server: RedisServer) -> Iterator[Any]:
     clients: list[RedisBufferClient] = []
 
     def open_(groups_per_step: int = 2, **fields: Any) -> RedisBufferClient:
-        config = BufferConfig(type="redis", url=redis_server.url, namespace="asyncrl:t",
+        config = BufferConfig(type="redis",
+                              redis=RedisBufferConfig(url=redis_server.url, namespace="asyncrl:t"),
                               **{"max_staleness": 1, "request_timeout_s": 5.0, **fields})
         clients.append(RedisBufferClient(config, run_id="t", groups_per_step=groups_per_step))
         return clients[-1]
@@ -353,6 +354,16 @@ def test_reset_run_deletes_every_key_of_the_run_and_no_other(redis_server, open_
     assert sorted(raw.scan_iter(match="asyncrl:t*")) == [b"asyncrl:tother"]
 
 
+def test_up_keeps_a_resumed_runs_state_and_clears_a_new_runs(redis_server, open_client):
+    """What both launchers do with Redis at the start of a run (:func:`start_run`)."""
+    c = open_client(groups_per_step=8)
+    c.put("w", make_group("g0"))
+    start_run(c.config, "t", resuming=True)
+    assert c.status()["accepted"] == 1
+    start_run(c.config, "t", resuming=False)
+    assert not list(admin(redis_server).scan_iter(match="asyncrl:t*"))
+
+
 def test_waiting_blocks_in_redis_instead_of_spinning(redis_server, open_client):
     c = open_client(reclaim_idle_s=60.0)
     stats = admin(redis_server)
@@ -372,13 +383,14 @@ def test_password_is_passed_through(tmp_path):
     server = RedisServer(tmp_path / "auth", extra=["--requirepass", "s3cret"])
     server.start()
     try:
-        config = BufferConfig(type="redis", url=server.url, password="s3cret")
+        config = BufferConfig(type="redis", redis=RedisBufferConfig(url=server.url,
+                                                                    password="s3cret"))
         with RedisBufferClient(config, run_id="auth", groups_per_step=1) as c:
             assert c.put("w", make_group("a")).accepted
         for password in ("", "wrong"):
             start = time.monotonic()
             with pytest.raises(redis.AuthenticationError):
-                RedisBufferClient(config.model_copy(update={"password": password}), "auth", 1)
+                RedisBufferClient(config.with_fields("redis", password=password), "auth", 1)
             assert time.monotonic() - start < 2.0  # a refused login is not retried
     finally:
         server.stop()
@@ -387,20 +399,20 @@ def test_password_is_passed_through(tmp_path):
 def test_acl_user_is_passed_through_and_confined_to_its_namespace(redis_server):
     admin(redis_server).acl_setuser("learner", enabled=True, passwords=["+pw"],
                                     keys=["asyncrl:acl:*"], commands=["+@all", "-@dangerous"])
-    config = BufferConfig(type="redis", url=redis_server.url, username="learner", password="pw",
-                          namespace="asyncrl:acl")
+    config = BufferConfig(type="redis", redis=RedisBufferConfig(
+        url=redis_server.url, username="learner", password="pw", namespace="asyncrl:acl"))
     with RedisBufferClient(config, groups_per_step=1) as c:
         assert c.put("w", make_group("a")).accepted
         assert c.status()["accepted"] == 1
     with pytest.raises(redis.exceptions.NoPermissionError):
-        RedisBufferClient(config.model_copy(update={"namespace": "asyncrl:other"}),
+        RedisBufferClient(config.with_fields("redis", namespace="asyncrl:other"),
                           groups_per_step=1)
 
 
 def test_tls_options_reach_redis_py():
-    config = BufferConfig(type="redis", url="rediss://127.0.0.1:6390/0", username="u",
-                          password="p", tls_ca_file="ca.crt", tls_cert_file="c.crt",
-                          tls_key_file="c.key", cluster="no")  # "auto" would ask the server
+    config = BufferConfig(type="redis", redis=RedisBufferConfig(
+        url="rediss://127.0.0.1:6390/0", username="u", password="p", tls_ca_file="ca.crt",
+        tls_cert_file="c.crt", tls_key_file="c.key", cluster="no"))  # "auto" would ask it
     kwargs = connection_kwargs(config)
     assert {k: kwargs[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "username",
                                    "password")} == \
@@ -409,7 +421,7 @@ def test_tls_options_reach_redis_py():
     pool_kwargs = connect(config).connection_pool.connection_kwargs
     assert pool_kwargs["ssl_ca_certs"] == "ca.crt" and pool_kwargs["ssl_keyfile"] == "c.key"
     with pytest.raises(ValueError, match="rediss"):
-        connection_kwargs(config.model_copy(update={"url": "redis://127.0.0.1:6390/0"}))
+        connection_kwargs(config.with_fields("redis", url="redis://127.0.0.1:6390/0"))
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -440,16 +452,16 @@ def test_mutual_tls_against_a_real_tls_server(tmp_path):
         "--tls-ca-cert-file", str(certs / "ca.crt"), "--tls-auth-clients", "yes"])
     server.start()
     try:
-        config = BufferConfig(type="redis", url=server.url, tls_ca_file=str(certs / "ca.crt"),
-                              tls_cert_file=str(certs / "client.crt"),
-                              tls_key_file=str(certs / "client.key"), request_timeout_s=1.0)
+        config = BufferConfig(type="redis", request_timeout_s=1.0, redis=RedisBufferConfig(
+            url=server.url, tls_ca_file=str(certs / "ca.crt"),
+            tls_cert_file=str(certs / "client.crt"), tls_key_file=str(certs / "client.key")))
         with make_buffer_client(config, run_id="tls", groups_per_step=1) as c:
             assert c.put("w", make_group("a")).accepted
             batch = c.get_batch("learner", 1, 0, timeout_s=5.0)
             c.ack("learner", batch)
             assert c.status()["consumed"] == 1
-        no_client_cert = config.model_copy(update={"tls_cert_file": "", "tls_key_file": "",
-                                                   "request_timeout_s": 0.2})
+        no_client_cert = config.with_fields("redis", tls_cert_file="", tls_key_file="") \
+            .with_fields(request_timeout_s=0.2)
         with pytest.raises(redis.ConnectionError):
             RedisBufferClient(no_client_cert, "tls", 1)
     finally:
@@ -464,13 +476,14 @@ def test_factory_needs_groups_per_step_for_redis():
 def test_a_run_namespace_is_wrapped_in_a_hash_tag_on_a_cluster_only() -> None:
     """Every key of a run must hash to one slot of a cluster (the scripts touch them together):
     a namespace without a hash tag is wrapped in one there, and left as it is elsewhere."""
-    default, named = BufferConfig(type="redis"), BufferConfig(type="redis", namespace="team:x")
+    default = BufferConfig(type="redis")
+    named = default.with_fields("redis", namespace="team:x")
     assert run_namespace(default, "r1", cluster=False) == "asyncrl:r1"
     assert run_namespace(default, "r1", cluster=True) == "{asyncrl:r1}"
     assert run_namespace(named, "r1", cluster=True) == "{team:x}"
     for tagged in ("{team}:x", "a{b}c", "x{y}{z}"):  # Redis hashes the first {...} only
-        assert run_namespace(BufferConfig(type="redis", namespace=tagged), "r1",
+        assert run_namespace(default.with_fields("redis", namespace=tagged), "r1",
                              cluster=True) == tagged
     for untagged in ("a{}b", "a}b{c", "a{b"):  # an empty or unclosed tag hashes the whole key
-        assert run_namespace(BufferConfig(type="redis", namespace=untagged), "r1",
+        assert run_namespace(default.with_fields("redis", namespace=untagged), "r1",
                              cluster=True) == f"{{{untagged}}}"

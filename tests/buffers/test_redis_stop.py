@@ -21,7 +21,7 @@ import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig
 from buffers import BufferClient, BufferStopped, make_buffer_client
 from buffers.redis_scripts import PAYLOAD_INFIX
 from tests.buffers import eventually, make_group
@@ -40,7 +40,8 @@ def open_client(redis_server: RedisServer) -> Iterator[Callable[..., BufferClien
     clients: list[BufferClient] = []
 
     def open_(stop: threading.Event | None, **fields: Any) -> BufferClient:
-        config = BufferConfig(type="redis", url=redis_server.url, namespace=NAMESPACE,
+        config = BufferConfig(type="redis",
+                              redis=RedisBufferConfig(url=redis_server.url, namespace=NAMESPACE),
                               **{"max_staleness": 1, "request_timeout_s": 30.0, **fields})
         clients.append(make_buffer_client(config, run_id="stop", groups_per_step=1, stop=stop))
         return clients[-1]
@@ -219,7 +220,8 @@ def test_a_killed_cluster_stops_a_stopping_client_at_once(tmp_path: Path):
     cluster.start()
     try:
         stop = threading.Event()
-        client = make_buffer_client(BufferConfig(type="redis", url=cluster.url,
+        client = make_buffer_client(BufferConfig(type="redis",
+                                                 redis=RedisBufferConfig(url=cluster.url),
                                                  request_timeout_s=30.0),
                                     run_id="stop", groups_per_step=1, stop=stop)
         client.heartbeat("worker-0", "rollout", {})
@@ -240,7 +242,8 @@ def test_opening_a_client_while_stopping_on_a_dead_redis_is_stopped(redis_server
     redis_server.stop(signal.SIGKILL)
     stop = threading.Event()
     stop.set()
-    config = BufferConfig(type="redis", url=redis_server.url, request_timeout_s=30.0)
+    config = BufferConfig(type="redis", redis=RedisBufferConfig(url=redis_server.url),
+                          request_timeout_s=30.0)
     error, took = timed(lambda: make_buffer_client(config, run_id="stop", groups_per_step=1,
                                                    stop=stop))
     assert isinstance(error, BufferStopped) and took < STOPPED_WITHIN_S, (error, took)

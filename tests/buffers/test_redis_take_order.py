@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig
 from buffers.redis_buffer import RedisBufferClient
 from tests.buffers import make_group
 
@@ -90,8 +90,8 @@ class Reference:
 @pytest.mark.parametrize("seed", range(12))
 def test_takes_choose_what_the_direct_rule_chooses(redis_server, seed):
     rng = random.Random(seed)
-    config = BufferConfig(type="redis", url=redis_server.url, namespace=NS, max_staleness=S,
-                          max_groups=10_000, request_timeout_s=5.0)
+    config = BufferConfig(type="redis", redis=RedisBufferConfig(url=redis_server.url, namespace=NS),
+                          max_staleness=S, max_groups=10_000, request_timeout_s=5.0)
     client = RedisBufferClient(config, run_id="order", groups_per_step=10**6)
     raw = redis.Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
     index = f"{NS}:index"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config.schema import Config, LearnerConfig, RunConfig
-from asyncrl.launch import reopen_run
+from asyncrl.launch.run_dir import reopen_run
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from tests.buffers.conftest import RUN_ID
 

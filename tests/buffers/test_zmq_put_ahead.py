@@ -1,6 +1,7 @@
-"""Several ``put_many`` calls in flight on one ZMQ client (:mod:`buffers.put_ahead`), against a
-real broker process: the window over all calls is the backpressure, a call that fails gives
-up the ones behind it, and a call whose answer is lost with the broker is in doubt at once."""
+"""Several ``put_many`` calls in flight on one ZMQ client (the benchmark's
+:class:`bench.inflight.PutAhead` drives them), against a real broker process: the window over
+all calls is the backpressure, a call that fails gives up the ones behind it, and a call whose
+answer is lost with the broker is in doubt at once."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 
+from bench.inflight import PutAhead
 from buffers import PutResult, zmq_client
-from buffers.put_ahead import PutAhead
 from buffers.zmq_client import ZmqBufferClient
 from tests.buffers import eventually, make_group
 from tests.buffers.test_contract import take_all

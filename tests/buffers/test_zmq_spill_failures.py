@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from asyncrl.wire import encode_group
 from buffers import PutResult, zmq_spill
 from buffers.zmq_broker import ZmqBroker
@@ -124,7 +124,8 @@ class Served:
     """A broker journaling to ``spill`` served on a thread; ``died``: what serve() raised."""
 
     def __init__(self, spill: Path, **config: Any) -> None:
-        self.broker = ZmqBroker(BufferConfig(port=0, spill_path=str(spill), **config), 2)
+        self.broker = ZmqBroker(BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=str(spill)),
+                                             **config), 2)
         self.address = self.broker.bind()
         self.died: list[BaseException] = []
         self.clients: list[ZmqBufferClient] = []

@@ -1,6 +1,6 @@
-"""Several batch requests in flight on one ZMQ client (:mod:`buffers.take_ahead`), against a
-real broker process: replies kept across other requests, and requests lost with a broker
-restart sent again in order."""
+"""Several batch requests in flight on one ZMQ client (the benchmark's
+:class:`bench.inflight.TakeAhead` drives them), against a real broker process: replies kept
+across other requests, and requests lost with a broker restart sent again in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from buffers.take_ahead import TakeAhead
+from bench.inflight import TakeAhead
 from buffers.zmq_client import ZmqBufferClient
 from tests.buffers import eventually, make_group
 from tests.buffers.test_contract import ids
@@ -37,7 +37,7 @@ def test_requests_in_flight_are_sent_again_after_a_broker_restart(zmq):
     drop, sends all three again (in version order) to the restarted broker, and each version
     gets its batch; nothing is served twice."""
     d = zmq.start(groups_per_step=2, max_staleness=4)  # version-0 groups fresh at 2
-    learner = d.client(reconnect_s=30.0)
+    learner = d.client(zmq=d.config.zmq.with_fields(reconnect_s=30.0))
     ahead = TakeAhead(learner, "learner", 2, depth=3, timeout_s=20.0)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(ahead.take, 0)

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from asyncrl.config.schema import BufferConfig, WeightsConfig
+from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
+from asyncrl.weights.plan import BucketPlan, TensorSpec
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
-from learners.weights import WeightBroadcaster, broadcast_align, engine_weights
-from learners.weights_plan import BucketPlan, TensorSpec
 from rollouters.engines.sglang_engine import (
     SglangEngine,
     SglangError,
@@ -155,7 +155,8 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
     versions: the group is reused; the peer's stop makes the server drop it."""
     url, fake = server
     fake.join_groups = True
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     learner, own = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     engine = SglangEngine(url, update_timeout_s=20.0)
     peer = SglangWeightPeer(own, "sglang-0", engine)
@@ -201,7 +202,7 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     """``rollout.engine = "sglang"`` with ``rollout.url``: one server per worker, and the
     worker's weight receiver is the peer (the server receives the broadcast itself)."""
     from asyncrl.config import load_config
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
     from rollouters.engines import make_engine, make_weight_receiver
 
     url, _ = server
@@ -209,7 +210,8 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
                              f"rollout.url={url}", "rollout.workers=1"])
     engine = make_engine(cfg, tmp_path, 0)
     assert isinstance(engine, SglangEngine) and engine.url == url
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control = ZmqBufferClient(address, 10.0)
     try:
         assert isinstance(make_weight_receiver(engine, control, "m"), SglangWeightPeer)

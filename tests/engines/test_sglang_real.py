@@ -65,15 +65,16 @@ def test_weight_sync_through_the_broadcast_group(engine: SglangEngine) -> None:
     (greedy picks token 0), the original weights bring the original output back."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster, broadcast_align
 
     state = AutoModelForCausalLM.from_pretrained(MODEL, torch_dtype="auto").state_dict()
     prompt = [[7, 8, 9]]
     before = engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     learner, own = ZmqBufferClient(address, 30.0), ZmqBufferClient(address, 30.0)
     peer = SglangWeightPeer(own, "sglang-real", engine)
     broadcaster = WeightBroadcaster(learner, WeightsConfig(timeout_s=120),

@@ -1,7 +1,7 @@
 """``rollout.engine = "sglang"`` end to end: ``asyncrl up`` with the real buffer, learner and
 rollout worker, each worker launching its own server (managed mode) — here the SGLang protocol
 fixture (``tests/engines/sglang_fixture.py``, see its docstring: SGLang does not install on
-these CPU machines), started through ``rollout.sglang_module`` with the flags a real
+these CPU machines), started through ``rollout.sglang.module`` with the flags a real
 ``sglang.launch_server`` gets. The fixture validates every request against SGLang's documented
 schemas, joins the learner's gloo group the way SGLang does, receives every broadcast, and
 generates from a tiny torch model with the weights it received.
@@ -31,7 +31,7 @@ MAX_ABS_LOGP = 1e-4  # fp32 torch on both sides: only summation order differs
 def test_run_with_sglang_engine(tmp_path: Path, processes: Processes) -> None:
     up = processes.start("up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", "run.name=sg", "--set", "rollout.engine=sglang",
-                         "--set", "rollout.sglang_module=tests.engines.sglang_fixture",
+                         "--set", "rollout.sglang.module=tests.engines.sglang_fixture",
                          "--set", "rollout.workers=2", "--set", f"learner.total_steps={STEPS}",
                          "--set", "buffer.max_staleness=0", "--set", "eval.every_steps=0",
                          "--set", "weights.timeout_s=30")

@@ -35,7 +35,8 @@ def _sets(output_dir: Path) -> list[str]:
     values = [f"run.output_dir={output_dir}", "run.name=lost", f"learner.total_steps={STEPS}",
               "learner.ranks=2", "learner.groups_per_step=8", "rollout.workers=4",
               "sim.mean_tokens=32", "checkpoint.every_steps=0", "checkpoint.resume=true",
-              "buffer.request_timeout_s=2", "buffer.reconnect_s=2", "buffer.spill_path=auto"]
+              "buffer.request_timeout_s=2", "buffer.zmq.reconnect_s=2",
+              "buffer.zmq.spill_path=auto"]
     return [arg for value in values for arg in ("--set", value)]
 
 
@@ -77,7 +78,7 @@ def test_a_learner_whose_buffer_is_lost_saves_its_steps_and_resumes_there(
     # The buffer is back at the same port, from its spill file; the learner resumes there.
     (tmp_path / "buffer.addr").unlink()
     port = address.rsplit(":", 1)[1]
-    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.port={port}")
+    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.zmq.port={port}")
     assert "restored" in processes.log("buffer"), processes.log("buffer")
     learner = processes.start("learner-2", "learner", str(SIM), *sets, "--buffer", address)
     rollout = processes.start("rollout-2", "rollout", str(SIM), *sets, "--buffer", address)
@@ -131,8 +132,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     model never learns, and these races need the target met at a known step."""
     import rollouters.eval
     from asyncrl.config import load_config
+    from asyncrl.net import free_port
     from buffers.zmq_client import ZmqBufferClient
-    from learners.dist import free_port
     from learners.loop import run_learner_rank
 
     monkeypatch.setattr(rollouters.eval, "make_evaluator",
@@ -141,7 +142,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
               "learner.ranks=1", "learner.groups_per_step=8", "rollout.workers=4",
               "sim.mean_tokens=32", "sim.train_token_s=2e-3", "checkpoint.every_steps=0",
               "checkpoint.resume=true", "eval.every_steps=1", "eval.stop_at_accuracy=1",
-              "buffer.request_timeout_s=2", "buffer.reconnect_s=2", "buffer.spill_path=auto"]
+              "buffer.request_timeout_s=2", "buffer.zmq.reconnect_s=2",
+              "buffer.zmq.spill_path=auto"]
     sets = [arg for value in values for arg in ("--set", value)]
     cfg = load_config(str(SIM), values)
     buffer, address = processes.start_buffer(str(SIM), *sets)
@@ -156,7 +158,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port(), stop)
+        run_learner_rank(cfg, 0, 1, address, free_port(), stop,
+                         evaluator=rollouters.eval.EngineEvaluator)
     finally:
         watcher.join()
     return cfg, sets
@@ -170,8 +173,9 @@ def test_a_learner_that_reached_its_eval_target_as_the_buffer_was_lost_finishes_
     the buffer is gone). Started again, it only finishes the run: export, final eval, the run
     marked done. Before, the checkpoint did not say the target was reached, and the resumed
     learner trained on until an eval reached it again (a second step here)."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
     from learners.loop import run_learner_rank
+    from rollouters.eval import EngineEvaluator
 
     def kill(buffer: subprocess.Popen, rollout: subprocess.Popen, _) -> None:
         for proc in (buffer, rollout):   # nothing restarts the buffer: lost for good
@@ -194,9 +198,9 @@ def test_a_learner_that_reached_its_eval_target_as_the_buffer_was_lost_finishes_
     address = (tmp_path / "buffer.addr").read_text().strip()
     (tmp_path / "buffer.addr").unlink()
     port = address.rsplit(":", 1)[1]
-    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.port={port}")
+    _, address = processes.start_buffer(str(SIM), *sets, "--set", f"buffer.zmq.port={port}")
     rollout = processes.start("rollout-2", "rollout", str(SIM), *sets, "--buffer", address)
-    run_learner_rank(cfg, 0, 1, address, free_port())
+    run_learner_rank(cfg, 0, 1, address, free_port(), evaluator=EngineEvaluator)
     assert "resuming at version 1" in caplog.text, caplog.text
     assert "finishing it without training on" in caplog.text, caplog.text
     assert [r["step"] for r in step_records(metrics)] == [1]   # no step trained again

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_jsonl
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.integration.conftest import QUICKSTART, ROOT, Processes, role_env, wait_for
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.integration.conftest import (QUICKSTART, ROOT, Processes, role_env, step_records,
                                         wait_for)
 
@@ -144,7 +144,7 @@ def test_a_role_config_error_is_not_restarted_and_exits_2(
     """As with the local launcher: a data file with one row cannot feed a second rollout
     worker (a config error only that worker meets, at its start). It is not restarted: the
     run stops at once with exit status 2 and the error, naming its key. The data path is
-    relative to the driver's directory, which is not the actors' (asyncrl.actor_paths): the
+    relative to the driver's directory, which is not the actors' (asyncrl.launch.actor_paths): the
     worker must still find the file to find it one row short."""
     data = tmp_path / "one_row.jsonl"
     data.write_text((ROOT / "examples" / "agent" / "data.jsonl").read_text().splitlines()[0])

@@ -13,7 +13,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, RedisBufferConfig
 from asyncrl.metrics import read_jsonl
 from buffers.redis_buffer import reset_run
 from tests.buffers.conftest import RedisClusterServer, redis_cluster  # noqa: F401 (fixture)
@@ -34,7 +34,7 @@ def test_quickstart_runs_on_a_redis_cluster(tmp_path: Path, processes: Processes
         admin.set(stray, b"x")  # a payload key of a former run of this name: reset deletes it
         up = processes.start("up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                              "--set", f"run.name={name}", "--set", "buffer.type=redis",
-                             "--set", f"buffer.url={redis_cluster.url}",
+                             "--set", f"buffer.redis.url={redis_cluster.url}",
                              "--set", f"learner.total_steps={STEPS}",
                              "--set", "eval.every_steps=0")
         try:
@@ -47,7 +47,8 @@ def test_quickstart_runs_on_a_redis_cluster(tmp_path: Path, processes: Processes
             assert admin.hget(f"{namespace}:state", "consumed") == \
                 str(STEPS * 32).encode()  # groups_per_step = 32, each consumed once
         finally:
-            reset_run(BufferConfig(type="redis", url=redis_cluster.url), name)
+            reset_run(BufferConfig(type="redis", redis=RedisBufferConfig(url=redis_cluster.url)),
+                      name)
         assert not admin.keys(f"{namespace}*".replace("{", "\\{").replace("}", "\\}"),
                               target_nodes=RedisCluster.ALL_NODES)
 
@@ -59,10 +60,13 @@ def test_cluster_detection_and_its_override(redis_cluster: RedisClusterServer,  
     from buffers.redis_connect import connect
 
     node = redis_cluster.url  # .../0
-    with connect(BufferConfig(type="redis", url=node)) as client:
+    def config(url: str, cluster: str = "auto") -> BufferConfig:
+        return BufferConfig(type="redis", redis=RedisBufferConfig(url=url, cluster=cluster))
+
+    with connect(config(node)) as client:
         assert isinstance(client, RedisCluster)
-    with connect(BufferConfig(type="redis", url=node, cluster="no")) as client:
+    with connect(config(node, cluster="no")) as client:
         assert type(client) is redis.Redis and client.info("cluster")["cluster_enabled"] == 1
     for cluster in ("auto", "yes"):
-        with pytest.raises(ValueError, match=r"buffer.url .*/3'.* only database 0"):
-            connect(BufferConfig(type="redis", url=node[:-1] + "3", cluster=cluster))
+        with pytest.raises(ValueError, match=r"buffer.redis.url .*/3'.* only database 0"):
+            connect(config(node[:-1] + "3", cluster=cluster))

@@ -2,7 +2,7 @@
 its last checkpoint, against the buffer and rollout fleet that outlived it, and keeps learning.
 
 The steps after the checkpoint died with the learner, but their versions were published: the
-restored weights continue as the buffer's version (``learners.loop._resume``), so versions stay
+restored weights continue as the buffer's version (``learners.lifecycle.resume``), so versions stay
 monotonic and the buffer's gate counters consistent."""
 
 from __future__ import annotations

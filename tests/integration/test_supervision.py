@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launch import is_resuming
+from asyncrl.launch.run_dir import is_resuming
 from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def test_rollout_and_broker_sigkill_are_survived_a_learner_crash_stops_the_run(
     run_dir = tmp_path / "faults"
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", "run.name=faults",
             "--set", "learner.total_steps=100000",
-            "--set", "eval.every_steps=0",  # buffer.spill_path: the default, in the run dir
+            "--set", "eval.every_steps=0",  # buffer.zmq.spill_path: the default, in run dir
             "--set", "buffer.request_timeout_s=4", "--set", "buffer.heartbeat_timeout_s=3",
             "--set", "launcher.restart_backoff_s=0.5"]  # weights.timeout_s: the default, 60 s
     up = processes.start("up", "up", str(QUICKSTART), *sets)

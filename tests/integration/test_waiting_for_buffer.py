@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from asyncrl.roles import BROKER_WAIT_LOG_S
+from asyncrl.launch.roles import BROKER_WAIT_LOG_S
 from tests.integration.conftest import QUICKSTART, Processes, wait_for
 
 FIRST_LINE_S = 10.0  # interpreter start and config load included, on a busy 2-core machine
@@ -48,7 +48,7 @@ def test_a_role_without_a_broker_says_so_and_stops_on_sigterm(
     assert time.monotonic() - start < FIRST_LINE_S
     line = next(ln for ln in processes.log(role).splitlines() if "waiting for the buffer" in ln)
     assert "Is `asyncrl buffer` running there?" in line and "--buffer" in line, line
-    assert "buffer.host / buffer.port" in line, line
+    assert "buffer.zmq.host / buffer.zmq.port" in line, line
     # progress: it keeps saying so while it waits
     wait_for(lambda: waiting_lines(processes, role, address) >= 2, BROKER_WAIT_LOG_S + 5,
              f"the {role}'s second waiting line")
@@ -69,7 +69,7 @@ def test_a_waiting_learner_goes_on_when_the_broker_starts(processes: Processes,
     start_role(processes, "learner", address, tmp_path)
     wait_for(lambda: waiting_lines(processes, "learner", address) >= 1, FIRST_LINE_S,
              "the learner's waiting line")
-    processes.start("buffer", "buffer", str(QUICKSTART), "--set", f"buffer.port={port}",
+    processes.start("buffer", "buffer", str(QUICKSTART), "--set", f"buffer.zmq.port={port}",
                     "--set", f"run.output_dir={tmp_path}", "--set", "run.name=nobroker")
     wait_for(lambda: f"buffer at {address} accepts connections" in processes.log("learner"),
              30, "the learner to find the broker")

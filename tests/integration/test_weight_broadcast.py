@@ -56,8 +56,8 @@ def receiver_main(address: str, member: str, out_dir: Path, seed: int, fail_at: 
     when the evicted engine is heard from again (no race with the heartbeat period)."""
     from safetensors.torch import save_file
 
+    from asyncrl.weights.receiver import WeightReceiver
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightReceiver
 
     torch.set_num_threads(1)
     model = tiny_model(seed)
@@ -158,15 +158,16 @@ class LearnerSide:
     dumping the receivers' logs if the test failed."""
 
     def __init__(self, out_dir: Path, heartbeat_timeout_s: float, weights_timeout_s: float):
-        from asyncrl.config.schema import BufferConfig, WeightsConfig
+        from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+        from asyncrl.weights.broadcaster import WeightBroadcaster
         from buffers.zmq_broker import start_broker_thread
         from buffers.zmq_client import ZmqBufferClient
-        from learners.weights import WeightBroadcaster
 
         torch.set_num_threads(1)
         self.out_dir = out_dir
         self.address, self._stop_broker = start_broker_thread(
-            BufferConfig(port=0, heartbeat_timeout_s=heartbeat_timeout_s), groups_per_step=1)
+            BufferConfig(zmq=ZmqBufferConfig(port=0), heartbeat_timeout_s=heartbeat_timeout_s),
+            groups_per_step=1)
         self.control = ZmqBufferClient(self.address, timeout_s=10.0)
         self.procs: dict[str, subprocess.Popen] = {}
         self.broadcaster = WeightBroadcaster(
@@ -176,7 +177,7 @@ class LearnerSide:
         self.procs[member] = start_receiver(self.address, member, self.out_dir, seed, fail_at)
 
     def wait_ready(self, member: str) -> None:
-        from learners.weights_group import await_key
+        from asyncrl.weights.rendezvous import await_key
 
         assert await_key(self.control, f"test/ready/{member}", lambda v: True,
                          time.monotonic() + 60.0), f"{member} never came up"
@@ -288,13 +289,15 @@ def test_an_engine_its_supervisor_reports_dead_is_let_go_at_once(tmp_path: Path)
 def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
     """Both ends in one process: ``wait_for_version``, a prompt ``stop``, mixed dtypes, and a
     sync with nobody to send to."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from asyncrl.weights.receiver import WeightReceiver
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster, WeightReceiver
 
     torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
     got: dict[int, dict[str, torch.Tensor]] = {}
@@ -330,13 +333,15 @@ def test_unpadded_plan_and_reused_buffers() -> None:
     """``align=1`` (SGLang's layout: misaligned tensors are copied out on arrival) over real
     gloo, and three versions through the same staging and receive buffers: each arrives
     exactly, although the buffers it passed through held the previous one."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from asyncrl.weights.receiver import WeightReceiver
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster, WeightReceiver
 
     torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)
     got: dict[int, dict[str, torch.Tensor]] = {}
@@ -370,17 +375,19 @@ def test_adopting_engine_alternates_receive_pools() -> None:
     """``adopt=True`` with a real TorchEngine over real gloo: every version becomes the
     engine's parameters without a copy, and consecutive versions land in different pools, so
     a receive never writes into the tensors the engine is generating with."""
-    from asyncrl.config.schema import BufferConfig, TinyModelConfig, WeightsConfig
+    from asyncrl.config.schema import (BufferConfig, TinyModelConfig, WeightsConfig,
+                                       ZmqBufferConfig)
     from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model
+    from asyncrl.weights.broadcaster import WeightBroadcaster
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from learners.weights import WeightBroadcaster
     from rollouters.engines import make_weight_receiver
     from rollouters.engines.torch_engine import TorchEngine
 
     torch.set_num_threads(1)
     engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), EOS_ID, PAD_ID)
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), groups_per_step=1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)
     receiver = make_weight_receiver(engine, own, "engine-a")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from asyncrl.actor_paths import for_actors, python_path
+from asyncrl.launch.actor_paths import for_actors, python_path
 from asyncrl.config import Config
 
 
@@ -18,7 +18,7 @@ def test_relative_local_paths_resolve_against_the_drivers_directory(tmp_path: Pa
         "run": {"output_dir": "runs"},
         "model": {"path": "model"},
         "data": {"path": "data/train.jsonl", "eval_path": "data/missing.jsonl"},
-        "buffer": {"curve_keys_dir": "keys", "spill_path": "spill/buffer.spill"},
+        "buffer": {"zmq": {"curve_keys_dir": "keys", "spill_path": "spill/buffer.spill"}},
         "checkpoint": {"path": "ckpt/step_3"},  # missing: left for the preflight to report
     })
     out = for_actors(cfg, tmp_path)
@@ -26,8 +26,8 @@ def test_relative_local_paths_resolve_against_the_drivers_directory(tmp_path: Pa
     assert out.model.path == str(tmp_path / "model")
     assert out.data.path == str(tmp_path / "data" / "train.jsonl")
     assert out.data.eval_path == "data/missing.jsonl"
-    assert out.buffer.curve_keys_dir == str(tmp_path / "keys")
-    assert out.buffer.spill_path == str(tmp_path / "spill" / "buffer.spill")
+    assert out.buffer.zmq.curve_keys_dir == str(tmp_path / "keys")
+    assert out.buffer.zmq.spill_path == str(tmp_path / "spill" / "buffer.spill")
     assert out.checkpoint.path == "ckpt/step_3"
     assert cfg.data.path == "data/train.jsonl"  # the driver's own config is not changed
 
@@ -42,8 +42,8 @@ def test_hub_ids_absolute_paths_and_defaults_are_left_alone(tmp_path: Path) -> N
     assert out.run.output_dir == tmp_path / "runs"
     assert out.model.path == "Qwen/Qwen2.5-0.5B"
     assert out.data.path == str(tmp_path / "train.jsonl")
-    assert out.buffer.spill_path == cfg.buffer.spill_path == "auto"
-    assert out.buffer.tls_ca_file == "" and out.data.eval_path == ""
+    assert out.buffer.zmq.spill_path == cfg.buffer.zmq.spill_path == "auto"
+    assert out.buffer.redis.tls_ca_file == "" and out.data.eval_path == ""
 
 
 def test_the_drivers_directory_goes_first_on_the_actors_python_path(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
     """A 1-rank gloo group in this process, torn down after the test."""
-    from learners.dist import free_port, init_learner_group, shutdown_learner_group
+    from asyncrl.net import free_port
+    from learners.dist import init_learner_group, shutdown_learner_group
 
     torch.set_num_threads(1)
     init_learner_group(0, 1, master_port=free_port(), timeout_s=60.0)
@@ -165,14 +166,14 @@ def _fake_checkpoint(directory: Path, version: int, **counters) -> Path:
 
 def test_up_resumes_an_unfinished_run_and_archives_a_finished_one(tmp_path: Path) -> None:
     from asyncrl.config import load_config
-    from asyncrl.launch import is_resuming, write_run_dir
+    from asyncrl.launch.run_dir import is_resuming, write_run_dir
 
     overrides = [f"run.output_dir={tmp_path}", "run.name=r", "learner.total_steps=20"]
     cfg = load_config(QUICKSTART, overrides)
     assert not is_resuming(cfg)
     step = _fake_checkpoint(cfg.run_dir / "checkpoints", 10)
     (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    spill = cfg.run_dir / "buffer.spill"        # buffer.spill_path = "auto"
+    spill = cfg.run_dir / "buffer.spill"        # buffer.zmq.spill_path = "auto"
     spill.write_bytes(b"the broker's journal")
     position = cfg.run_dir / "data" / "worker-0.json"   # a rollout worker's place in data
     position.parent.mkdir()

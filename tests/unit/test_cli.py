@@ -24,6 +24,15 @@ def test_config_show_prints_resolved_toml(capsys) -> None:
     assert shown["rollout"]["workers"] == 2
 
 
+def test_config_show_prints_legacy_keys_in_their_new_place(capsys) -> None:
+    assert main(["config", "show", str(QUICKSTART), "--set", "buffer.port=6000",
+                 "--set", "rollout.engine=sglang", "--set", 'rollout.sglang_args=["--x"]']) == 0
+    shown = tomllib.loads(capsys.readouterr().out)
+    assert shown["buffer"]["zmq"]["port"] == 6000 and "port" not in shown["buffer"]
+    assert shown["rollout"]["sglang"]["args"] == ["--x"]
+    assert "sglang_args" not in shown["rollout"]
+
+
 def test_bad_config_exits_2_naming_the_key(capsys) -> None:
     assert main(["up", str(QUICKSTART), "--set", "rollout.workrs=3"]) == 2
     err = capsys.readouterr().err
@@ -39,7 +48,8 @@ def test_console_script_help() -> None:
 
 def test_asyncrl_core_imports_no_torch() -> None:
     code = ("import sys, asyncrl.cli, asyncrl.config, asyncrl.wire, asyncrl.monitor, "
-            "asyncrl.launch, asyncrl.models, buffers.zmq_broker; "
+            "asyncrl.launch.local, asyncrl.launch.ray, asyncrl.launch.roles, asyncrl.models, "
+            "buffers.zmq_broker; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -79,7 +89,7 @@ def test_a_role_on_a_cpu_build_of_torch_prints_no_deepspeed_accelerator_warning(
         import pytest
 
         pytest.skip("a CUDA build of torch: DeepSpeed's own detection applies")
-    detect = ("from asyncrl.roles import setup_logging; setup_logging('x'); import os; "
+    detect = ("from asyncrl.launch.roles import setup_logging; setup_logging('x'); import os; "
               "from deepspeed.accelerator import get_accelerator; "
               "print(os.environ['DS_ACCELERATOR'], get_accelerator().device_name())")
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
@@ -90,7 +100,7 @@ def test_a_role_on_a_cpu_build_of_torch_prints_no_deepspeed_accelerator_warning(
     assert done.stdout.split() == ["cpu", "cpu"]
     assert "Setting accelerator to CPU" not in done.stderr, done.stderr
     env["DS_ACCELERATOR"] = "xpu"   # a user's own setting is kept as it is
-    kept = subprocess.run([sys.executable, "-c", "from asyncrl.roles import setup_logging; "
+    kept = subprocess.run([sys.executable, "-c", "from asyncrl.launch.roles import setup_logging; "
                            "setup_logging('x'); import os; print(os.environ['DS_ACCELERATOR'])"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert kept.stdout.strip() == "xpu", kept.stderr

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import zmq
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from buffers import BufferStopped, stopped_by
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import NoReply, ZmqBufferClient
@@ -64,9 +64,10 @@ def test_a_stop_ends_the_wait_for_a_broker_that_never_answers(silent_broker, req
 
 
 def test_a_stop_ends_the_resends_to_a_broker_gone_for_good(caplog):
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
-    address, stop_broker = start_broker_thread(BufferConfig(port=free_port()), 1)
+    address, stop_broker = start_broker_thread(
+        BufferConfig(zmq=ZmqBufferConfig(port=free_port())), 1)
     stop = threading.Event()
     caplog.set_level(logging.WARNING, logger="buffers.zmq_client")
     with ZmqBufferClient(address, timeout_s=0.2, reconnect_s=60, stop=stop) as client, \
@@ -82,7 +83,7 @@ def test_a_stop_ends_the_resends_to_a_broker_gone_for_good(caplog):
 def test_a_stopping_client_still_gets_a_live_brokers_answers():
     """A stopping role's last words (a worker's final heartbeat) and a long poll in flight
     (the learner's wait for data) are still answered: only an unanswered wait ends early."""
-    address, stop_broker = start_broker_thread(BufferConfig(port=0), 1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)), 1)
     stop = threading.Event()
     stop.set()
     try:
@@ -145,7 +146,7 @@ def test_a_learner_whose_broker_was_killed_exits_promptly_on_sigterm(
 def test_a_stopping_roles_weight_receiver_ends_without_a_traceback(silent_broker, caplog):
     """The receiver's thread polls announcements through its own client: a stop with the
     broker gone ends it quietly, instead of a traceback per poll until it is joined."""
-    from learners.weights_receiver import WeightReceiver
+    from asyncrl.weights.receiver import WeightReceiver
 
     address, _ = silent_broker
     stop = threading.Event()

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from buffers.protocol import DATA_EXHAUSTED, STOPPED
-from learners.loop import data_ran_out
+from asyncrl.control_plane import STOPPED
+from buffers.protocol import DATA_EXHAUSTED
+from learners.batch_feed import data_ran_out
 
 
 def _status(members: dict[str, dict[str, Any]], depth: int = 0, in_flight: int = 0) -> dict:

@@ -49,7 +49,7 @@ def test_rayjob_manifest_has_the_required_keys_and_a_valid_config():
 
     cfg = validate_config(tomllib.loads(config_map["data"]["config.toml"]))
     assert (cfg.launcher.type, cfg.launcher.address) == ("ray", "auto")
-    assert (cfg.buffer.host, cfg.weights.host) == ("0.0.0.0", "auto")  # reachable across pods
+    assert (cfg.buffer.zmq.host, cfg.weights.host) == ("0.0.0.0", "auto")  # reachable across pods
     mounts = head["template"]["spec"]["containers"][0]["volumeMounts"]
     assert any(job["spec"]["entrypoint"].split()[2].startswith(m["mountPath"]) for m in mounts)
     learners = next(g for g in groups if g["groupName"] == "learners")
@@ -90,7 +90,7 @@ def test_slurm_script_parses_and_its_dry_run_steps_are_valid_commands():
         roles.setdefault(args.command, []).append((step, args))
     assert sorted(roles) == ["buffer", "learner", "rollout"]
     (buffer_step, buffer), = roles["buffer"]
-    assert "--nodelist=n0" in buffer_step and "buffer.port=5555" in buffer.overrides
+    assert "--nodelist=n0" in buffer_step and "buffer.zmq.port=5555" in buffer.overrides
     (learner_step, learner), = roles["learner"]
     assert "--nodelist=n0" in learner_step and learner.buffer == "tcp://n0:5555"
     assert all("weights.host=auto" in a.overrides for _, a in roles["learner"] + roles["rollout"])
@@ -135,12 +135,12 @@ def test_up_dry_run_prints_the_ray_placement():
 
 def test_weights_host_auto_is_the_interface_that_reaches_the_buffer():
     from asyncrl.config import load_config
-    from learners.dist import broadcast_host
+    from asyncrl.net import broadcast_host
 
     cfg = load_config(None, ["weights.host=auto"])
     assert broadcast_host(cfg, "tcp://127.0.0.1:5555") == "127.0.0.1"
     assert broadcast_host(load_config(None, []), "tcp://10.1.2.3:5555") == "127.0.0.1"
     redis = load_config(None, ["weights.host=auto", "buffer.type=redis",
-                               "buffer.url=redis://127.0.0.1:6379/0"])
+                               "buffer.redis.url=redis://127.0.0.1:6379/0"])
     assert broadcast_host(redis, None) == "127.0.0.1"
     assert broadcast_host(load_config(None, ["weights.host=10.0.0.7"]), None) == "10.0.0.7"

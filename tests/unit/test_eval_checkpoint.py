@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.eval_checkpoint import load_policy
 from asyncrl.models import load_causal_lm
 from learners import checkpoint
-from rollouters.eval import load_policy
 from tests.unit.test_checkpoint import CFG, _step, one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import tiny_model_dir  # noqa: F401 (fixture)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from asyncrl.config.schema import LearnerConfig, LossConfig
+from asyncrl.net import free_port
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
-from learners.dist import free_port
 
 STEPS = 3
 VOCAB = 16

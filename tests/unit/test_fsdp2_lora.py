@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncrl.config.schema import Config, LearnerConfig, LoraConfig, LossConfig, ModelConfig
+from asyncrl.weights.lora_wire import merge, split_adapters
 from learners import checkpoint
 from learners.batching import collate
-from learners.lora_wire import merge, split_adapters
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
     _initial_state,
@@ -136,7 +136,7 @@ def test_checkpoint_round_trip_resumes_adapters(tiny_model_dir: Path, tmp_path: 
     for name, tensor in got.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
     # `asyncrl eval --checkpoint` reads the LoRA checkpoint as the merged plain model.
-    from rollouters.eval import load_policy
+    from asyncrl.eval_checkpoint import load_policy
 
     cfg = Config(model=ModelConfig(path=str(tiny_model_dir), lora=LORA))
     model, version, _ = load_policy(cfg, path)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launch import LocalLauncher, Role, RoleFailed, _cause
-from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy
+from asyncrl.exits import CONFIG_ERROR_EXIT
+from asyncrl.launch.local import LocalLauncher, Role, _cause
+from asyncrl.launch.restart import Restarts, RestartPolicy, RoleFailed
 
 
 @pytest.mark.parametrize(("tail", "cause"), [
@@ -21,7 +22,7 @@ from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy
     ("Traceback (most recent call last):\nasyncrl.config.load.ConfigError: workflow.env: "
      "module 'm' has no attribute 'Env'\n", "workflow.env: module 'm' has no attribute 'Env'"),
     ("asyncrl: data.path: 'nope.jsonl' does not exist\n"
-     "2026-01-01 00:00:00,000 rollout ERROR asyncrl.roles: rollout[0] stopped\n",
+     "2026-01-01 00:00:00,000 rollout ERROR asyncrl.launch.roles: rollout[0] stopped\n",
      "data.path: 'nope.jsonl' does not exist"),
     ("ValueError: bad\n", "ValueError: bad"),
     ("2026-01-01 00:00:00,000 learner INFO x: fine\n", "no error in its log"),
@@ -40,14 +41,15 @@ def test_a_role_stopped_by_a_config_error_is_not_restarted(tmp_path: Path) -> No
                              "'asyncrl: workflow.env: no such env\\n'); sys.exit(2)"],
                             stderr=log)
     proc.wait()
-    launcher.roles.append(Role("rollout", proc, log, budget=RestartBudget(launcher.policy)))
+    launcher.roles.append(Role("rollout", proc, log,
+                               restarts=Restarts("rollout", launcher.policy)))
     with pytest.raises(RoleFailed) as failed:
         launcher._tend()
     log.close()
     assert failed.value.exit_code == CONFIG_ERROR_EXIT
     assert str(failed.value).startswith("rollout stopped on a configuration error (not "
                                         "restarted): workflow.env: no such env [log ")
-    assert launcher.roles[0].restart_at is None
+    assert not launcher.roles[0].restarts.waiting
 
 
 def test_a_crash_is_still_restarted(tmp_path: Path) -> None:
@@ -57,10 +59,10 @@ def test_a_crash_is_still_restarted(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
     proc.wait()
     launcher.roles.append(Role("rollout", proc, log,
-                               budget=RestartBudget(RestartPolicy(3, 60.0, 60.0))))
+                               restarts=Restarts("rollout", RestartPolicy(3, 60.0, 60.0))))
     launcher._tend()
     log.close()
-    assert launcher.roles[0].restart_at is not None
+    assert launcher.roles[0].restarts.waiting
 
 
 # A role that takes SAVE_S to stop after its SIGTERM (as a learner saving its checkpoint).
@@ -104,8 +106,45 @@ def test_a_second_signal_kills_what_is_still_stopping(tmp_path: Path) -> None:
                              "launcher.learner_stop_timeout_s=30"])
     launcher = LocalLauncher(cfg)
     learner = _saving_role(tmp_path, "learner", 20.0)
-    launcher._on_signal(signal.SIGINT, None)   # the stop
-    threading.Timer(1.0, launcher._on_signal, (signal.SIGINT, None)).start()   # impatient
+    launcher.signals.on_signal(signal.SIGINT, None)   # the stop
+    threading.Timer(1.0, launcher.signals.on_signal, (signal.SIGINT, None)).start()   # impatient
     start = time.monotonic()
     launcher._stop_role(learner)
     assert learner.proc.returncode == -9 and time.monotonic() - start < 10
+
+
+class _StoppingActors:
+    """Just what :meth:`RayLauncher.shutdown` asks of Ray, for actors that take for ever to
+    stop (a learner saving a large model): their calls never finish."""
+
+    def __init__(self) -> None:
+        self.killed: list[object] = []
+
+    def wait(self, refs, num_returns, timeout):
+        return [], list(refs)
+
+    def kill(self, actor, no_restart):
+        self.killed.append(actor)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_kills_the_ray_actors_still_stopping(tmp_path: Path) -> None:
+    """As with the local launcher: a second Ctrl-C to `up` with ``launcher.type = "ray"``
+    kills the actors still stopping instead of waiting out ``learner_stop_timeout_s``."""
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from asyncrl.launch.ray import RayLauncher, _Placed
+
+    cfg = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "launcher.type='ray'",
+                             "launcher.learner_stop_timeout_s=30"])
+    launcher, ray = RayLauncher(cfg), _StoppingActors()
+    actor = SimpleNamespace(request_stop=SimpleNamespace(remote=lambda: None))
+    launcher.learners = [_Placed("learner[0]", actor, object(), None, Restarts("learner[0]"))]
+    launcher.signals.on_signal(signal.SIGINT, None)   # the stop
+    threading.Timer(1.0, launcher.signals.on_signal, (signal.SIGINT, None)).start()   # impatient
+    start = time.monotonic()
+    launcher.shutdown(ray)
+    assert ray.killed == [actor] and time.monotonic() - start < 10

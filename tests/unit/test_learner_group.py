@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from asyncrl.config.schema import LearnerConfig
-from learners.dist import free_port
+from asyncrl.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,9 +7,10 @@ import threading
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.net import free_port
 from buffers.zmq_broker import start_broker_thread
-from learners.dist import free_port
 from learners.loop import run_learner_rank
+from rollouters.eval import EngineEvaluator
 
 
 @pytest.mark.timeout(120)
@@ -19,13 +20,13 @@ def test_a_learner_stopped_before_its_first_step_exports_nothing(tmp_path):
     model, which looked like the outcome of a run that never started."""
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
-                             "run.name=never", "buffer.port=0"])
+                             "run.name=never", "buffer.zmq.port=0"])
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
     stop = threading.Event()
     stop.set()
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port(), stop)
+        run_learner_rank(cfg, 0, 1, address, free_port(), stop, evaluator=EngineEvaluator)
     finally:
         stop_broker()
     run_dir = cfg.run_dir
@@ -40,14 +41,14 @@ def test_a_resume_finishes_only_while_the_recorded_score_meets_the_target(target
     into the run's end, unless ``eval.stop_at_accuracy`` was raised past the recorded score,
     or unset, since: then it trains on. A checkpoint without the record trains on."""
     from learners.checkpoint import CheckpointMeta
-    from learners.loop import _reached_before
+    from learners.lifecycle import reached_before
 
     cfg = load_config(None, [f"eval.stop_at_accuracy={target}"] if target is not None else [])
     recorded = {"version": 7, "score": 0.9, "target": 0.9}
     meta = CheckpointMeta(7, 0.0, "", 1, counters={"eval_target": recorded})
-    assert _reached_before(cfg, meta) == (recorded if finishes else None)
-    assert _reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
-    assert _reached_before(cfg, None) is None
+    assert reached_before(cfg, meta) == (recorded if finishes else None)
+    assert reached_before(cfg, CheckpointMeta(7, 0.0, "", 1)) is None
+    assert reached_before(cfg, None) is None
 
 
 @pytest.mark.timeout(120)
@@ -57,23 +58,23 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     the run's end: `asyncrl up` resumes it (it used to archive it and start a new run), and the
     learner trains no step, exports, runs the final eval and marks the run done. Records of
     steps after the checkpoint's (the buffer did not outlive the learner) are set aside."""
-    from asyncrl.launch import is_resuming
+    from asyncrl.launch.run_dir import is_resuming
     from asyncrl.metrics import read_jsonl
     from asyncrl.models import prepare_model_dir
     from buffers.protocol import DONE, RUN_STATUS_KEY
     from buffers.zmq_client import ZmqBufferClient
-    from learners import loop
+    from learners import lifecycle
     from learners.backends import make_trainer
     from learners.checkpoint import Checkpointer, read_meta, step_dirs
 
     cfg = load_config(None, ["rollout.engine=sim", "learner.backend=sim",
                              "weights.transport=sim", f"run.output_dir={tmp_path}",
                              "run.name=last", "learner.total_steps=3", "checkpoint.resume=true",
-                             "buffer.port=0"])
+                             "buffer.zmq.port=0"])
     trainer = make_trainer(prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed),
                            cfg.learner, "cpu", sim=cfg.sim, lora=cfg.model.lora)
     trainer.version = 3
-    Checkpointer(cfg).save(trainer, loop._counters(cfg, 3, {}))   # as checkpoint.every_steps
+    Checkpointer(cfg).save(trainer, lifecycle.counters(cfg, 3, {}))   # as checkpoint.every_steps
     assert is_resuming(cfg)
     # The dead learner's records: the steps 4 and 5 of a line the buffer lost (this broker is
     # a fresh one, seeded with version 3), and a last line torn by its death.
@@ -83,7 +84,7 @@ def test_a_checkpoint_of_the_last_step_not_marked_finished_resumes_into_the_runs
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
     try:
-        run_learner_rank(cfg, 0, 1, address, free_port())
+        run_learner_rank(cfg, 0, 1, address, free_port(), evaluator=EngineEvaluator)
         with ZmqBufferClient(address, timeout_s=10) as client:
             assert client.get_key(RUN_STATUS_KEY)[1] == {"status": DONE}
     finally:
@@ -144,7 +145,7 @@ def _rank_told_alone(rank: int, args: list[str], address: str, port: int, after_
             stop.set()
         threading.Thread(target=stop_after_step_1, daemon=True).start()
     try:
-        run_learner_rank(cfg, rank, 2, address, port, stop)
+        run_learner_rank(cfg, rank, 2, address, port, stop, evaluator=EngineEvaluator)
         results[rank] = "returned"
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = f"{type(exc).__name__}: {exc}"
@@ -161,7 +162,7 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
     with the process group."""
     import torch.multiprocessing as mp
 
-    from asyncrl.launch import is_resuming
+    from asyncrl.launch.run_dir import is_resuming
     from buffers.protocol import RUN_STATUS_KEY, RUNNING
     from buffers.zmq_client import ZmqBufferClient
     from learners.checkpoint import read_meta, step_dirs
@@ -169,7 +170,7 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=one-told", "learner.groups_per_step=2",
             "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
-            "learner.collective_timeout_s=60", "buffer.port=0"]
+            "learner.collective_timeout_s=60", "buffer.zmq.port=0"]
     cfg = load_config(None, args)
     address, stop_broker = start_broker_thread(cfg.buffer, cfg.learner.groups_per_step,
                                                cfg.run.name)
@@ -203,15 +204,16 @@ def _rank_zero_fails(rank: int, args: list[str], address: str, port: int, result
     would), on rank 0 alone."""
     import time
 
-    from learners import loop
+    from learners.rank_zero import RankZero
 
     if rank == 0:
         def fail(*_args, **_kwargs):
             raise RuntimeError("rank 0 alone failed")
-        loop._RankZero.after_step = fail
+        RankZero.publish = fail
     start = time.monotonic()
     try:
-        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        run_learner_rank(load_config(None, args), rank, 2, address, port,
+                         evaluator=EngineEvaluator)
         results[rank] = ("returned", time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = (f"{type(exc).__name__}: {exc}", time.monotonic() - start)
@@ -228,7 +230,7 @@ def test_an_error_on_one_rank_ends_every_rank_at_once(tmp_path):
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=alone", "learner.groups_per_step=2",
             "learner.total_steps=50", "eval.every_steps=0", "checkpoint.every_steps=0",
-            f"learner.collective_timeout_s={timeout_s}", "buffer.port=0"]
+            f"learner.collective_timeout_s={timeout_s}", "buffer.zmq.port=0"]
     results = _two_ranks(args, _rank_zero_fails)
     (zero, zero_s), (one, one_s) = results[0], results[1]
     assert zero == "RuntimeError: rank 0 alone failed", zero
@@ -241,14 +243,15 @@ def _rank_zero_stopped_at_the_end(rank: int, args: list[str], address: str, port
     """One learner rank; rank 0's end of run (after the last collective) meets a buffer that
     no longer answers a stopping role, as when the buffer hangs while the learner stops."""
     from buffers import BufferStopped
-    from learners import loop
+    from learners.rank_zero import RankZero
 
     if rank == 0:
         def finish(*_args, **_kwargs):
             raise BufferStopped("stopped waiting for the reply to 'get_keys': stopping")
-        loop._RankZero.finish = finish
+        RankZero.finish = finish
     try:
-        run_learner_rank(load_config(None, args), rank, 2, address, port)
+        run_learner_rank(load_config(None, args), rank, 2, address, port,
+                         evaluator=EngineEvaluator)
         results[rank] = "returned"
     except Exception as exc:  # noqa: BLE001 (the test reads what each rank met)
         results[rank] = f"{type(exc).__name__}: {exc}"
@@ -264,7 +267,7 @@ def test_a_stop_in_rank_zeros_end_of_run_still_meets_the_others_at_the_barrier(t
     args = ["rollout.engine=sim", "learner.backend=sim", "weights.transport=sim",
             f"run.output_dir={tmp_path}", "run.name=end", "learner.groups_per_step=2",
             "learner.total_steps=1", "eval.every_steps=0", "checkpoint.every_steps=0",
-            "learner.collective_timeout_s=60", "buffer.port=0"]
+            "learner.collective_timeout_s=60", "buffer.zmq.port=0"]
     assert _two_ranks(args, _rank_zero_stopped_at_the_end) == {
         0: "BufferStopped: stopped waiting for the reply to 'get_keys': stopping",
         1: "returned"}

@@ -9,8 +9,11 @@ from types import SimpleNamespace
 
 from asyncrl.config import load_config
 from buffers.zmq_client import ZmqBufferClient
-from learners.loop import RankContext, _Lost, _next_batch
+from learners.batch_feed import BatchFeed
+from learners.loop import _next_batch
+from learners.lost import Lost
 from learners.prefetch import BatchPrefetcher
+from learners.rank_role import RankContext
 from tests.unit.test_dashboard import screen
 from tests.unit.test_zmq_buffer import broker, client  # noqa: F401 (fixtures)
 
@@ -23,17 +26,17 @@ def test_waiting_learner_keeps_its_last_step_on_screen(broker, client) -> None: 
     cfg = load_config(QUICKSTART)
     ctx = RankContext(cfg, 0, 1, buffer, "learner-0")
     last = {"step": 4, "critic/score/mean": 0.625, "timing/step": 1.0, "timing/wait_data": 0.5}
-    # Rank 0's driver as _next_batch sees it: the last step's record; no engines to re-sync;
+    # Rank 0's role as _next_batch sees it: the last step's record; no engines to re-sync;
     # the batch fetched by its prefetcher (the buffer stays empty).
     prefetcher = BatchPrefetcher(ZmqBufferClient(address), "learner-0",
                                  cfg.learner.groups_per_step, lambda batch: batch, 2.0, 60.0)
-    driver = SimpleNamespace(last_record=last, resync_late_joiners=lambda version: None,
-                             prefetcher=prefetcher)
+    role = SimpleNamespace(last_record=last, resync_late_joiners=lambda version: None,
+                           poll=BatchFeed(ctx, prefetcher).poll)
     stop = threading.Event()
     timer = threading.Timer(1.0, stop.set)  # stop during the first empty long poll
     timer.start()
     try:
-        assert _next_batch(ctx, SimpleNamespace(version=4), driver, stop, _Lost()) is None
+        assert _next_batch(ctx, role, 4, stop, Lost()) is None
     finally:
         timer.cancel()
         prefetcher.close()

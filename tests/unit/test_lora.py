@@ -13,8 +13,8 @@ import torch  # noqa: E402
 from asyncrl.config import ConfigError, load_config  # noqa: E402
 from asyncrl.config.schema import LoraConfig, TinyModelConfig  # noqa: E402
 from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model  # noqa: E402
+from asyncrl.weights.lora_wire import adapter_name, merge, split_adapters  # noqa: E402
 from learners.lora import merged_state, sends_adapters, wrap_lora  # noqa: E402
-from learners.lora_wire import adapter_name, merge, split_adapters  # noqa: E402
 from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
 
 torch.set_num_threads(1)

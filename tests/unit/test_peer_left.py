@@ -7,7 +7,8 @@ import multiprocessing as mp
 import os
 from datetime import timedelta
 
-from learners.dist import free_port, peer_left
+from asyncrl.net import free_port
+from learners.dist import peer_left
 
 
 def _rank(rank: int, port: int, out) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
 from learners.prefetch import BatchPrefetcher
@@ -21,7 +21,8 @@ def broker() -> Iterator[Callable[..., str]]:
     stops = []
 
     def start(**overrides) -> str:
-        address, stop = start_broker_thread(BufferConfig(port=0, **overrides), 2)
+        address, stop = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0),
+                                                         **overrides), 2)
         stops.append(stop)
         return address
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.preflight import (NotRunning, check_broker, check_redis, check_startup,
-                               model_path_error, path_errors, plugin_errors)
+from asyncrl.launch.preflight import (NotRunning, check_broker, check_startup, model_path_error,
+                                      path_errors, plugin_errors)
+from buffers.redis_connect import check_redis
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE_TURN = ROOT / "examples" / "agent" / "single_turn.toml"
@@ -77,9 +78,9 @@ def test_plugins_import_from_the_working_directory_like_the_roles(
 
 def test_a_refused_redis_url_is_reported_fast() -> None:
     url = f"redis://127.0.0.1:{closed_port()}/0"
-    cfg = load_config(None, ["buffer.type='redis'", f"buffer.url={url!r}"])
+    cfg = load_config(None, ["buffer.type='redis'", f"buffer.redis.url={url!r}"])
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=f"^buffer.url: '{url}': .*refused"):
+    with pytest.raises(ConfigError, match=f"^buffer.redis.url: '{url}': .*refused"):
         check_redis(cfg.buffer)
     assert time.monotonic() - start < 10  # not the clients' 30 s of retries
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.config.schema import Config, RunConfig
-from learners.dist import free_port
+from asyncrl.net import free_port
 from tests.unit.test_zmq_buffer import broker  # noqa: F401 (fixture: real brokers)
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,17 +23,19 @@ def _fresh_start(rank: int, world: int, port: int, addresses: list[str], run_dir
                  results: dict) -> None:
     from asyncrl.config import ConfigError
     from buffers.zmq_client import ZmqBufferClient
-    from learners import loop
+    from learners.agreement import agree_max
+    from learners.lifecycle import check_fresh_buffer
+    from learners.rank_role import RankContext
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     client = ZmqBufferClient(addresses[rank], timeout_s=10)
     try:
         cfg = Config(run=RunConfig(name="agree", output_dir=Path(run_dir)))
-        ctx = loop.RankContext(cfg, rank, world, client, f"learner-{rank}")
-        assert loop._agree_max(ctx, 10 * rank + 1, "a number") == 10 * (world - 1) + 1
+        ctx = RankContext(cfg, rank, world, client, f"learner-{rank}")
+        assert agree_max(ctx.world, 10 * rank + 1, "a number") == 10 * (world - 1) + 1
         try:
-            loop._check_fresh_buffer(ctx)
+            check_fresh_buffer(ctx)
             results[rank] = "went on"
         except ConfigError as exc:
             results[rank] = str(exc)
@@ -59,8 +61,6 @@ def test_ranks_answered_differently_at_a_fresh_start_stop_together(broker,  # no
 
 
 def test_one_rank_is_its_own_agreement() -> None:
-    from types import SimpleNamespace
+    from learners.agreement import agree_max
 
-    from learners import loop
-
-    assert loop._agree_max(SimpleNamespace(world=1), 7, "a number") == 7
+    assert agree_max(1, 7, "a number") == 7

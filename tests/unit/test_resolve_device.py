@@ -1,4 +1,4 @@
-"""Which device a learner rank or a torch engine runs on (``learners.dist.resolve_device``)."""
+"""Which device a learner rank or a torch engine runs on (``asyncrl.devices.resolve_device``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config import ConfigError
-from learners.dist import resolve_device
+from asyncrl.devices import resolve_device
 
 
 def test_cpu_and_auto_on_a_machine_without_a_gpu() -> None:

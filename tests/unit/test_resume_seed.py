@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
-from learners import loop
 from learners.checkpoint import Checkpointer
+from learners.lifecycle import counters, resume
+from learners.rank_role import OtherRank, RankContext
 from tests.buffers.conftest import backend, redis_cluster  # noqa: F401 (fixtures: real servers)
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import tiny_model_dir  # noqa: F401 (fixture)
@@ -28,12 +29,12 @@ def test_resume_seeds_a_fresh_buffer(backend, tiny_model_dir: Path,  # noqa: F81
                  buffer=BufferConfig(max_staleness=STALENESS))
     before = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
     before.version = VERSION
-    Checkpointer(cfg).save(before, loop._counters(cfg, VERSION, {}))
+    Checkpointer(cfg).save(before, counters(cfg, VERSION, {}))
 
     client = backend.start(groups_per_step=GPS, max_staleness=STALENESS).client()
     trainer = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
-    ctx = loop.RankContext(cfg, 0, 1, client, "learner-0")
-    loop._resume(ctx, Checkpointer(cfg), trainer, None)   # driver None: no engines to sync
+    ctx = RankContext(cfg, 0, 1, client, "learner-0")
+    resume(ctx, Checkpointer(cfg), trainer, OtherRank())   # a role with no engines to sync
 
     status = client.status()
     assert trainer.version == status["version"] == VERSION
@@ -55,12 +56,12 @@ def test_a_fresh_learner_refuses_a_buffer_already_in_a_run(backend, tiny_model_d
                  learner=LearnerConfig(groups_per_step=GPS))
     server = backend.start(groups_per_step=GPS)
     trainer = Fsdp2Trainer(tiny_model_dir, cfg.learner, "cpu")
-    fresh = loop.RankContext(cfg, 0, 1, server.client(), "learner-0")
-    loop._resume(fresh, Checkpointer(cfg), trainer, None)   # a fresh buffer: a fresh run
+    fresh = RankContext(cfg, 0, 1, server.client(), "learner-0")
+    resume(fresh, Checkpointer(cfg), trainer, OtherRank())   # a fresh buffer: a fresh run
     assert trainer.version == 0
 
     server.client().publish_version(1)
     with pytest.raises(ConfigError, match=r"run.name = 'again': the buffer holds this run at "
                                           r"version 1.*no checkpoint") as refused:
-        loop._resume(fresh, Checkpointer(cfg), trainer, None)
+        resume(fresh, Checkpointer(cfg), trainer, OtherRank())
     assert f"move its spill file {cfg.run_dir / 'buffer.spill'} aside" in str(refused.value)

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from asyncrl.net import free_port
 from learners.balance import pack_shares, scatter_batch, split_batch
 from learners.batching import collate
-from learners.dist import free_port
 from tests.unit.test_zmq_buffer import make_group
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,20 +44,19 @@ def test_each_rank_receives_its_share_field_for_field(groups: int) -> None:
 
 
 class _Prefetched:
-    """What _end_of_step reads of rank 0's prefetcher: the prepared batch, if fetched."""
+    """What end_of_step reads of rank 0's role: the next batch's shares, if fetched."""
 
-    def __init__(self, prepared) -> None:
-        self.prefetcher = self
-        self._prepared = prepared
+    def __init__(self, packed) -> None:
+        self._packed = packed
 
-    def prepared(self, version: int):
-        return self._prepared if version == 5 else None
+    def next_shares(self, version: int):
+        return self._packed.header if version == 5 else None
 
 
 def _check_end_of_step(rank: int, world: int, port: int) -> None:
-    from types import SimpleNamespace
-
-    from learners.loop import _end_of_step, _Lost
+    from learners.agreement import end_of_step
+    from learners.lost import Lost
+    from learners.rank_role import OtherRank
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
@@ -65,22 +64,21 @@ def _check_end_of_step(rank: int, world: int, port: int) -> None:
         batch = collate([make_group(f"g{i}", version=i, generated=2 + 3 * i)
                          for i in range(5)], True, 0)
         packed = pack_shares(batch, world)
-        ctx = SimpleNamespace(world=world)
-        driver = _Prefetched((packed, {})) if rank == 0 else None
+        role = _Prefetched(packed) if rank == 0 else OtherRank()
         # fetched during the step: every rank learns the shares' sizes with the stop flag
-        stopping, header, gone = _end_of_step(ctx, driver, 5, False, _Lost())
+        stopping, header, gone = end_of_step(world, role, 5, False, Lost())
         assert not stopping and not gone and torch.equal(header, packed.header)
         got = scatter_batch(packed if rank == 0 else None, rank, world, header)
         assert torch.equal(got.input_ids, split_batch(batch, world)[rank].input_ids)
-        assert _end_of_step(ctx, driver, 6, False, _Lost()) == (False, None, False)  # not yet
-        assert _end_of_step(ctx, driver, 5, rank == world - 1, _Lost()) == (True, None, False)
+        assert end_of_step(world, role, 6, False, Lost()) == (False, None, False)  # not yet
+        assert end_of_step(world, role, 5, rank == world - 1, Lost()) == (True, None, False)
         # one rank's buffer request got no answer: every rank learns it, batch or not, and
         # whether any rank was stopping as well (then the loss ends the learner as a stop)
-        lost = _Lost()
+        lost = Lost()
         if rank == 1:
             lost.cause = TimeoutError("no reply")
-        assert _end_of_step(ctx, driver, 5, False, lost) == (False, None, True)
-        assert _end_of_step(ctx, driver, 5, rank == 2, lost) == (True, None, True)
+        assert end_of_step(world, role, 5, False, lost) == (False, None, True)
+        assert end_of_step(world, role, 5, rank == 2, lost) == (True, None, True)
     finally:
         dist.destroy_process_group()
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from asyncrl.config import Config, ConfigError, parse_overrides
 from asyncrl.config.schema import LearnerConfig, SimConfig
-from learners.weights_group import broadcast_async, drop_group, new_group
-from rollouters.engines.sim import SimEngine, expected_call_s, sample_lengths, step_end_times
+from asyncrl.weights.transport import make_transport
+from rollouters.engines.sim import SimEngine, sample_lengths, step_end_times
 
 EOS = 3
 
@@ -59,8 +59,6 @@ def test_step_times_model_batching() -> None:
     # step 1: 4 active → 0.01·(1 + 3/4); step 2: 3 active; step 3: 2 active
     expected = 0.5 + np.cumsum([0.01 * 1.75, 0.01 * 1.5, 0.01 * 1.25])
     np.testing.assert_allclose(ends, expected)
-    assert expected_call_s(SimConfig(length="fixed", mean_tokens=10, decode_step_s=0.1), 4,
-                           100) == pytest.approx(1.0)
 
 
 def test_engine_waits_the_model_and_records_versions_across_an_update() -> None:
@@ -95,14 +93,15 @@ def test_engine_caps_at_max_new_tokens_and_stops_on_close() -> None:
 
 
 def test_sim_group_serialises_broadcasts_and_aborts() -> None:
-    group = new_group("sim", None, "g1", 0, 3, 5.0, "127.0.0.1", s_per_byte=0.1 / 4000)
+    group = make_transport("sim", host="127.0.0.1", timeout_s=5.0, s_per_byte=0.1 / 4000)
+    group.connect(None, "g1", 0, 3)
     start = time.monotonic()
-    works = [broadcast_async(group, torch.zeros(1000)) for _ in range(3)]  # 4000 B each
+    works = [group.send(torch.zeros(1000)) for _ in range(3)]  # 4000 B each
     for work in works:
         work.wait()
     assert 0.28 < time.monotonic() - start < 1.0  # three back to back on one wire
-    pending = broadcast_async(group, torch.zeros(1000 * 100))
-    drop_group(group)
+    pending = group.send(torch.zeros(1000 * 100))
+    group.close()
     with pytest.raises(RuntimeError, match="aborted"):
         pending.wait()
 
@@ -168,8 +167,8 @@ def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_pa
 
     from asyncrl.config.schema import TinyModelConfig
     from asyncrl.models import build_char_tokenizer, build_tiny_model
+    from asyncrl.net import free_port
     from learners.batching import collate
-    from learners.dist import free_port
     from learners.step_metrics import step_metrics
     from tests.unit.test_fsdp2 import make_groups
 

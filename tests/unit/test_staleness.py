@@ -6,15 +6,14 @@ import itertools
 
 import pytest
 
-from asyncrl.staleness import StalenessGate
+from asyncrl.staleness import NO_VERSION, StalenessGate, below_cutoff, is_fresh, staleness
 
 
 def test_capacity_and_allowance_by_hand() -> None:
     gate = StalenessGate(max_staleness=2, groups_per_step=4)
     assert gate.capacity(0) == 12            # (0 + 2 + 1) × 4
     assert gate.allowance(0, accepted=5, in_flight=3) == 4
-    assert gate.is_open(0, 5, 3)
-    assert not gate.is_open(0, 8, 4)
+    assert gate.allowance(0, 8, 4) == 0      # full: closed
     assert gate.allowance(0, 10, 4) == 0     # never negative
     assert gate.allowance(1, 10, 4) == 2     # a new version opens one step's worth
 
@@ -25,6 +24,28 @@ def test_synchronous_when_zero() -> None:
     assert gate.allowance(0, 3, 0) == 0
     assert gate.allowance(1, 3, 0) == 3
     assert gate.is_fresh(4, 4) and not gate.is_fresh(4, 3)
+
+
+def test_no_generated_token_is_never_stale() -> None:
+    """A group with no generated token (oldest version -1) is as fresh as can be, as the
+    buffers have always treated it; the gate used to call it stale once V > s - 1."""
+    gate = StalenessGate(max_staleness=1, groups_per_step=2)
+    assert NO_VERSION == -1
+    assert gate.is_fresh(5, NO_VERSION) and gate.is_fresh(0, NO_VERSION)
+    assert staleness(5, NO_VERSION) == 0 and staleness(5, 2) == 3
+    assert not below_cutoff(NO_VERSION, gate.stale_below(100))
+    assert is_fresh(9, NO_VERSION, 0)
+
+
+def test_cutoff_is_the_per_group_rule() -> None:
+    """The buffers drop a queue by the cutoff and test single groups by ``is_fresh``: a group
+    is below the cutoff exactly when it is not fresh."""
+    for s, version, oldest in itertools.product(range(5), range(10), range(-2, 12)):
+        gate = StalenessGate(s, 1)
+        assert gate.stale_below(version) == version - s
+        assert below_cutoff(oldest, gate.stale_below(version)) == \
+            (not gate.is_fresh(version, oldest)), (s, version, oldest)
+        assert gate.is_fresh(version, oldest) == (staleness(version, oldest) <= s)
 
 
 def test_engine_may_start() -> None:

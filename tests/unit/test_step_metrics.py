@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from asyncrl.config.schema import LearnerConfig, LossConfig
+from asyncrl.net import free_port
 from learners.batching import TrainBatch
-from learners.dist import free_port, init_learner_group, shutdown_learner_group
+from learners.dist import init_learner_group, shutdown_learner_group
 from learners.losses.objective import objective
 from learners.step_metrics import step_metrics, token_entropy
 

@@ -11,7 +11,6 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
 from learners.losses.stepwise import (
-    broadcast_advantages,
     per_step_advantages,
     step_returns,
 )
@@ -40,11 +39,6 @@ def test_per_step_with_unequal_lengths_and_trajectory_rewards() -> None:
     assert [a[0] for a in adv] == pytest.approx([0.75, 0.0, -0.75])
     # step 1 only B and C: returns 0, 0 -> 0
     assert adv[1][1] == 0.0 and adv[2][1] == 0.0
-
-
-def test_broadcast_gives_the_trajectory_advantage_to_every_step() -> None:
-    adv = broadcast_advantages([[0.5, 0.5], [0.0]], [0.0, 0.0], kind="dr_grpo")
-    assert adv == [[0.5, 0.5], [-0.5]]
 
 
 def _group() -> TrajectoryGroup:

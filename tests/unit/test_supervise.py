@@ -1,8 +1,10 @@
-"""Restart policy arithmetic, and a real spawned child that crashes being restarted."""
+"""Restart policy arithmetic, the lines saying why and when a process restarts or why it will
+not, and a real spawned child that crashes being restarted."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -10,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.roles import _run_children
-from asyncrl.supervise import CONFIG_ERROR_EXIT, RestartBudget, RestartPolicy, exit_reason
+from asyncrl.exits import CONFIG_ERROR_EXIT, exit_reason
+from asyncrl.launch.restart import Refusal, RestartBudget, Restarts, RestartPolicy
+from asyncrl.launch.roles import _run_children
 
 
 @pytest.fixture(autouse=True)
@@ -142,3 +145,43 @@ def test_a_crash_is_reported_with_the_childs_index_and_pid(tmp_path):
     first_pid = int(Path(marker).read_text().split()[0])
     assert reported == [(4, first_pid, "killed by SIGKILL")]
 
+
+
+def test_a_restart_is_logged_with_why_and_when(caplog):
+    restarts = Restarts("rollout[0]", RestartPolicy(max_restarts=2, backoff_s=60,
+                                                    healthy_after_s=60))
+    caplog.set_level("WARNING")
+    assert restarts.crashed("exit code 1", "ValueError: bad") is None
+    assert restarts.waiting and not restarts.due()  # 60 s of backoff
+    assert re.fullmatch(r"rollout\[0\] exit code 1 after \d+\.\ds \(ValueError: bad\): "
+                        r"restart 1/2 in 60\.0s", caplog.records[-1].getMessage())
+    restarts.started()
+    assert not restarts.waiting
+
+
+def test_a_restart_is_due_once_its_backoff_is_over():
+    restarts = Restarts("buffer", RestartPolicy(max_restarts=1, backoff_s=0.0,
+                                                healthy_after_s=60))
+    assert not restarts.due()  # nothing crashed
+    assert restarts.crashed_with_exit(-signal.SIGKILL) is None and restarts.due()
+
+
+def test_a_config_error_is_refused_whatever_the_budget():
+    restarts = Restarts("rollout[1]", RestartPolicy(max_restarts=3, backoff_s=0.1,
+                                                    healthy_after_s=60))
+    refusal = restarts.crashed("failed", "data.path: no rows", config_error=True)
+    assert refusal == Refusal("rollout[1] stopped on a configuration error (not restarted): "
+                              "data.path: no rows", config_error=True)
+    assert not restarts.waiting and restarts.budget.restarts == 0
+    assert restarts.crashed_with_exit(CONFIG_ERROR_EXIT).config_error
+
+
+def test_refusals_name_the_process_and_how_it_ended():
+    learner = Restarts("learner")  # no policy: never restarted
+    assert re.fullmatch(r"learner killed by SIGKILL after \d+\.\ds \(no error in its log\)",
+                        learner.crashed_with_exit(-signal.SIGKILL, "no error in its log").text)
+    spent = Restarts("worker[0]", RestartPolicy(max_restarts=0, backoff_s=0.1,
+                                                healthy_after_s=60))
+    refusal = spent.crashed_with_exit(7)
+    assert refusal.text.endswith(", out of restarts") and "worker[0] exit code 7" in refusal.text
+    assert not refusal.config_error and not spent.waiting

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from learners.weights_plan import (
+from asyncrl.weights.plan import (
     ALIGN,
     BucketBuffers,
     BucketPlan,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from learners.weights_publisher import WeightPublisher
+from asyncrl.weights.publisher import WeightPublisher
 
 
 class SlowBroadcaster:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from buffers.zmq_auth import generate_curve_keys
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 def curve_broker(tmp_path) -> tuple[str, Path]:
     keys = generate_curve_keys(tmp_path / "keys", clients=("client", "learner"))
-    config = BufferConfig(port=0, auth="curve", curve_keys_dir=str(keys))
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, auth="curve",
+                                              curve_keys_dir=str(keys)))
     address, stop = start_broker_thread(config, groups_per_step=4)
     yield address, keys
     stop()
@@ -37,7 +38,7 @@ def test_generated_layout(tmp_path):
 
 def test_authorised_clients_are_served(curve_broker):
     address, keys = curve_broker
-    config = BufferConfig(auth="curve", curve_keys_dir=str(keys))
+    config = BufferConfig(zmq=ZmqBufferConfig(auth="curve", curve_keys_dir=str(keys)))
     with ZmqBufferClient.from_config(config, address) as producer, \
             ZmqBufferClient(address, timeout_s=5, curve_keys_dir=str(keys),
                             curve_name="learner") as learner:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from asyncrl.wire import TrajectoryGroup, decode_group, encode_group
 from buffers import Buffer, ControlPlane, PutResult
 from buffers.zmq_broker import ZmqBroker, start_broker_thread
@@ -53,7 +53,7 @@ def broker() -> Iterator[Callable[..., str]]:
     stops: list[Callable[[], None]] = []
 
     def start(groups_per_step: int = 2, **overrides: Any) -> str:
-        config = BufferConfig(port=0, **{"max_staleness": 1, **overrides})
+        config = BufferConfig(**{"max_staleness": 1, "zmq": ZmqBufferConfig(port=0), **overrides})
         address, stop = start_broker_thread(config, groups_per_step)
         stops.append(stop)
         return address
@@ -113,15 +113,15 @@ def test_put_many_pipelines_puts_and_keeps_their_order(broker, client):
 
 
 def test_io_threads_sets_the_brokers_zmq_context_and_it_serves(broker, client):
-    config = BufferConfig(port=0, io_threads=2)
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, io_threads=2))
     owned = ZmqBroker(config, groups_per_step=1)
     try:
         assert owned._context.get(zmq.IO_THREADS) == 2
     finally:
         owned.close()
     with pytest.raises(ValueError, match="io_threads"):
-        BufferConfig(io_threads=0)
-    address = broker(groups_per_step=4, io_threads=2)
+        ZmqBufferConfig(io_threads=0)
+    address = broker(groups_per_step=4, zmq=ZmqBufferConfig(port=0, io_threads=2))
     producers, learner = [client(address) for _ in range(2)], client(address)
     for p, producer in enumerate(producers):
         assert producer.acquire(f"w{p}", 4, 0).granted == 4
@@ -216,7 +216,7 @@ def test_status_has_every_documented_key(broker, client):
 
 
 def test_shutdown_command_ends_serve_and_fails_pending_polls():
-    broker = ZmqBroker(BufferConfig(port=0), groups_per_step=1)
+    broker = ZmqBroker(BufferConfig(zmq=ZmqBufferConfig(port=0)), groups_per_step=1)
     address = broker.bind()
     thread = threading.Thread(target=broker.serve, daemon=True)
     thread.start()
@@ -233,7 +233,7 @@ def test_shutdown_command_ends_serve_and_fails_pending_polls():
 
 
 def test_timeout_names_broker_and_recovers_with_a_fresh_socket():
-    broker = ZmqBroker(BufferConfig(port=0), groups_per_step=1)
+    broker = ZmqBroker(BufferConfig(zmq=ZmqBufferConfig(port=0)), groups_per_step=1)
     address = broker.bind()  # bound but not serving yet: requests queue up unanswered
     stop = threading.Event()
     thread = threading.Thread(target=broker.serve, args=(stop,), daemon=True)
@@ -327,9 +327,9 @@ def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
     """A broker restart at the same address: a read sent while it was down (the status, or
     the weight-sync acks the learner's publisher polls) is answered by the new broker; a put is
     never re-sent (it fails, in doubt, at once)."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
-    config = BufferConfig(port=free_port())
+    config = BufferConfig(zmq=ZmqBufferConfig(port=free_port()))
     address, stop = start_broker_thread(config, groups_per_step=1)
     restarted: list[Callable[[], None]] = []
     with ZmqBufferClient(address, timeout_s=0.3, reconnect_s=20) as c:
@@ -359,9 +359,9 @@ def test_a_waiter_of_a_lost_broker_sees_the_keys_its_successor_sets():
     still be news to a client that waits for keys newer than the old broker's (a rollout
     worker waiting for the next weight announcement). Numbering again from 1 left such a
     waiter parked for good, and the run stalled."""
-    from learners.dist import free_port
+    from asyncrl.net import free_port
 
-    config = BufferConfig(port=free_port())
+    config = BufferConfig(zmq=ZmqBufferConfig(port=free_port()))
     address, stop = start_broker_thread(config, groups_per_step=1)
     with ZmqBufferClient(address, timeout_s=5) as c:
         seen = max(c.set_key("weights/announce", {"epoch": e}) for e in range(3))

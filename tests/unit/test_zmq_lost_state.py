@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from buffers.protocol import Batch
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
@@ -22,7 +22,7 @@ from tests.unit.test_zmq_buffer import make_group
 pytestmark = pytest.mark.timeout(60)
 
 GPS, STALENESS = 2, 1
-CONFIG = BufferConfig(port=0, max_staleness=STALENESS, spill_path="")
+CONFIG = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=""), max_staleness=STALENESS)
 
 
 def _held_at_version_3() -> tuple[Batch, Batch]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config.schema import BufferConfig
+from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from asyncrl.wire import encode_group
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
@@ -60,8 +60,8 @@ def _assert_restored(c: ZmqBufferClient, unacked: list[str], key_seq: int) -> No
 
 
 def test_clean_restart_restores_unacked_groups_version_counters_and_keys(tmp_path):
-    config = BufferConfig(port=0, max_staleness=1, spill_path=str(tmp_path / "spill.log"),
-                          reclaim_idle_s=1.0)
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=str(tmp_path / "spill.log")),
+                          max_staleness=1, reclaim_idle_s=1.0)
     address, stop = start_broker_thread(config, groups_per_step=8)
     with ZmqBufferClient(address, timeout_s=5) as c:
         unacked, key_seq = _fill_and_half_consume(c)
@@ -77,7 +77,7 @@ def test_clean_restart_restores_unacked_groups_version_counters_and_keys(tmp_pat
 
 
 def test_a_learner_that_outlives_the_broker_can_still_ack(tmp_path):
-    config = BufferConfig(port=0, spill_path=str(tmp_path / "spill.log"))
+    config = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=str(tmp_path / "spill.log")))
     address, stop = start_broker_thread(config, groups_per_step=8)
     with ZmqBufferClient(address, timeout_s=5) as c:
         for name in "abc":
@@ -116,7 +116,7 @@ def broker_process(tmp_path) -> Iterator:
         log = (tmp_path / f"broker-{len(procs)}.log").open("wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "asyncrl.cli", "buffer", str(config),
-             "--set", f"buffer.spill_path={spill}", "--address-file", str(address_file)],
+             "--set", f"buffer.zmq.spill_path={spill}", "--address-file", str(address_file)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         eventually(address_file.exists, timeout_s=30)
         return address_file.read_text().strip(), procs[-1]

@@ -1,0 +1,66 @@
+"""What the rest of the code needs to know about each inference engine kind (``rollout.engine``).
+
+:func:`rollouters.engines.make_engine` builds engines; the config, the launchers, the learner
+and the weight sync only ask questions about a kind: does it need ``rollout.url``, do its
+workers run as threads, does it merge LoRA adapters itself, how must the weight buckets be cut
+for it. Each kind answers them here, as one :class:`EngineKind`, so none of that code tests an
+engine's name. The facts live in the core package because ``learners`` and ``asyncrl.weights``
+need some of them and may not import ``rollouters``. Pure data: no engine module is imported.
+
+To add an engine kind: its module and a branch in ``make_engine``, its name in
+``rollout.engine``'s choices, and one :class:`EngineKind` in :data:`ENGINE_KINDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ENGINE_KINDS", "EngineKind", "engine_kind"]
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One value of ``rollout.engine`` and what the code around the engine must know of it.
+
+    The weight facts (``packs_every_tensor``, ``bucket_align``) follow from an engine that
+    receives the broadcast in its own server (SGLang's ``SglangWeightPeer``), which the engine
+    object itself says (:func:`rollouters.engines.make_weight_receiver`).
+    """
+
+    name: str
+    table: str | None = None
+    """The sub-table of ``[rollout]`` with this kind's own keys (``[rollout.vllm]``); None: it
+    reads none. :mod:`asyncrl.config.resolve` warns about the others, which nothing reads."""
+    needs_url: bool = False
+    """Attaches to servers at ``rollout.url`` and starts none, so the URL is required."""
+    threads: bool = False
+    """Its workers run as threads of a few processes: a simulated engine only waits."""
+    merges_adapters: bool = False
+    """With ``model.lora`` it is sent the LoRA adapters and merges them itself; every other
+    kind is sent the merged weights."""
+    packs_every_tensor: bool = False
+    """Every tensor goes into a bucket (``weights.alone_mb = 0``): its server takes one
+    blocking HTTP request per bucket while paused, so few large requests beat one per tensor."""
+    bucket_align: int | None = None
+    """The alignment of tensors inside a bucket it can receive; None: the bucket plan's default
+    (:data:`asyncrl.weights.plan.ALIGN`). SGLang's flattened buckets carry no padding: 1."""
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
+    EngineKind("torch", merges_adapters=True),
+    EngineKind("vllm", table="vllm"),
+    EngineKind("vllm-server", needs_url=True),
+    EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
+    EngineKind("sim", threads=True),
+)}
+"""Every engine kind by its ``rollout.engine`` name (the schema's choices, in its order)."""
+
+
+def engine_kind(name: str) -> EngineKind:
+    """The kind ``rollout.engine = name`` selects; ``ValueError`` naming the choices for an
+    unknown one."""
+    try:
+        return ENGINE_KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown rollout.engine {name!r} "
+                         f"({', '.join(ENGINE_KINDS)})") from None

@@ -1,0 +1,20 @@
+"""Learner → engine weight sync, both ends of it: learner rank 0 broadcasts each version, every
+rollout engine receives it.
+
+- :mod:`~asyncrl.weights.broadcaster`: :class:`WeightBroadcaster` (rank 0), the announcement
+  format, membership epochs, eviction; ``engine_weights`` and ``broadcast_align`` (what an
+  engine kind needs of the plan).
+- :mod:`~asyncrl.weights.receiver`: :class:`WeightReceiver`, one thread per engine.
+- :mod:`~asyncrl.weights.publisher`: :class:`WeightPublisher`, the broadcast and the version
+  publish off the learner's critical path.
+- :mod:`~asyncrl.weights.plan`: the bucket plan, packing and unpacking (pure, any device).
+- :mod:`~asyncrl.weights.rendezvous`: control-plane keys, the epoch's store, bounded waits.
+- :mod:`~asyncrl.weights.transport`: the :class:`WeightTransport` protocol and its factory,
+  with :mod:`~asyncrl.weights.gloo` and :mod:`~asyncrl.weights.sim` behind it; a new
+  transport (NCCL, CUDA IPC) is one module there.
+- :mod:`~asyncrl.weights.lora_wire`: how LoRA adapters travel, and the merge rule both ends use.
+
+Learners and rollouters both use this package and never each other. This ``__init__`` imports
+nothing, so ``import asyncrl.weights`` stays free of torch; the submodules import torch at
+module level, and are themselves imported only lazily by the roles that sync weights.
+"""

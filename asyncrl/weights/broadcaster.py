@@ -1,0 +1,357 @@
+"""Learner → engine weight sync: :class:`WeightBroadcaster` on learner rank 0.
+
+One update, as seen on the control plane (``weights/announce``)::
+
+    {"version": int, "epoch": int, "members": [member, ...],   # rank = index + 1
+     "store": "host:port", "group": str, "transport": "gloo", "transport_opts": {...},
+     "timeout_s": float,
+     "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
+     "buckets": [{"nbytes", "count"}, ...]}
+
+Members are the alive ``rollout`` members of the control plane that have not said they
+stopped, sorted. A *membership epoch* is one group over them (named ``group``, see
+:func:`asyncrl.weights.rendezvous.group_name`), carried by the transport ``transport`` names
+(:mod:`asyncrl.weights.transport`: ``gloo`` with SGLang's store layout so an SGLang server can
+be a member, or ``sim``), built with the announced ``transport_opts``; it is reused while the
+members and the options stay the same. When they change, the new epoch starts with a
+handshake on the control plane so that nobody blocks on a dead peer: receivers write
+``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
+one departs: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
+``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
+receiver acks with ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store
+make an ack from an earlier group, or an earlier learner, count for nothing).
+
+Buckets are pipelined: bucket *i+1* is packed into one of two persistent staging buffers while
+bucket *i* is on the wire (at most two in flight). The staging buffers live as long as the
+plan (names, shapes, dtypes, bucket size) stays the same, because fresh ones page-fault on
+every byte; a changed plan rebuilds them.
+
+A member that does not join or ack in time is evicted (and the group dropped, so the next
+attempt rebuilds it without that member); a failed collective drops the group and the next
+attempt's handshake finds who is gone. Nobody waits for a member that has *departed*: one the
+control plane no longer reports alive (silent past ``buffer.heartbeat_timeout_s``: a SIGKILLed
+engine, whose supervisor may have restarted it under a new name already) or that said it
+stopped. Its departure ends the wait at once: it is evicted and the next attempt goes on
+without it, so a killed engine costs the heartbeat timeout, not ``timeout_s``; a member alive
+but slow is still waited for up to ``timeout_s``. An evicted member is left out until it
+heartbeats again after its eviction. :class:`~asyncrl.weights.receiver.WeightReceiver` (the
+rollout side) lives in :mod:`asyncrl.weights.receiver`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncrl.config.schema import WeightsConfig
+from asyncrl.control_plane import STOPPED, ControlPlane
+from asyncrl.engine_kinds import engine_kind
+from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
+from asyncrl.weights.rendezvous import (
+    ANNOUNCE_KEY,
+    GROUP_KEY,
+    ack_key,
+    await_keys,
+    group_name,
+    join_key,
+    serve_store,
+)
+from asyncrl.weights.transport import Pending, WeightTransport, transport_class
+
+__all__ = ["WeightBroadcaster", "broadcast_align", "engine_weights"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # a lost peer: the 1st attempt fails, the 2nd finds who, the 3rd delivers
+ROLLOUT_ROLE = "rollout"
+
+
+def _present(entry: Mapping[str, Any] | None) -> bool:
+    """Is this control-plane member entry a rollout engine that may still take weights: alive
+    (heard from within the heartbeat timeout) and not stopped?"""
+    return (entry is not None and entry.get("role") == ROLLOUT_ROLE and bool(entry.get("alive"))
+            and entry.get("info", {}).get("state") != STOPPED)
+
+
+@dataclass
+class _Group:
+    epoch: int
+    members: tuple[str, ...]
+    transport: WeightTransport
+
+
+def engine_weights(cfg: WeightsConfig, engine: str) -> WeightsConfig:
+    """``cfg`` as engines of kind ``engine`` (``rollout.engine``) need it: one whose server
+    makes one blocking HTTP request per bucket while paused (SGLang) gets every tensor packed
+    into buckets (``alone_mb = 0``): few large requests, not one per tensor
+    (:attr:`~asyncrl.engine_kinds.EngineKind.packs_every_tensor`)."""
+    packs_all = engine_kind(engine).packs_every_tensor
+    return cfg.model_copy(update={"alone_mb": 0.0}) if packs_all else cfg
+
+
+def broadcast_align(engine: str) -> int:
+    """The bucket alignment the engines of kind ``engine`` (``rollout.engine``) can receive:
+    SGLang's flattened buckets carry no padding, our receivers take any alignment
+    (:attr:`~asyncrl.engine_kinds.EngineKind.bucket_align`)."""
+    align = engine_kind(engine).bucket_align
+    return ALIGN if align is None else align
+
+
+class WeightBroadcaster:
+    """Sends each new version to every rollout engine; never hangs on, or dies of, a lost one.
+
+    ``control`` is used only from the thread that calls :meth:`sync` (clients are not
+    thread-safe). The store server lives as long as this object; groups come and go with
+    membership epochs. ``align`` is the plan's tensor alignment in a bucket: 1 for SGLang
+    peers, whose ``flattened_bucket`` receive expects the tensors' bytes back to back (see
+    :func:`rollouters.engines.sglang_engine.sglang_requests`); :func:`broadcast_align` picks it.
+    """
+
+    def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
+                 align: int = ALIGN, sim_sync_s: float = 0.0):
+        self._control = control
+        self._cfg = cfg
+        self._host = host
+        self._align = align
+        self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
+        self._transport_class = transport_class(cfg.transport)  # raises for an unknown one
+        self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
+        self._staging: BucketBuffers | None = None  # reused while the plan stays the same
+        self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
+        self._store = serve_store(host, cfg.timeout_s)
+        self.address = f"{host}:{self._store.port}"
+        self._epoch = 0
+        self._token = uuid.uuid4().hex[:8]  # group names unique to this broadcaster
+        self._group: _Group | None = None
+        self._evicted_at: dict[str, float] = {}  # member → time.monotonic() of its eviction
+        self._evicted_now: list[str] = []  # evicted during the running sync: not retried in it
+        self._closed = False
+
+    # --- membership ------------------------------------------------------------------------
+
+    def members(self) -> list[str]:
+        """Alive rollout members (not stopped), sorted, minus those not heard from since
+        their eviction (and, during a sync, minus those it evicted: they get the next sync,
+        not a retry)."""
+        now = time.monotonic()  # before the request: a silent member can never look fresh
+        out = []
+        for name, entry in self._control.status().get("members", {}).items():
+            if not _present(entry):
+                continue
+            if name in self._evicted_now:
+                continue
+            evicted_at = self._evicted_at.get(name)
+            if evicted_at is not None and entry["last_seen_s_ago"] >= now - evicted_at:
+                continue
+            self._evicted_at.pop(name, None)
+            out.append(name)
+        return sorted(out)
+
+    def needs_sync(self) -> bool:
+        """Did membership change since the last delivery (an engine joined, left or died)?"""
+        current = self._group.members if self._group is not None else ()
+        return tuple(self.members()) != current
+
+    def _departed(self, members: list[str]) -> list[str]:
+        """Those of ``members`` the control plane no longer reports present (dead or
+        stopped): a join or an ack from them will never come."""
+        listed = self._control.status().get("members", {})
+        return [name for name in members if not _present(listed.get(name))]
+
+    def _await(self, key_of: Callable[[str], str], members: list[str],
+               accept: Callable[[dict[str, Any]], bool]) -> tuple[list[str], list[str]]:
+        """Wait up to ``timeout_s`` for every member's key to pass ``accept``, but only while
+        none of those still missing has departed (then this attempt cannot succeed as
+        planned). Returns ``(departed, late)``: the members that departed, and the others
+        still missing when the wait ended."""
+        by_key = {key_of(name): name for name in members}
+        departed: list[str] = []
+
+        def gone(keys: list[str]) -> list[str]:
+            departed.extend(self._departed([by_key[key] for key in keys]))
+            return departed
+
+        missing = [by_key[key] for key in await_keys(
+            self._control, list(by_key), accept, time.monotonic() + self._cfg.timeout_s,
+            gone=gone)]
+        return departed, [name for name in missing if name not in departed]
+
+    def _evict(self, members: list[str], why: str) -> None:
+        for name in members:
+            logger.warning("weights: evicting %s (%s)", name, why)
+            self._evicted_at[name] = time.monotonic()
+            self._evicted_now.append(name)
+        self._drop()
+
+    def _drop(self) -> None:
+        if self._group is not None:
+            self._group.transport.close()
+            self._group = None
+
+    # --- one update ------------------------------------------------------------------------
+
+    def sync(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Deliver ``state_dict`` as ``version`` to every member; returns metrics.
+
+        Raises only if the control plane itself fails; lost or slow engines are evicted."""
+        start = time.monotonic()
+        self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
+        plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
+                            int(self._cfg.alone_mb * 2**20))
+        opts = self._transport_class.announced_opts(plan.total_bytes, self._sim_sync_s)
+        if opts != self._transport_opts:
+            self._drop()  # a group's options (sim: its wire speed) are fixed at its creation
+            self._transport_opts = opts
+        try:
+            delivered, attempts = self._deliver(plan, state_dict, version)
+            evicted = len(self._evicted_now)
+        finally:
+            self._evicted_now = []
+        return {"timing/weight_sync": time.monotonic() - start,
+                "weights/bytes": float(plan.total_bytes if delivered else 0),
+                "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
+                "weights/buckets": float(len(plan.bucket_nbytes)),
+                "weights/attempts": float(attempts), "weights/epoch": float(self._epoch),
+                **self._phases}
+
+    def _deliver(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
+                 version: int) -> tuple[list[str], int]:
+        """Attempts until one reaches every (remaining) member: (members reached, attempts)."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            members = self.members()
+            if not members:
+                self._drop()
+                return [], attempt - 1
+            try:
+                delivered = self._attempt(plan, state, version, members)
+            except RuntimeError as exc:  # a peer vanished or timed out mid-collective
+                logger.warning("weights: version %d epoch %d failed (%s); rebuilding the group",
+                               version, self._epoch, str(exc).splitlines()[0][:200])
+                self._drop()
+                continue
+            if delivered:
+                return delivered, attempt
+        logger.error("weights: version %d reached no engine after %d attempts",
+                     version, MAX_ATTEMPTS)
+        return [], MAX_ATTEMPTS
+
+    def _attempt(self, plan: BucketPlan, state: Mapping[str, torch.Tensor], version: int,
+                 members: list[str]) -> list[str]:
+        """One try over ``members``: the members that acked (empty when someone was evicted)."""
+        fresh = self._group is None or self._group.members != tuple(members)
+        if fresh:
+            self._drop()
+            self._epoch += 1
+        self._announce(plan, version, members)
+        if fresh and not self._rendezvous(members):
+            return []
+        assert self._group is not None
+        started = time.monotonic()
+        self._send(self._group.transport, plan, state)
+        sent = time.monotonic()
+        departed, late = self._wait_acks(members, version)
+        self._phases = {"timing/weight_send": sent - started,
+                        "timing/weight_ack": time.monotonic() - sent}
+        if departed:  # the others are re-sent this version in the next attempt's epoch
+            self._evict(departed, "gone before its ack: dead or stopped on the control plane")
+            return []
+        if late:
+            self._evict(late, f"no ack within {self._cfg.timeout_s:.1f}s")
+            return []
+        return members
+
+    def _send(self, transport: WeightTransport, plan: BucketPlan,
+              state: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast every bucket, packing bucket i+1 while bucket i is on the wire.
+
+        Double buffering: bucket i is packed into staging slot i % 2, whose previous user,
+        bucket i-2, was waited for before bucket i-1 went out. A failed ``wait`` raises with
+        later broadcasts still pending; the caller drops (aborts) the group, which ends them.
+        """
+        if not plan.bucket_nbytes:
+            return
+        staging = self._staging_for(plan, state)
+        pending: Pending | None = None
+        for index in range(len(plan.bucket_nbytes)):
+            out = staging.slot(index) if staging.holds(index) else None
+            work = transport.send(pack_bucket(plan, index, state, out))
+            if pending is not None:
+                pending.wait()
+            pending = work
+        if pending is not None:
+            pending.wait()
+
+    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> BucketBuffers:
+        device = next(iter(state.values())).device
+        if self._staging is None or not self._staging.fits(plan, device):
+            self._staging = None  # let the old buffers go before allocating the new ones
+            self._staging = BucketBuffers(plan, device, slots=2, skip_lone=True)
+            logger.info("weights: staging buffers for %d buckets: %.1f MB",
+                        len(plan.bucket_nbytes), self._staging.nbytes / 1e6)
+        return self._staging
+
+    def _announce(self, plan: BucketPlan, version: int, members: list[str]) -> None:
+        manifest, buckets = plan.to_json()
+        self._control.set_key(ANNOUNCE_KEY, {
+            "version": version, "epoch": self._epoch, "members": members,
+            "store": self.address, "group": group_name(self._token, self._epoch),
+            "transport": self._cfg.transport, "transport_opts": self._transport_opts,
+            "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
+
+    def _rendezvous(self, members: list[str]) -> bool:
+        """Wait for every member's join, then say go (and create the group) or no-go.
+        No-go evicts who departed (the others that had not joined yet get the next
+        attempt's full wait) or, failing that, who did not join in time."""
+        epoch = self._epoch
+
+        def joined(value: dict[str, Any]) -> bool:
+            return value.get("epoch") == epoch and value.get("store") == self.address
+
+        departed, late = self._await(join_key, members, joined)
+        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
+                                          "go": not departed and not late})
+        if departed:
+            self._evict(departed, "gone while joining: dead or stopped on the control plane")
+            return False
+        if late:
+            self._evict(late, f"did not join within {self._cfg.timeout_s:.1f}s")
+            return False
+        transport = self._transport_class(host=self._host, timeout_s=self._cfg.timeout_s,
+                                          **self._transport_opts)
+        transport.connect(self._store, group_name(self._token, epoch), 0, len(members) + 1)
+        self._group = _Group(epoch, tuple(members), transport)
+        logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
+        return True
+
+    def _wait_acks(self, members: list[str], version: int) -> tuple[list[str], list[str]]:
+        """``(departed, late)``: members that departed before acking ``version`` in this
+        epoch, and those that did not ack it within ``timeout_s`` (see :meth:`_await`)."""
+        epoch = self._epoch
+
+        def acked(value: dict[str, Any]) -> bool:
+            return (value.get("version", -1) >= version and value.get("epoch") == epoch
+                    and value.get("store") == self.address)
+
+        return self._await(ack_key, members, acked)
+
+    def close(self) -> None:
+        """Tell receivers to leave (an announcement without members), drop the group, stop
+        the store. No barrier: a receiver may be gone, and an idle one needs none."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._control.set_key(ANNOUNCE_KEY, {"version": -1, "epoch": self._epoch + 1,
+                                                 "members": [], "store": self.address,
+                                                 "closed": True})
+        except (TimeoutError, RuntimeError) as exc:
+            logger.warning("weights: could not announce the close: %s", exc)
+        self._drop()
+        self._staging = None
+        del self._store  # the store server stops with its last reference

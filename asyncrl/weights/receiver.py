@@ -1,0 +1,215 @@
+"""Rollout side of the weight sync: :class:`WeightReceiver`, one background thread per engine.
+
+It follows the announcements of :class:`asyncrl.weights.broadcaster.WeightBroadcaster` (the
+format and handshake are documented there), joins the epoch's group over the announced
+transport (:mod:`asyncrl.weights.transport`), receives every bucket, hands the named tensors
+to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so a lost
+learner or a broken group costs one timeout, after which the next announcement is served;
+``stop`` is seen within a long-poll slice except during a transfer.
+
+Receive buffers are a pool reused across updates (one slot per bucket, rebuilt when the plan
+changes, dropped when the group is): fresh ones page-fault on every byte. All of an update's
+broadcasts are posted at once, so bucket *i+1* lands while bucket *i* is unpacked. ``apply`` is
+called once, after the last bucket, with every tensor of the update: one call is the commit,
+so an engine never generates with half of a new version, and its pause (the time it holds
+its own lock) is the commit alone, not the transfer.
+
+Two kinds of commit. By default ``apply`` gets views into the pool, valid only until it
+returns, and copies them into the engine (``load_weights``): the pause is one memcpy of the
+model. With ``adopt=True`` the receiver keeps TWO pools and alternates them, so the tensors
+``apply`` gets stay untouched until the update after next; the engine may then make them its
+parameters without a copy (``TorchEngine.adopt_weights``: a pointer swap per tensor). The
+update after next lands in the other pool, which by then the engine has let go of (it adopted
+the next update's). Memory: two pools, the engine's original parameters are released by its
+first adoption, so about the same as one pool plus the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.control_plane import BufferStopped, ControlPlane
+from asyncrl.weights.plan import BucketBuffers, BucketPlan, unpack_bucket
+from asyncrl.weights.rendezvous import (
+    ANNOUNCE_KEY,
+    GROUP_KEY,
+    ack_key,
+    await_key,
+    dial_store,
+    join_key,
+)
+from asyncrl.weights.transport import WeightTransport, make_transport
+
+logger = logging.getLogger(__name__)
+
+Apply = Callable[[dict[str, torch.Tensor], int], None]
+
+
+class WeightReceiver:
+    """Receives weight updates for ``member`` on a daemon thread and calls ``apply``.
+
+    ``control`` must be a client of its own: only the receiver's thread uses it (clients are
+    not thread-safe), so the caller opens one for it, and closes it after :meth:`stop`.
+    ``apply(named, version)`` is called once per update with every tensor of it; the tensors
+    view reused receive buffers, so they are valid only until ``apply`` returns (copy what you
+    keep), unless ``adopt``: then they stay valid until ``apply`` is called with the next
+    update, so the engine may keep them as its weights. ``host`` is the address this end of
+    the group binds (``weights.host``).
+    """
+
+    def __init__(self, control: ControlPlane, member: str, apply: Apply,
+                 host: str = "127.0.0.1", poll_s: float = 0.25, adopt: bool = False) -> None:
+        self.member = member
+        self._control = control
+        self._apply = apply
+        self._host = host
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._version_cv = threading.Condition()
+        self._last_version = -1
+        self._seq = 0  # sequence number of the last announcement handled
+        self._transport: WeightTransport | None = None  # this end of the epoch's group
+        self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._transport
+        self._store: dist.TCPStore | None = None
+        self._adopt = adopt
+        # receive buffers, reused while the plan holds; two when the engine adopts tensors
+        self._pools: list[BucketBuffers | None] = [None, None] if adopt else [None]
+        self._next_pool = 0  # adopt: the pool the engine does not hold
+        self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
+
+    @property
+    def last_version(self) -> int:
+        """Version of the last update applied and acked (-1 before the first)."""
+        with self._version_cv:
+            return self._last_version
+
+    def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Block until ``last_version >= version``; False after ``timeout`` seconds."""
+        with self._version_cv:
+            return self._version_cv.wait_for(lambda: self._last_version >= version, timeout)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the thread to end and join it (within a poll slice unless mid-transfer)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("weights: receiver %s still busy after %.1fs", self.member,
+                               timeout)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self._control.get_key(ANNOUNCE_KEY, newer_than=self._seq,
+                                            timeout_s=self._poll_s)
+                if got is not None:
+                    self._seq, announcement = got
+                    self._serve(announcement)
+            except BufferStopped:  # the role is stopping, and its broker does not answer
+                break
+            except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
+                logger.warning("weights: receiver %s left its group: %s", self.member,
+                               str(exc).splitlines()[0][:200] if str(exc) else repr(exc))
+                self._leave()
+            except Exception:  # noqa: BLE001 - keep serving; the next announcement may work
+                logger.exception("weights: receiver %s failed; leaving the group", self.member)
+                self._leave()
+        self._leave()
+
+    def _serve(self, ann: dict[str, Any]) -> None:
+        members = ann.get("members", [])
+        if self.member not in members:
+            self._leave()  # evicted, or the broadcaster closed
+            return
+        group_id = (ann["store"], int(ann["epoch"]))
+        if self._group_id != group_id:
+            self._leave()
+            if not self._join(ann, members.index(self.member) + 1, len(members) + 1):
+                return
+        version = int(ann["version"])
+        named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]))
+        self._apply(named, version)
+        if self._adopt:  # the engine holds this pool now: the next update uses the other
+            self._next_pool = 1 - self._next_pool
+        with self._version_cv:
+            self._last_version = version
+            self._version_cv.notify_all()
+        self._control.set_key(ack_key(self.member), {"version": version, "epoch": group_id[1],
+                                                     "store": group_id[0]})
+
+    def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
+        """The epoch handshake, then the group. False if the epoch went on without us."""
+        if not self._handshake(ann):
+            return False
+        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
+        self._store = dial_store(store, timeout_s)
+        transport = make_transport(ann["transport"], host=self._host, timeout_s=timeout_s,
+                                   **ann.get("transport_opts", {}))
+        transport.connect(self._store, ann["group"], rank, world)
+        self._transport, self._group_id = transport, (store, epoch)
+        logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
+        return True
+
+    def _handshake(self, ann: dict[str, Any]) -> bool:
+        """Join → go through the control plane, before anyone creates the epoch's group.
+        False if the epoch went on without us (stale announcement, no-go, or no answer in
+        time). Shared with peers whose group member is another process (SGLang)."""
+        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
+        current = self._control.get_key(GROUP_KEY, 0, 0.0)
+        if current is not None and current[1].get("store") == store \
+                and current[1].get("epoch", -1) >= epoch:
+            logger.info("weights: %s skips epoch %d, already decided", self.member, epoch)
+            return False
+        self._control.set_key(join_key(self.member), {"epoch": epoch, "store": store})
+        decision = await_key(
+            self._control, GROUP_KEY,
+            lambda v: v.get("store") == store and v.get("epoch", -1) >= epoch,
+            time.monotonic() + 2 * timeout_s, current[0] if current else 0, self._stop,
+            self._poll_s)
+        return decision is not None and decision.get("epoch") == epoch \
+            and bool(decision.get("go"))
+
+    def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
+        """Every bucket into the pool: all receives are posted first (they complete in
+        order), then each is waited for and unpacked while the next ones arrive."""
+        transport = self._transport
+        assert transport is not None
+        pool = self._pool_for(plan, transport.buffer_device())
+        buffers = [pool.slot(index) for index in range(len(plan.bucket_nbytes))]
+        works = [transport.receive(flat) for flat in buffers]
+        named: dict[str, torch.Tensor] = {}
+        for index, (work, flat) in enumerate(zip(works, buffers)):
+            work.wait()
+            named.update(unpack_bucket(plan, index, flat))
+        return named
+
+    def _pool_for(self, plan: BucketPlan, device: torch.device) -> BucketBuffers:
+        index = self._next_pool
+        pool = self._pools[index]
+        if pool is None or not pool.fits(plan, device):
+            self._pools[index] = None  # let the old buffers go before allocating the new ones
+            pool = self._pools[index] = BucketBuffers(plan, device,
+                                                      slots=len(plan.bucket_nbytes))
+            logger.info("weights: %s receive pool %d for %d buckets: %.1f MB", self.member,
+                        index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
+        return pool
+
+    def _leave(self) -> None:
+        """Drop the group (aborting any broadcast still pending into the pool) and the pool
+        with it, so that no aborted receive can write into buffers a later update reads."""
+        if self._transport is not None:
+            self._transport.close()
+        self._transport, self._group_id, self._store = None, None, None
+        self._pools = [None] * len(self._pools)  # an adopted pool lives on in the engine
