@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     --no-loadscope-reorder``: a file at a time per worker, in this order).
 
     First the files with a ``slow`` test (whole runs of 30-90 s), then those with a
-    module-scoped fixture (a Ray cluster, the 9-process DeepSpeed comparison, a vLLM server),
+    module-scoped fixture (a Ray cluster, the DeepSpeed comparison runs, a vLLM server),
     then the rest, each file's tests together and in order: the short files then fill the
     end of the run on both workers, where one worker's last long file would otherwise leave
     the other core idle."""
