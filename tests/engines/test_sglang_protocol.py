@@ -1,5 +1,5 @@
 """SglangEngine and SglangWeightPeer against a protocol fixture, because SGLang cannot be
-installed on these CPU machines (it pins a CUDA torch build; see ``notes/vllm-cpu.md``).
+installed on these CPU machines (it pins a CUDA torch build).
 
 The fixture (``tests/engines/sglang_fixture.py``) is a real HTTP server on 127.0.0.1 that
 validates every request body against the documented SGLang 0.5.x request schemas
