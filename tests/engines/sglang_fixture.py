@@ -1,5 +1,6 @@
 """A stand-in for an SGLang server, because SGLang cannot be installed on these CPU machines
-(it pins a CUDA torch build). It is NOT SGLang: it is a protocol fixture that behaves as SGLang 0.5.x does at its HTTP and process-group boundaries.
+(it pins a CUDA torch build). It is NOT SGLang: it is a protocol fixture that behaves as
+SGLang 0.5.x does at its HTTP and process-group boundaries.
 
 * Every request body is validated against the documented SGLang request schemas
   (``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` and its sampling params,
