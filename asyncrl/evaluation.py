@@ -2,7 +2,7 @@
 
 Learner rank 0 evaluates every ``eval.every_steps`` and at the end of the run, yet scoring
 needs an engine and the task's workflow, which live in ``rollouters``. The learner sees only
-this protocol; the composition root (``asyncrl.roles``, ``asyncrl.ray_launch``) hands
+this protocol; the composition root (``asyncrl.launch.roles``, ``asyncrl.launch.ray``) hands
 :func:`learners.loop.run_learner_rank` a factory built from the rollouters' code
 (:class:`rollouters.eval.EngineEvaluator`), so neither package imports the other.
 """

@@ -54,7 +54,7 @@ MODULES = _modules()
 
 def _layer(module: str) -> str | None:
     """The layer of a module of ours (None: not ours, e.g. torch). A name inside an entry
-    module (``asyncrl.roles.run_learner``) is in the entry layer too."""
+    module (``asyncrl.launch.roles.run_learner``) is in the entry layer too."""
     top = module.split(".")[0]
     if top not in PACKAGES:
         return None
