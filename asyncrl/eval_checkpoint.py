@@ -66,12 +66,14 @@ def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
     """`asyncrl eval`: the periodic validation, alone, on the weights at ``checkpoint``."""
     import torch
 
-    from asyncrl.models import EOS_ID, PAD_ID
+    from asyncrl.tokens import special_tokens
     from rollouters.engines.torch_engine import TorchEngine
     from rollouters.eval import make_evaluator
 
     torch.set_num_threads(cfg.rollout.threads)
     model, version, model_dir = load_policy(cfg, checkpoint)
-    engine = TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, version=max(version, 0))
+    special = special_tokens(model_dir)
+    engine = TorchEngine(model, eos_ids=special.eos_ids, pad_id=special.pad_id,
+                         version=max(version, 0))
     return {"checkpoint": str(checkpoint), "version": version,
             **make_evaluator(cfg, model_dir)(engine)}

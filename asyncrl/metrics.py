@@ -23,7 +23,9 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``response_length/mean``       generated tokens per trained sample (``/max``, ``/min``)
 ``perf/trained_tokens``        trained tokens in the step (all ranks)
 ``perf/trained_tokens_per_s``  trained tokens over the step's wall time
-``val/test_score/<task>``      held-out greedy exact-match accuracy (``eval.every_steps``);
+``val/test_score/<task>``      held-out greedy score (``eval.every_steps``): exact-match
+                               accuracy (digit tasks) or mean return (workflows, whose
+                               exact rate is ``val/success/<task>``);
                                ``val/position_score/<task>``, ``val/num_prompts/<task>``
 ``staleness/mean``, ``/max``   V − min token version of the consumed samples;
                                ``staleness/consumed_version_min``, ``…_max``

@@ -55,7 +55,10 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] | list[str] = ()
     agent tasks): one token per digit, special and extra tokens matched whole.
 
     Built in code (no hub download) so the tiny model needs no files beyond the run directory.
-    Extra tokens come last, so the ids of :data:`VOCAB` never move.
+    Extra tokens come last, so the ids of :data:`VOCAB` never move. They are ordinary tokens,
+    not special ones: decoding with ``skip_special_tokens`` keeps them, so a reward sees
+    ``10+1``, not ``101``. A character outside the vocabulary encodes as ``<pad>``, declared
+    as the unknown token so that :func:`asyncrl.tokens.encode_strict` can refuse it.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     with _LAZY_IMPORTS:
@@ -67,10 +70,11 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] | list[str] = ()
     # Added (special) tokens are split out before pre-tokenization; what is left is digits.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()  # "1234", not "1 2 3 4"
-    backend.add_special_tokens(SPECIAL + vocab[len(VOCAB):])
+    backend.add_special_tokens(SPECIAL)
+    backend.add_tokens(vocab[len(VOCAB):])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>",
                                         eos_token="<eos>", pad_token="<pad>", sep_token="<sep>",
-                                        padding_side="left")
+                                        unk_token="<pad>", padding_side="left")
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     return tokenizer
 

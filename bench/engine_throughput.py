@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # EOS outside the vocabulary: no row finishes early, every call does the same work.
-    engine = TorchEngine(model, eos_id=shape["vocab_size"], pad_id=PAD_ID, device=device,
+    engine = TorchEngine(model, eos_ids=(shape["vocab_size"],), pad_id=PAD_ID, device=device,
                          seed=0)
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),

@@ -80,7 +80,7 @@ def receiver_main(address: str, member: str, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     engine = TorchEngine(build_model(args.hidden, args.layers, args.vocab, args.torch_dtype),
-                         eos_id=0, pad_id=0)
+                         eos_ids=(0,), pad_id=0)
     beats, own = ZmqBufferClient(address, 60.0), ZmqBufferClient(address, 60.0)
     applies: list[float] = []
 

@@ -27,12 +27,15 @@ from learners.losses.advantages import gae_advantages, outcome_token_rewards
 
 
 class ValueModel(nn.Module):
-    """The causal LM's decoder (``.model``, so it shards like the actor) + a scalar head."""
+    """The causal LM's decoder (its ``base_model``: ``.model`` for Llama, ``.transformer``
+    for GPT-2) + a scalar head; it declares the LM's decoder blocks, so it shards like the
+    actor (:func:`learners.backends.fsdp2.decoder_blocks`)."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
         super().__init__()
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        self.model = lm.model
+        self.model = lm.base_model
+        self._no_split_modules = list(lm._no_split_modules or ())
         self.head = nn.Linear(lm.config.hidden_size, 1, dtype=dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

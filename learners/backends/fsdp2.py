@@ -65,25 +65,44 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
 
 def shard_model(model: nn.Module, world: int, device_type: str,
                 param_dtype: torch.dtype = torch.float32, checkpointing: bool = False) -> None:
-    """``fully_shard`` each decoder layer, then the root (which holds embeddings, norm, head).
+    """``fully_shard`` each decoder block, then the root (which holds embeddings, norm, head).
 
+    Blocks are found by class, as the model declares them in ``_no_split_modules`` (what
+    ``transformers`` itself never splits across devices: ``Qwen2DecoderLayer``, ``GPT2Block``,
+    ``LlamaDecoderLayer``...), not by an attribute path, so any HF causal LM shards.
     ``param_dtype`` below fp32 is FSDP2 mixed precision: the sharded fp32 master weights are
     cast when gathered for compute, gradients are reduced in fp32 and AdamW steps in fp32.
-    ``checkpointing`` wraps each layer first so its activations are recomputed in backward
+    ``checkpointing`` wraps each block first so its activations are recomputed in backward
     (state-dict names are unchanged: torch's state-dict helpers strip the wrapper's prefix).
     """
     mesh = init_device_mesh(device_type, (world,))
-    decoder = getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no .model.layers to shard")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for i, layer in enumerate(layers):
+    for name in decoder_blocks(model):
+        block = model.get_submodule(name)
         if checkpointing:
-            layer = checkpoint_wrapper(layer)
-            layers[i] = layer
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+            parent, _, attr = name.rpartition(".")
+            block = checkpoint_wrapper(block)
+            setattr(model.get_submodule(parent), attr, block)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def decoder_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the model's decoder blocks: the modules whose class is one of its
+    ``_no_split_modules`` (outermost only). Raises naming ``learner.backend`` if there are
+    none, since FSDP2 would then gather the whole model at once."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and not any(
+                name.startswith(outer + ".") for outer in names):
+            names.append(name)
+    if not names:
+        raise ValueError(
+            f"learner.backend = \"fsdp2\" cannot shard {type(model).__name__}: it declares no "
+            f"decoder block class in _no_split_modules ({sorted(classes) or 'none'}) that "
+            "occurs in the model; use learner.backend = \"deepspeed\", which needs none")
+    return names
 
 
 class Fsdp2Trainer:

@@ -22,29 +22,31 @@ if TYPE_CHECKING:
 def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
     """The engine ``cfg.rollout.engine`` names, for rollout worker ``index``."""
     from asyncrl.devices import resolve_device
-    from asyncrl.models import EOS_ID, PAD_ID
 
     kind = cfg.rollout.engine
     seed = cfg.run.seed * 1000 + index
-    if kind == "vllm-server":
-        from rollouters.engines.vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine(_server_url(cfg, index), eos_id=EOS_ID,
-                                timeout_s=cfg.rollout.request_timeout_s)
-    if kind == "sim":
-        from asyncrl.models import DIGIT_OFFSET
+    if kind == "sim":  # the tiny vocabulary's digits, no model
+        from asyncrl.models import DIGIT_OFFSET, EOS_ID
         from rollouters.engines.sim import SimEngine
 
         return SimEngine(cfg.sim, eos_id=EOS_ID, token_ids=range(DIGIT_OFFSET, DIGIT_OFFSET + 10),
                          seed=seed)
     if kind == "sglang":
         return _sglang_engine(cfg, model_dir, index, seed)
+    from asyncrl.tokens import special_tokens
+
+    special = special_tokens(model_dir)  # the model's own EOS and pad ids
+    if kind == "vllm-server":
+        from rollouters.engines.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(_server_url(cfg, index), eos_ids=special.eos_ids,
+                                timeout_s=cfg.rollout.request_timeout_s)
     device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
     if kind == "vllm":
         from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
 
         r = cfg.rollout
-        opts = VLLMOptions(eos_id=EOS_ID, dtype=cfg.model.dtype,
+        opts = VLLMOptions(eos_ids=special.eos_ids, dtype=cfg.model.dtype,
                            device="cpu" if device == "cpu" else "cuda", seed=seed,
                            kv_cache_memory_mb=r.vllm.kv_cache_memory_mb,
                            gpu_memory_utilization=r.vllm.gpu_memory_utilization,
@@ -55,8 +57,9 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
         from asyncrl.models import load_causal_lm
         from rollouters.engines.torch_engine import TorchEngine
 
-        return TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device), eos_id=EOS_ID,
-                           pad_id=PAD_ID, device=device, seed=seed)
+        return TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device),
+                           eos_ids=special.eos_ids, pad_id=special.pad_id, device=device,
+                           seed=seed)
     raise ValueError(f"unknown rollout.engine {kind!r}")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +41,14 @@ class TorchEngine:
     to interleave weight loads deterministically.
     """
 
-    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, version: int = 0,
+    def __init__(self, model: torch.nn.Module, eos_ids: Sequence[int], pad_id: int,
+                 version: int = 0,
                  device: str | torch.device = "cpu", seed: int | None = None,
                  on_step: Callable[[int], None] | None = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        self.eos_id = eos_id
+        self.eos_ids = tuple(eos_ids)  # any of them ends a row (asyncrl.tokens)
+        self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.pad_id = pad_id
         self.on_step = on_step
         self._version = version
@@ -117,7 +119,7 @@ class TorchEngine:
         batch.tokens.append(token)
         batch.logprobs.append(logp.gather(-1, token[:, None])[:, 0])
         batch.versions.append(version)
-        batch.finished = batch.finished | (token == self.eos_id)
+        batch.finished = batch.finished | torch.isin(token, self._eos)
         return out.past_key_values
 
     def _completions(self, batch: _Batch) -> list[Completion]:
@@ -125,10 +127,10 @@ class TorchEngine:
         logprobs = torch.stack(batch.logprobs, dim=1).tolist()
         result = []
         for row_tokens, row_logprobs in zip(tokens, logprobs):
-            if self.eos_id in row_tokens:
-                length, reason = row_tokens.index(self.eos_id) + 1, "stop"
-            else:
-                length, reason = len(row_tokens), "length"
+            length = next((i + 1 for i, t in enumerate(row_tokens) if t in self.eos_ids),
+                          None)
+            reason = "length" if length is None else "stop"
+            length = length or len(row_tokens)
             result.append(Completion(tokens=row_tokens[:length], logprobs=row_logprobs[:length],
                                      versions=batch.versions[:length], finish_reason=reason))
         return result

@@ -39,7 +39,7 @@ CPU_MIN_HEAD_DIM = 32
 class VLLMOptions:
     """What the engine needs beyond the model directory (mapped from ``RolloutConfig``)."""
 
-    eos_id: int
+    eos_ids: tuple[int, ...]  # any of them ends a row (asyncrl.tokens)
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -118,7 +118,7 @@ class VLLMEngine:
         configure_process_env(opts.device)
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.eos_id = opts.eos_id
+        self.eos_ids = tuple(opts.eos_ids)
         self.on_step = on_step
         self._version = version
         self._lock = threading.Lock()  # one scheduler step, or one weight update
@@ -158,7 +158,7 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(n=1, temperature=temperature, max_tokens=max_new_tokens,
-                              logprobs=0, stop_token_ids=[self.eos_id], ignore_eos=True,
+                              logprobs=0, stop_token_ids=list(self.eos_ids), ignore_eos=True,
                               detokenize=False,
                               output_kind=RequestOutputKind.DELTA)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,13 +54,13 @@ class ServerError(RuntimeError):
 class VLLMServerEngine:
     """Implements :class:`~rollouters.engines.base.Engine` against one vLLM server.
 
-    ``eos_id`` None: no stop token, every row runs to ``max_new_tokens``.
+    ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``.
     """
 
-    def __init__(self, url: str, eos_id: int | None, timeout_s: float = 120.0,
+    def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
                  host: str = "127.0.0.1") -> None:
         self.url = url.rstrip("/")
-        self.eos_id = eos_id
+        self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
         self.timeout_s = timeout_s
         self._host = host  # address the transfer group's store binds (the server dials it)
         self._update_lock = threading.Lock()
@@ -81,8 +81,8 @@ class VLLMServerEngine:
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = {"n": n, "temperature": 0.0 if greedy else temperature,
                   "max_tokens": max_new_tokens, "logprobs": 0,
-                  "stop_token_ids": [] if self.eos_id is None else [self.eos_id],
-                  "ignore_eos": True, "detokenize": False}  # our eos_id, not the model's
+                  "stop_token_ids": list(self.eos_ids),
+                  "ignore_eos": True, "detokenize": False}  # exactly these ids, every server
         workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
         with ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
             return list(pool.map(lambda p: self._generate_one(p, params), prompts))

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from asyncrl.tokens import encode_strict, tokens_of
 
 ToolFormat = Literal["hermes", "compact"]
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -50,19 +53,20 @@ def parse_tool_call(text: str, fmt: ToolFormat) -> ToolCall | None:
 class ChatFormat:
     """Token-level rendering of a conversation through ``tokenizer``'s chat template."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template: multi-turn workflows need one "
                              "(model.path's tokenizer_config.json, or the tiny model's)")
         self.tokenizer = tokenizer
-        self.eos_token = tokenizer.eos_token or ""
+        # The model's EOS ids (asyncrl.tokens.special_tokens), else the tokenizer's own.
+        self._eos_ids = frozenset(tokens_of(tokenizer).eos_ids if eos_ids is None else eos_ids)
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_strict(self.tokenizer, text)
 
     def prompt_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render(messages, generation_prompt=True))
@@ -79,8 +83,8 @@ class ChatFormat:
         return self.encode(after[len(before):])
 
     def decode_response(self, tokens: list[int]) -> str:
-        """The text of a model turn, without its end-of-turn token."""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-        if self.eos_token and text.endswith(self.eos_token):
-            text = text[: -len(self.eos_token)]
-        return text
+        """The text of a model turn, without the EOS token that ended it (any of the model's
+        EOS ids)."""
+        if tokens and tokens[-1] in self._eos_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)

@@ -85,17 +85,23 @@ def make_workflow(cfg: Config, tokenizer: Any, seed: int) -> Workflow:
         return workflow
     from rollouters.workflows.chat import ChatFormat
 
+    def chat() -> ChatFormat:  # turns end at any of the model's EOS ids, as engines stop
+        from asyncrl.tokens import special_tokens
+
+        model = getattr(tokenizer, "name_or_path", "")
+        return ChatFormat(tokenizer, special_tokens(model, tokenizer).eos_ids if model else None)
+
     if wf.type == "multi_turn":
         from rollouters.workflows.multi_turn import MultiTurnWorkflow
 
-        return MultiTurnWorkflow(make_env_factory(cfg, seed), ChatFormat(tokenizer),
+        return MultiTurnWorkflow(make_env_factory(cfg, seed), chat(),
                                  wf.tool_format, wf.max_turns, wf.system_prompt)
     if wf.type == "single_turn":
         from rollouters.rewards import make_reward
         from rollouters.workflows.single_turn import SingleTurnWorkflow
 
         return SingleTurnWorkflow(tokenizer, make_reward(cfg.reward),
-                                  ChatFormat(tokenizer) if wf.chat_template else None,
+                                  chat() if wf.chat_template else None,
                                   wf.system_prompt)
     raise ValueError(f"workflow.type {wf.type!r} has no episode workflow (digits use "
                      "rollouters.workflows.single_turn.generate_groups)")

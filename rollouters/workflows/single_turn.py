@@ -61,7 +61,9 @@ class SingleTurnWorkflow:
 
     def prompt_tokens(self, sample: Sample) -> list[int]:
         if self.chat is None:
-            return list(self.tokenizer.encode(sample.prompt, add_special_tokens=True))
+            from asyncrl.tokens import encode_strict
+
+            return encode_strict(self.tokenizer, sample.prompt, add_special_tokens=True)
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt \
             else []
         return self.chat.prompt_tokens([*messages, {"role": "user", "content": sample.prompt}])

@@ -85,7 +85,7 @@ def vllm_engine(vllm_env: dict[str, str], tiny_model_dir: Path) -> Iterator[obje
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    engine = VLLMEngine(tiny_model_dir, VLLMOptions(eos_id=EOS_ID, seed=0))
+    engine = VLLMEngine(tiny_model_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0))
     logger.info("vLLM engine started in %.1fs", time.perf_counter() - start)
     try:
         yield engine

@@ -166,7 +166,7 @@ class FakeSglang:
             from rollouters.engines.torch_engine import TorchEngine
 
             self.eos_id = EOS_ID
-            self.engine = TorchEngine(load_causal_lm(model_dir, dtype, "cpu"), eos_id=EOS_ID,
+            self.engine = TorchEngine(load_causal_lm(model_dir, dtype, "cpu"), eos_ids=(EOS_ID,),
                                       pad_id=PAD_ID, seed=seed)
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -49,7 +49,7 @@ def _reference_engine(model_dir: Path, state: dict):
 
     model = load_causal_lm(model_dir)
     model.load_state_dict(state)
-    return TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, seed=0)
+    return TorchEngine(model, eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0)
 
 
 def _flat(groups: list[list[Completion]]) -> list[Completion]:

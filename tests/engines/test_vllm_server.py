@@ -1,7 +1,7 @@
 """An external vLLM server, attached through its RL routes (real server subprocess).
 
-The server is started exactly as an operator would (``python -m
-vllm.entrypoints.openai.api_server`` with :func:`server_args`); the engine under test only talks
+The server is started exactly as an operator would, with the command docs/engines.md gives
+(``python -m rollouters.engines.vllm_launch MODEL_DIR --port P``); the engine under test only talks
 HTTP to it and broadcasts weights on the ``asyncrl_gloo`` transfer group.
 """
 
@@ -60,21 +60,19 @@ def _healthy(url: str, proc: subprocess.Popen, log: Path) -> bool:
 @pytest.fixture(scope="module")
 def server_url(vllm_env: dict[str, str], tiny_model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from rollouters.engines.vllm_server import server_args
-
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # The documented command (docs/engines.md), with two test-only flags after "--":
     # --max-num-seqs: every row of the in-flight test runs at once (vLLM's CPU default, stated);
     # --enable-server-load-tracking: /load counts the generate requests the server holds.
-    args = server_args(str(tiny_model_dir), "127.0.0.1", port) + [
-        "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-server-load-tracking"]
-    env = dict(os.environ, **vllm_env, VLLM_SERVER_DEV_MODE="1",
+    argv = [sys.executable, "-m", "rollouters.engines.vllm_launch", str(tiny_model_dir),
+            "--port", str(port), "--device", "cpu", "--",
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-server-load-tracking"]
+    env = dict(os.environ, **vllm_env,
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                                 *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=ROOT, start_new_session=True)
     try:
         wait_for(lambda: _healthy(url, proc, log), 180, "the vLLM server to be healthy")
@@ -93,7 +91,7 @@ def server_engine(server_url: str, reference_state: dict):
     """Attached and synced once (that joins the transfer group, as a worker's first update)."""
     from rollouters.engines.vllm_server import VLLMServerEngine
 
-    engine = VLLMServerEngine(server_url, eos_id=EOS_ID)
+    engine = VLLMServerEngine(server_url, eos_ids=(EOS_ID,))
     assert engine.version == 0
     engine.load_weights(reference_state.items(), version=0)
     yield engine
@@ -187,7 +185,7 @@ def test_server_in_flight_update_keeps_requests(server_engine, server_url: str,
     n, length = 8, 48
     prompts = (PROMPTS * MAX_NUM_SEQS)[:MAX_NUM_SEQS // n]  # 16 requests, 128 rows: one batch
     rows = len(prompts) * n
-    long_rows = VLLMServerEngine(server_url, eos_id=None)  # rows run to max_new_tokens
+    long_rows = VLLMServerEngine(server_url, eos_ids=())  # rows run to max_new_tokens
     old, new = server_engine.version, server_engine.version + 1
     result: list = []
     thread = threading.Thread(target=lambda: result.append(

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 def _producer(name: str, tmp_path: Path) -> tuple[EpisodeProducer, Path]:
     cfg = load_config(ROOT / "examples" / "agent" / name, [f"run.output_dir={tmp_path}"])
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-    engine = TorchEngine(load_causal_lm(model_dir), eos_id=EOS_ID, pad_id=PAD_ID, seed=0)
+    engine = TorchEngine(load_causal_lm(model_dir), eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0)
     return EpisodeProducer(cfg, engine, model_dir, 0), cfg.run_dir
 
 

@@ -148,7 +148,7 @@ def test_adapter_update_carries_only_scaled_adapters() -> None:
 # --- torch engine merge ---------------------------------------------------------------------
 
 def _engine() -> TorchEngine:
-    return TorchEngine(_tiny(), eos_id=EOS_ID, pad_id=PAD_ID, seed=0)
+    return TorchEngine(_tiny(), eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0)
 
 
 def _merged(seed: int) -> dict[str, torch.Tensor]:

@@ -123,3 +123,22 @@ def test_prepare_model_dir_never_publishes_a_dir_without_the_model(tmp_path: Pat
     assert (out / "rank1.txt").read_text().startswith("refused: ")
     assert "config.json" in (out / "rank1.txt").read_text()
     assert not (out / "rank1" / "init_model").exists()
+
+
+def test_extra_tokens_stay_in_the_text_a_reward_sees(tmp_path: Path) -> None:
+    """``+`` (an extra token) survives ``skip_special_tokens`` decoding after a save and load:
+    ``10+1`` reaches the reward as ``10+1``, not ``101``."""
+    build_char_tokenizer(["+"]).save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    ids = tokenizer.encode("10+1", add_special_tokens=False)
+    assert len(ids) == 4 and tokenizer.convert_ids_to_tokens(ids[2]) == "+"
+    assert tokenizer.decode([BOS_ID, *ids, EOS_ID], skip_special_tokens=True) == "10+1"
+
+
+def test_characters_outside_the_vocabulary_are_refused_not_padded() -> None:
+    from asyncrl.tokens import encode_strict
+
+    tokenizer = build_char_tokenizer(["+"])
+    assert encode_strict(tokenizer, "1+2") == tokenizer.encode("1+2", add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"'-x' cannot be encoded .*model.tiny.extra_tokens"):
+        encode_strict(tokenizer, "1-2x")

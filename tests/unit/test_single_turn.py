@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 def _engine() -> TorchEngine:
     model = build_tiny_model(TinyModelConfig(), len(VOCAB), seed=0)
-    return TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, version=3, seed=0)
+    return TorchEngine(model, eos_ids=(EOS_ID,), pad_id=PAD_ID, version=3, seed=0)
 
 
 def test_groups_are_consistent_and_round_trip() -> None:

@@ -26,7 +26,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 
 def _engine(seed: int = 0, **kwargs) -> TorchEngine:
-    return TorchEngine(_model(seed), eos_id=EOS_ID, pad_id=PAD_ID, seed=0, **kwargs)
+    return TorchEngine(_model(seed), eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0, **kwargs)
 
 
 def _bias_logit(engine: TorchEngine, token: int, amount: float) -> None:

@@ -104,7 +104,7 @@ def test_tool_call_formats() -> None:
 
 def test_episodes_on_a_real_engine_batch_and_survive_the_wire() -> None:
     model = build_tiny_model(TinyModelConfig(), len(TOKENIZER), seed=0)
-    engine = TorchEngine(model, eos_id=EOS_ID, pad_id=PAD_ID, version=2, seed=0)
+    engine = TorchEngine(model, eos_ids=(EOS_ID,), pad_id=PAD_ID, version=2, seed=0)
     batching = BatchingEngine(engine, temperature=1.0, max_new_tokens=5)
     runner = EpisodeRunner(_workflow(), batching, max_staleness=2)
     samples = LookupEnv.samples(__import__("random").Random(0), 3)
