@@ -40,15 +40,15 @@ class BatchFeed:
         self.filter_counts: dict[str, int] = {}
 
     @classmethod
-    def connect(cls, ctx: RankContext) -> BatchFeed:
+    def connect(cls, ctx: RankContext, pad_id: int) -> BatchFeed:
         """The next batch is fetched and collated on a thread of its own, with its own
-        client."""
+        client; rows are padded with the model's ``pad_id`` (:mod:`asyncrl.tokens`)."""
         from learners.prefetch import BatchPrefetcher
 
         cfg = ctx.cfg
         return cls(ctx, BatchPrefetcher(
             connect_buffer(cfg, ctx.address, ctx.stop), ctx.member,
-            cfg.learner.groups_per_step, lambda batch: _prepare(cfg, ctx.world, batch),
+            cfg.learner.groups_per_step, lambda batch: _prepare(cfg, ctx.world, batch, pad_id),
             BATCH_POLL_S, cfg.buffer.reclaim_idle_s))
 
     def poll(self, version: int, stop: threading.Event, lost: Lost) -> tuple[bool, bool]:
@@ -117,18 +117,17 @@ class BatchFeed:
                                                            else (None, (None, {})))
 
 
-def _prepare(cfg: Config, world: int, batch):
+def _prepare(cfg: Config, world: int, batch, pad_id: int):
     """On the prefetch thread: the step's batch collated (:func:`_collate`) and, with
     several ranks, already split and packed for the scatter (none of it is collective)."""
     from learners.balance import pack_shares
 
-    whole, filter_counts = _collate(cfg, batch)
+    whole, filter_counts = _collate(cfg, batch, pad_id)
     return (pack_shares(whole, world) if world > 1 else whole), filter_counts
 
 
-def _collate(cfg: Config, batch):
+def _collate(cfg: Config, batch, pad_id: int):
     """The step's groups, filtered (DAPO), as ONE batch with advantages per group."""
-    from asyncrl.models import PAD_ID
     from learners.batching import collate
     from learners.losses.filters import filter_groups, zero_loss_mask
 
@@ -137,7 +136,7 @@ def _collate(cfg: Config, batch):
     # that trains no token.
     groups = groups or [zero_loss_mask(batch.groups[0])]
     loss = cfg.learner.loss
-    return collate(groups, cfg.learner.advantage_std_norm, PAD_ID, advantage=loss.advantage,
+    return collate(groups, cfg.learner.advantage_std_norm, pad_id, advantage=loss.advantage,
                    step_advantage=loss.step_advantage,
                    step_gamma=loss.step_gamma), filter_counts
 

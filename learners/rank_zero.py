@@ -36,7 +36,9 @@ class RankZero:
         from asyncrl.weights.publisher import WeightPublisher
 
         self.ctx, self.cfg = ctx, ctx.cfg
-        self.feed = BatchFeed.connect(ctx)
+        from asyncrl.tokens import special_tokens
+
+        self.feed = BatchFeed.connect(ctx, special_tokens(model_dir).pad_id)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
         self.weights_client = connect_buffer(self.cfg, ctx.address, ctx.stop)
