@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
     show.add_argument("config", type=Path)
     show.add_argument("--set", dest="overrides", action="append", default=[])
+    config_sub.add_parser("reference", help="print every config key as Markdown (the docs' "
+                          "configuration reference)")
     return parser
 
 
@@ -88,6 +90,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 1
         for path in paths:
             sys.stdout.write(f"{path}\n")
+        return 0
+    if args.command == "config" and args.config_command == "reference":
+        from asyncrl.config.reference import config_reference
+
+        sys.stdout.write(config_reference())
         return 0
     if args.command == "config":
         sys.stdout.write(to_toml(load_config(args.config, args.overrides)))
