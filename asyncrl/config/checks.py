@@ -78,7 +78,8 @@ def _ports(cfg: Config) -> Iterator[str]:
         claimed.update({port: "monitor.prometheus_port range" for port in
                         range(base, min(last, 65535) + 1)})
     broker = cfg.buffer.zmq.port if selected_table(cfg, "buffer") == "zmq" else 0
-    for key, port in (("buffer.zmq.port", broker), ("learner.master_port", cfg.learner.master_port)):
+    fixed = (("buffer.zmq.port", broker), ("learner.master_port", cfg.learner.master_port))
+    for key, port in fixed:
         if port and port in claimed:
             yield f"{key} = {port} is also claimed by {claimed[port]}: give each its own port"
         elif port:

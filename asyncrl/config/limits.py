@@ -9,6 +9,7 @@ forever, before anything named the key. The error names the key and the bound.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
@@ -41,7 +42,7 @@ Seconds = Annotated[float, Field(le=WEEK_S)]
 
 
 def _host(value: str) -> str:
-    if not value or "/" in value or any(c.isspace() for c in value):
+    if not value or "/" in value or any(c.isspace() or not c.isprintable() for c in value):
         raise ValueError("must be a host name or address: not empty, no spaces, no scheme or "
                          "'/' (e.g. 127.0.0.1, 0.0.0.0, node-3)")
     return value
@@ -49,3 +50,18 @@ def _host(value: str) -> str:
 
 Host = Annotated[str, AfterValidator(_host)]
 """A host name or address to bind or dial."""
+
+
+def _printable(value: str) -> str:
+    if not str(value).isprintable():
+        raise ValueError("must not hold control characters (a NUL, a newline, an escape)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_printable)]
+"""A path, a file, a field or module name, an import path: one printable line (a NUL in a
+path is a ``ValueError`` of the OS call that meets it, far from the key)."""
+PathName = Annotated[Path, AfterValidator(_printable)]
+"""A directory path, held to :data:`Name`'s rule."""
+MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+"""A Python module name, dotted: what ``python -m`` runs."""

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from asyncrl.config.checks import consistency_problems
 from asyncrl.config.limits import (MAX_BUCKET_MB, MAX_GROUP, MAX_GROUPS, MAX_MB,
                                    MAX_PROCESSES, MAX_SEED, MAX_STEPS, MAX_THREADS,
-                                   MAX_TOKENS, WEEK_S, Host, Seconds)
+                                   MAX_TOKENS, MODULE_PATTERN, WEEK_S, Host, Name, PathName,
+                                   Seconds)
 from asyncrl.engine_kinds import engine_kind
 
 
@@ -46,7 +47,7 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = Field("run", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="Run name; the run directory is <output_dir>/<name>.")
-    output_dir: Path = Field(Path("runs"), strict=False, description="Parent of run "
+    output_dir: PathName = Field(Path("runs"), strict=False, description="Parent of run "
                                                                      "directories.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Base seed; each role and rank "
                                                         "derives its own.")
@@ -142,7 +143,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
+    path: Name = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     lora: LoraConfig = Field(default_factory=LoraConfig,
@@ -164,11 +165,11 @@ class RewardConfig(Section):
         "exact", description="exact: extracted answer == data answer field; math: equivalence "
                              "by math-verify; code: run the response with the row's tests in "
                              "a sandbox; custom: the function at `path`.")
-    path: str = Field("", description="custom: import path 'pkg.module:fn' of "
+    path: Name = Field("", description="custom: import path 'pkg.module:fn' of "
                                       "fn(response, sample) -> float, sync or async.")
     timeout_s: Seconds = Field(30.0, gt=0, description="A reward still running after this "
                                                      "scores 0 (counted as a timeout).")
-    tests_field: str = Field("tests", description="code: data field holding the tests "
+    tests_field: Name = Field("tests", description="code: data field holding the tests "
                                                   "(Python source); falls back to the answer.")
     code_wall_s: Seconds = Field(10.0, gt=0, description="code: wall-clock limit per program.")
     code_cpu_s: int = Field(5, ge=1, le=int(WEEK_S), description="code: CPU-seconds limit "
@@ -193,26 +194,28 @@ class DataConfig(Section):
     the row's fields, the ``answer_field`` value, and the row itself for rewards and envs.
     Empty ``path`` with a built-in env: the env generates its own prompts."""
 
-    path: str = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
+    path: Name = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
     format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
         "auto", description="File format; auto picks by suffix (a directory is `hf`).")
-    split: str = Field("train", min_length=1, description="hf: split to use when the directory holds a "
-                                            "DatasetDict.")
-    prompt_template: str = Field("{prompt}", min_length=1, description="Python format string over the row's "
-                                                         "fields, e.g. 'Q: {question}'.")
-    answer_field: str = Field("answer", description="Row field compared by the reward "
+    split: Name = Field("train", min_length=1, description="hf: split to use when the "
+                                                         "directory holds a DatasetDict.")
+    prompt_template: str = Field("{prompt}", min_length=1,
+                                 description="Python format string over the row's fields, "
+                                             "e.g. 'Q: {question}'.")
+    answer_field: Name = Field("answer", description="Row field compared by the reward "
                                                     "(empty: none).")
-    id_field: str = Field("", description="Row field used as the sample id (empty: the row "
+    id_field: Name = Field("", description="Row field used as the sample id (empty: the row "
                                           "index).")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Shuffle seed.")
-    epochs: int = Field(0, ge=0, le=MAX_STEPS, description="Passes over the data; 0 = no limit. The run ends "
-                        "when every rollout worker's share ran out.")
-    eval_path: str = Field("", description="Held-out rows for validation (same format and "
+    epochs: int = Field(0, ge=0, le=MAX_STEPS,
+                        description="Passes over the data; 0 = no limit. The run ends when every "
+                                    "rollout worker's share ran out.")
+    eval_path: Name = Field("", description="Held-out rows for validation (same format and "
                                            "template); empty with a built-in env: its own.")
     eval_size: int = Field(0, ge=0, le=MAX_STEPS,
                            description="Validate on the first N held-out rows; 0 = all.")
-    name: str = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
+    name: Name = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
                                       "or the env name.")
 
     @model_validator(mode="after")
@@ -252,10 +255,10 @@ class WorkflowConfig(Section):
 
     type: Literal["digits", "single_turn", "multi_turn", "custom"] = Field(
         "digits", description="Episode kind (see the section's doc).")
-    path: str = Field("", description="custom: import path 'pkg.module:name' of an async "
+    path: Name = Field("", description="custom: import path 'pkg.module:name' of an async "
                                       "run_episode(engine, sample) function, or of a factory "
                                       "called with (ctx) that returns an object having one.")
-    env: str = Field("", description="multi_turn: a built-in env ('lookup') or the import path "
+    env: Name = Field("", description="multi_turn: a built-in env ('lookup') or the import path "
                                      "'pkg.module:Env' of a class/factory making one env.")
     env_args: dict[str, Any] = Field(default_factory=dict,
                                      description="Keyword arguments for the env factory.")
@@ -292,8 +295,8 @@ class ZmqBufferConfig(Section):
     host: Host = Field("127.0.0.1", description="Address the broker binds and clients dial.")
     port: int = Field(5555, ge=0, le=65535, description="Broker port; 0 picks a free one.")
     auth: Literal["none", "curve"] = Field("none", description="Authentication: CURVE keys.")
-    curve_keys_dir: str = Field("", description="Directory with the CURVE key pairs.")
-    spill_path: str = Field(SPILL_AUTO,
+    curve_keys_dir: Name = Field("", description="Directory with the CURVE key pairs.")
+    spill_path: Name = Field(SPILL_AUTO,
                             description="Append-only file so a broker restart loses nothing "
                                         "accepted and unacked. 'auto': <run_dir>/buffer.spill "
                                         "(a fresh `asyncrl up` sets the previous run's aside, "
@@ -326,16 +329,16 @@ class RedisBufferConfig(Section):
                      pattern=r"^(redis|rediss|unix)://\S+$",
                      description="Redis URL (redis://, rediss:// for TLS, or unix:// for a "
                                  "socket).")
-    namespace: str = Field("", description="Key prefix; empty uses asyncrl:<run.name> (on a "
+    namespace: Name = Field("", description="Key prefix; empty uses asyncrl:<run.name> (on a "
                                            "cluster wrapped in a {hash tag}).")
     cluster: Literal["auto", "yes", "no"] = Field(
         "auto", description="Is buffer.redis.url a Redis Cluster node? auto asks it (INFO "
                             "cluster; an ACL user refused INFO is taken as a single server).")
-    username: str = Field("", description="ACL user (empty: default user).")
+    username: Name = Field("", description="ACL user (empty: default user).")
     password: str = Field("", description="Password (or the ACL user's password).")
-    tls_ca_file: str = Field("", description="CA bundle to verify the server (TLS).")
-    tls_cert_file: str = Field("", description="Client certificate for mutual TLS.")
-    tls_key_file: str = Field("", description="Client key for mutual TLS.")
+    tls_ca_file: Name = Field("", description="CA bundle to verify the server (TLS).")
+    tls_cert_file: Name = Field("", description="Client certificate for mutual TLS.")
+    tls_key_file: Name = Field("", description="Client key for mutual TLS.")
 
 
 class BufferConfig(Section):
@@ -370,8 +373,9 @@ class BufferConfig(Section):
 class VllmRolloutConfig(Section):
     """The in-process vLLM engine (``rollout.engine = "vllm"``)."""
 
-    kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB, description="KV cache size (MB); 0 sizes it "
-                                                          "from gpu_memory_utilization.")
+    kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB,
+                                    description="KV cache size (MB); 0 sizes it from "
+                                                "gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
                                           description="On GPU: fraction of the device's memory "
                                                       "the engine may take.")
@@ -383,7 +387,7 @@ class SglangRolloutConfig(Section):
     """SGLang servers (``rollout.engine = "sglang"``) launched by the workers themselves, one
     each, when ``rollout.url`` is empty; with a ``url`` these keys are not read."""
 
-    module: str = Field("sglang.launch_server", min_length=1,
+    module: str = Field("sglang.launch_server", pattern=MODULE_PATTERN,
                         description="The module each worker runs (`python -m`) to launch its "
                                     "own server.")
     args: list[str] = Field(default_factory=list,
@@ -402,7 +406,7 @@ class RolloutConfig(Section):
                              "started), SGLang servers (at `url`, or one launched per worker), "
                              "or `sim`: calibrated waits instead of compute (see [sim]); sim "
                              "workers run as threads of one process.")
-    url: str = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
+    url: Name = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
                                      "separated, one per worker (worker i attaches to entry i).")
     request_timeout_s: Seconds = Field(120.0, gt=0, description="vllm-server, sglang: HTTP "
                                                               "timeout.")
@@ -472,13 +476,16 @@ class LossConfig(Section):
         "token", description="token: mean over all trained tokens; sequence: mean over "
                              "samples of each sample's token mean; group: mean over groups of "
                              "each group's token mean.")
-    clip_eps_high: float | None = Field(
-        None, gt=0, le=10, description="Upper clip 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); "
-                                "None uses learner.clip_eps.")
-    tis_cap: float = Field(2.0, gt=0, le=1e4, description="Truncation C of importance weights (tis, "
-                                                  "decoupled_ppo): min(w, C).")
-    kl_coef: float = Field(0.0, ge=0, le=1e3, description="β of the KL to the frozen reference model; "
-                                                  "0 loads no reference model.")
+    clip_eps_high: float | None = Field(None, gt=0, le=10,
+                                        description="Upper clip 1 + clip_eps_high (DAPO "
+                                                    "clip-higher, e.g. 0.28); None uses "
+                                                    "learner.clip_eps.")
+    tis_cap: float = Field(2.0, gt=0, le=1e4,
+                           description="Truncation C of importance weights (tis, decoupled_ppo): "
+                                       "min(w, C).")
+    kl_coef: float = Field(0.0, ge=0, le=1e3,
+                           description="β of the KL to the frozen reference model; 0 loads no "
+                                       "reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="KL(π‖π_ref) estimator per token: k1 = log r, k2 = ½(log r)², "
                           "k3 = 1/r − 1 + log r with r = π/π_ref.")
@@ -492,8 +499,9 @@ class LossConfig(Section):
         default_factory=list, description="Mask out the loss of samples with these finish "
                                           "reasons, e.g. [\"length\"] (overlong filtering); a "
                                           "group left with no trained token is dropped.")
-    mismatch_warn_abs_logp: float = Field(
-        0.5, gt=0, le=1e3, description="Warn when the mean |logp_train − logp_rollout| passes this.")
+    mismatch_warn_abs_logp: float = Field(0.5, gt=0, le=1e3,
+                                          description="Warn when the mean |logp_train − "
+                                                      "logp_rollout| passes this.")
 
     @model_validator(mode="after")
     def _check_step_advantage(self) -> LossConfig:
@@ -515,10 +523,12 @@ class LearnerConfig(Section):
     zero_stage: Literal[2, 3] = Field(
         2, description="DeepSpeed only: ZeRO-2 shards optimizer state and gradients; ZeRO-3 "
         "also shards the weights (less memory, more communication).")
-    ranks: int = Field(1, ge=1, le=MAX_PROCESSES, description="Training ranks on this node (torchrun's "
-                       "--nproc-per-node; CLI --nproc-per-node).")
-    nnodes: int = Field(1, ge=1, le=MAX_PROCESSES, description="Learner nodes (CLI --nnodes); world size = nnodes "
-                        "x ranks, node K runs global ranks K*ranks .. K*ranks+ranks-1.")
+    ranks: int = Field(1, ge=1, le=MAX_PROCESSES,
+                       description="Training ranks on this node (torchrun's --nproc-per-node; CLI "
+                                   "--nproc-per-node).")
+    nnodes: int = Field(1, ge=1, le=MAX_PROCESSES,
+                        description="Learner nodes (CLI --nnodes); world size = nnodes x ranks, "
+                                    "node K runs global ranks K*ranks .. K*ranks+ranks-1.")
     node_rank: int = Field(0, ge=0, description="This node's index (CLI --node-rank); node 0 "
                            "holds global rank 0, which reads the buffer and publishes weights.")
     master_addr: Host = Field("127.0.0.1", description="Host of global rank 0's "
@@ -544,10 +554,10 @@ class LearnerConfig(Section):
         "before the run fails: a crashed peer process is noticed at once, a silent host or a "
         "hung NCCL peer only after this. Must exceed the longest time rank 0 spends between "
         "steps while the others wait (the eval every eval.every_steps, a checkpoint export).")
-    micro_batch_tokens: int = Field(16384, ge=0, le=1 << 30, description="Tokens per forward/backward; a "
-                                    "rank's share runs as micro-batches with gradient "
-                                    "accumulation (0 = one micro-batch). Padding counts unless "
-                                    "packing.")
+    micro_batch_tokens: int = Field(16384, ge=0, le=1 << 30,
+                                    description="Tokens per forward/backward; a rank's share runs "
+                                                "as micro-batches with gradient accumulation (0 = "
+                                                "one micro-batch). Padding counts unless packing.")
     packing: bool = Field(False, description="Pack a micro-batch's sequences into one row "
                           "(positions restart per sequence, no attention across them) instead "
                           "of padding rows. Pays with flash-attention on GPU; on CPU sdpa the "
@@ -570,12 +580,11 @@ class WeightsConfig(Section):
                                             "next step; false: sync before the next step.")
     bucket_mb: float = Field(32.0, gt=0, le=MAX_BUCKET_MB,
                              description="Broadcast bucket size (MB).")
-    alone_mb: float = Field(1.0, ge=0, le=MAX_BUCKET_MB, description="Tensors at least this big (MB) are "
-                                                   "broadcast from their own memory, one "
-                                                   "collective each, instead of being copied "
-                                                   "into a bucket; 0 packs every tensor "
-                                                   "(always 0 for sglang peers: one HTTP "
-                                                   "request per bucket).")
+    alone_mb: float = Field(1.0, ge=0, le=MAX_BUCKET_MB,
+                            description="Tensors at least this big (MB) are broadcast from their "
+                                        "own memory, one collective each, instead of being copied "
+                                        "into a bucket; 0 packs every tensor (always 0 for sglang "
+                                        "peers: one HTTP request per bucket).")
     timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
@@ -596,21 +605,25 @@ class SimConfig(Section):
                                   description="Batching effect: a decode step with `a` active "
                                               "sequences takes decode_step_s·(1 + "
                                               "batch_slowdown·(a−1)/max_batch).")
-    max_batch: int = Field(256, ge=1, le=MAX_GROUPS, description="Sequences an engine decodes at full slowdown.")
+    max_batch: int = Field(256, ge=1, le=MAX_GROUPS,
+                           description="Sequences an engine decodes at full slowdown.")
     prefill_s: Seconds = Field(0.0, ge=0, description="Fixed time before the first token.")
     length: Literal["fixed", "uniform", "lognormal"] = Field(
         "lognormal", description="Response-length distribution: fixed (= mean_tokens), "
                                  "uniform on [1, 2·mean_tokens − 1], or lognormal with `sigma` "
                                  "(a long tail like reasoning traces); all capped at "
                                  "rollout.max_new_tokens (capped responses finish by length).")
-    mean_tokens: float = Field(64.0, ge=1, le=MAX_TOKENS, description="Mean response length (before the cap).")
-    sigma: float = Field(1.0, gt=0, le=10, description="lognormal: σ of log length (1.0 ≈ long tail).")
+    mean_tokens: float = Field(64.0, ge=1, le=MAX_TOKENS,
+                               description="Mean response length (before the cap).")
+    sigma: float = Field(1.0, gt=0, le=10,
+                         description="lognormal: σ of log length (1.0 ≈ long tail).")
     train_token_s: Seconds = Field(1e-5, ge=0, description="Learner seconds per trained token, for "
                                                          "all ranks together (a rank waits for "
                                                          "its share times the world size).")
-    model_params: float = Field(7e9, gt=0, le=1e14, description="Parameters of the simulated model "
+    model_params: float = Field(7e9, ge=1, le=1e14, description="Parameters of the simulated model "
                                                        "(sync time = bytes / bandwidth).")
-    param_bytes: int = Field(2, ge=1, le=8, description="Bytes per parameter on the wire (bf16 = 2).")
+    param_bytes: int = Field(2, ge=1, le=8,
+                             description="Bytes per parameter on the wire (bf16 = 2).")
     sync_gb_per_s: float = Field(50.0, gt=0, le=1e6, description="Broadcast bandwidth, GB/s.")
 
     @property
@@ -626,24 +639,29 @@ class EvalConfig(Section):
                                            description="End the run once eval reaches this.")
 
 
+RAY_ADDRESS = r"^$|^auto$|^local$|^(ray://)?[^\s/:]+:[0-9]{1,5}$"
+"""``launcher.address``: empty, ``auto``, ``local``, ``host:port`` or ``ray://host:port``."""
+
+
 class LauncherConfig(Section):
     """How `asyncrl up` starts the roles and keeps the rollout fleet (and broker) alive."""
 
     type: Literal["local", "ray"] = Field(
         "local", description="Where `asyncrl up` starts roles: local OS processes, or actors on "
                              "a Ray cluster (placement groups sized by `resources`).")
-    address: str = Field("", description="ray: cluster to join (`ray start --head` prints it, "
-                                         "e.g. 127.0.0.1:6379); empty starts a private local one.")
+    address: str = Field("", pattern=RAY_ADDRESS,
+                         description="ray: cluster to join (`ray start --head` prints it, e.g. "
+                                     "127.0.0.1:6379); empty starts a private local one.")
     stop_timeout_s: Seconds = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
     learner_stop_timeout_s: Seconds = Field(
         120.0, gt=0, description="The learner's grace period after a stop: time to finish its "
                                  "step and save its checkpoint and export (a second Ctrl-C "
                                  "ends it at once).")
     refresh_s: Seconds = Field(2.0, ge=0.1, description="Progress line period of `asyncrl up`.")
-    max_restarts: int = Field(3, ge=0, le=100, description="Restarts of one crashed rollout worker (or "
-                                                   "ZMQ broker) before the run is stopped; a "
-                                                   "worker that ran `healthy_after_s` is "
-                                                   "forgiven its earlier crashes.")
+    max_restarts: int = Field(3, ge=0, le=100,
+                              description="Restarts of one crashed rollout worker (or ZMQ broker) "
+                                          "before the run is stopped; a worker that ran "
+                                          "`healthy_after_s` is forgiven its earlier crashes.")
     restart_backoff_s: Seconds = Field(1.0, ge=0, description="Wait before the first restart; "
                                                             "doubled after each further one "
                                                             "(the last at most a week).")
@@ -687,13 +705,15 @@ class MonitorConfig(Section):
         description="Where the learner writes its per-step metrics: jsonl (<run dir>/"
                     "metrics.jsonl, read by `asyncrl plot`), tensorboard (<run dir>/tensorboard; "
                     "needs the tensorboard package), wandb (needs the wandb package).")
-    wandb_project: str = Field("asyncrl", min_length=1, description="wandb project name.")
+    wandb_project: str = Field("asyncrl", pattern=r"^[^\s/\\#?%:\x00-\x1f]+$",
+                               description="wandb project name (no spaces, no /\\#?%:).")
     wandb_mode: Literal["online", "offline", "disabled"] = Field(
         "online", description="wandb mode; offline writes <run dir>/wandb for `wandb sync`.")
     tui: Literal["auto", "rich", "plain"] = Field(
         "auto", description="Live view of `asyncrl up`/`monitor`: rich (a full-screen table), "
                             "plain (progress lines), auto (rich when stdout is a terminal).")
-    history: int = Field(120, ge=2, le=100_000, description="Learner steps kept for the sparklines.")
+    history: int = Field(120, ge=2, le=100_000,
+                         description="Learner steps kept for the sparklines.")
 
     @model_validator(mode="after")
     def _check_sinks(self) -> MonitorConfig:
@@ -706,16 +726,19 @@ class CheckpointConfig(Section):
     """Learner checkpoints (sharded model and optimizer: torch DCP for FSDP2, DeepSpeed's own for
     DeepSpeed; version, RNG, counters) and HF exports."""
 
-    every_steps: int = Field(50, ge=0, le=MAX_STEPS, description="Checkpoint period in optimizer steps; 0 = "
-                                                   "only at the end or on stop.")
-    keep: int = Field(2, ge=1, le=1000, description="Most recent checkpoints kept; older ones are deleted.")
+    every_steps: int = Field(50, ge=0, le=MAX_STEPS,
+                             description="Checkpoint period in optimizer steps; 0 = only at the "
+                                         "end or on stop.")
+    keep: int = Field(2, ge=1, le=1000,
+                      description="Most recent checkpoints kept; older ones are deleted.")
     resume: bool = Field(True, description="Resume from the latest checkpoint in `dir` if one "
                                            "exists (a learner restart or `asyncrl up` again).")
-    path: str = Field("", description="Resume from this checkpoint directory (`--resume PATH`); "
+    path: Name = Field("", description="Resume from this checkpoint directory (`--resume PATH`); "
                                       "empty: the latest in `dir` when `resume` is true.")
-    hf_every_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Export an HF model to <run dir>/hf/step_<V> "
-                                                     "every this many steps; 0 = off.")
-    dir: str = Field("checkpoints", min_length=1,
+    hf_every_steps: int = Field(0, ge=0, le=MAX_STEPS,
+                                description="Export an HF model to <run dir>/hf/step_<V> every "
+                                            "this many steps; 0 = off.")
+    dir: Name = Field("checkpoints", min_length=1,
                      description="Checkpoint directory, relative to the run directory.")
 
 

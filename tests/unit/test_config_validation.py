@@ -3,6 +3,10 @@ is now refused by the loader, naming the full key, the value and the rule."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from asyncrl.config import ConfigError, load_config
@@ -108,9 +112,25 @@ def test_a_rule_over_a_section_is_printed_once_without_a_section_prefix() -> Non
 
 
 def test_the_defaults_and_every_shipped_config_still_load() -> None:
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     load_config(None)
     for path in [*root.glob("configs/*.toml"), *root.glob("examples/**/*.toml")]:
         load_config(path)
+
+
+@pytest.mark.parametrize("command", [
+    ["up", "CONFIG"], ["up", "CONFIG", "--dry-run"], ["config", "show", "CONFIG"],
+    ["buffer", "CONFIG"], ["learner", "CONFIG"], ["rollout", "CONFIG"], ["status", "CONFIG"],
+    ["eval", "CONFIG", "--checkpoint", "/nonexistent"]])
+def test_every_command_reports_a_bad_value_in_one_line(command: list[str]) -> None:
+    """``launcher.refresh_s = inf`` reached `asyncrl up`'s user as a traceback."""
+    root = Path(__file__).resolve().parents[2]
+    quickstart = root / "configs" / "quickstart.toml"
+    args = [str(quickstart) if arg == "CONFIG" else arg for arg in command]
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", *args,
+                           "--set", "launcher.refresh_s=inf", "--set", "rollout.workers=true"],
+                          cwd=root, text=True, capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (f"asyncrl: {quickstart}: invalid config\n"
+                           "  rollout.workers: Input should be a valid integer (got True)\n"
+                           "  launcher.refresh_s: Input should be a finite number (got inf)\n")
