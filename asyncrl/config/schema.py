@@ -220,21 +220,21 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_template(self) -> DataConfig:
-        template_fields(self.prompt_template)
+        check_template(self.prompt_template)
         return self
 
 
-def template_fields(template: str) -> list[str]:
-    """The row fields a ``data.prompt_template`` reads (``'Q: {question}'`` → ``question``).
-    Raises ``ValueError`` naming the key for a template ``str.format`` cannot use on a row:
-    unbalanced braces, or a positional field (``{}``, ``{0}``) where a row has only names."""
+def check_template(template: str) -> None:
+    """Raise ``ValueError`` naming ``data.prompt_template`` for a template ``str.format`` cannot
+    use on a row: unbalanced braces, or a positional field (``{}``, ``{0}``) where a row has
+    only names. Whether each row has the fields is checked on the rows
+    (:func:`rollouters.tasks.data.row_problem`)."""
     key = "data.prompt_template"
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
         raise ValueError(f"{key} = {template!r} is not a format string: {exc} (write a "
                          "literal brace as {{ or }})") from None
-    fields = []
     for _, field, spec, _ in parsed:
         if field is None:
             continue
@@ -242,10 +242,8 @@ def template_fields(template: str) -> list[str]:
         if not name or name.isdigit():
             raise ValueError(f"{key} = {template!r}: {{{field}}} is positional; name a row "
                              "field instead, e.g. {question}")
-        fields.append(name)
-        if spec and "{" in spec:
-            fields += template_fields(spec)
-    return fields
+        if spec and "{" in spec:  # a nested field: '{x:>{width}}'
+            check_template(spec)
 
 
 class WorkflowConfig(Section):

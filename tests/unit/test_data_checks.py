@@ -82,11 +82,12 @@ def test_a_worker_checks_every_row_when_it_opens_the_file(tmp_path: Path) -> Non
     the same way, at once, not the one that reaches the row some time later."""
     from rollouters.workflows.factory import make_source
 
-    path = _jsonl(tmp_path, json.dumps(ROW), "[1, 2]", json.dumps(ROW))
+    path = _jsonl(tmp_path, json.dumps(ROW), json.dumps({"question": "2+2"}), json.dumps(ROW))
     cfg = load_config(SINGLE_TURN, [f"data.path={json.dumps(str(path))}", "rollout.workers=2",
                                     "data.prompt_template='{question}'", "data.id_field=''",
                                     f"run.output_dir={json.dumps(str(tmp_path))}"])
-    with pytest.raises(ConfigError, match=rf"^data.path: {path}:2: a row must be a JSON object"):
+    with pytest.raises(ConfigError, match=rf"^data.path: {path}:2: no field 'answer' \(named "
+                                          r"by data.answer_field"):
         make_source(cfg, 0, 2, 0)
 
 
