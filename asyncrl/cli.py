@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.limits import MAX_PROCESSES
 from asyncrl.config.load import to_toml
 from asyncrl.exits import GROUP_LEFT_EXIT, NO_ANSWER_EXIT, GroupLeft, report_config_error
-from asyncrl.launch.preflight import NotRunning, import_from_cwd
+from asyncrl.launch.preflight import NotRunning, check_startup, import_from_cwd
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     up = role("up", "start buffer, learner and rollout workers (locally or on Ray) and show "
                     "progress")
     up.add_argument("--dry-run", action="store_true",
-                    help="print what the launcher (launcher.type) would start, start nothing")
+                    help="run the checks `up` runs first (paths, data rows, ports, imports), "
+                         "then print what the launcher (launcher.type) would start; start "
+                         "nothing")
     role("buffer", "run the ZMQ broker").add_argument(
         "--address-file", type=Path, help="write the bound address here (for port = 0)")
     learner = role("learner", "run the learner ranks")
@@ -44,8 +47,10 @@ def _parser() -> argparse.ArgumentParser:
                             "checkpoint when checkpoint.resume is true)")
     rollout = role("rollout", "run rollout workers")
     rollout.add_argument("--buffer", help="tcp://host:port")
-    rollout.add_argument("--workers", type=int, help="workers to start (default rollout.workers)")
-    rollout.add_argument("--first-index", type=int, default=0, help="index of the first worker")
+    rollout.add_argument("--workers", type=_bounded(1, MAX_PROCESSES),
+                         help="workers to start (default rollout.workers)")
+    rollout.add_argument("--first-index", type=_bounded(0, MAX_PROCESSES - 1), default=0,
+                         help="index of the first worker")
     for name, help_ in (("monitor", "live view of a running run"),
                         ("status", "print a running run's status once")):
         p = role(name, help_, config_required=False)
@@ -67,6 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     config_sub.add_parser("reference", help="print every config key as Markdown (the docs' "
                           "configuration reference)")
     return parser
+
+
+def _bounded(low: int, high: int):
+    """An argparse type: an integer in ``[low, high]`` (argparse names the flag if not)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+    return parse
 
 
 def buffer_address(cfg: Config, explicit: str | None) -> str | None:
@@ -102,7 +120,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     cfg = load_config(args.config,
                       args.overrides + _resume_override(args) + _learner_overrides(args))
     roles.setup_logging(args.command)
-    if args.command in ("up", "learner"):
+    if args.command == "learner":
         from asyncrl.sinks import check_sinks
 
         check_sinks(cfg.monitor)  # a missing optional package fails here, not mid-run
@@ -110,7 +128,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from asyncrl.launch import make_launcher
 
         launcher = make_launcher(cfg)
-        if args.dry_run:
+        if args.dry_run:  # the checks `up` runs first (launcher.up calls the same function)
+            check_startup(cfg)
             sys.stdout.write("\n".join(launcher.plan()) + "\n")
             return 0
         return launcher.up()

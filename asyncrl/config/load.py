@@ -103,11 +103,20 @@ def _describe(err: Mapping[str, Any]) -> str:
         allowed = ", ".join(sorted(_model_at(loc[:-1]).model_fields))
         return f"{key}: unknown key (allowed in [{'.'.join(loc[:-1]) or 'root'}]: {allowed})"
     msg = err["msg"]
+    given = "input" in err and not isinstance(err["input"], Mapping)
     if err["type"] == "value_error":
         msg = msg.removeprefix("Value error, ")
-    if loc and "input" in err and not isinstance(err["input"], Mapping):
-        return f"{key}: {msg} (got {err['input']!r})"
+        if not given:  # a rule over a whole section: each of its lines names its keys
+            return "\n  ".join(msg.splitlines())
+    if loc and given:
+        return f"{key}: {msg} (got {_shown(err['input'])})"
     return f"{key}: {msg}"
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, shortened: a value pasted by mistake can be a whole file."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
 
 
 def _model_at(loc: list[str]) -> type[BaseModel]:

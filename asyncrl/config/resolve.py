@@ -78,6 +78,13 @@ SELECTORS: dict[str, tuple[str, Callable[[str], str | None]]] = {
 other backend sub-table is not read (``[buffer.redis]`` with ``buffer.type = "zmq"``)."""
 
 
+def selected_table(config: Config, name: str) -> str | None:
+    """The backend sub-table of section ``name`` that ``config`` reads: ``"zmq"`` for
+    ``selected_table(cfg, "buffer")`` when ``buffer.type = "zmq"``; None: it reads none."""
+    selector, reads = SELECTORS[name]
+    return reads(getattr(getattr(config, name), selector))
+
+
 def map_legacy_keys(data: Mapping[str, Any], source: str = "<config>") -> dict[str, Any]:
     """A copy of the raw config ``data`` with every key of :data:`LEGACY_KEYS` moved to its
     new place, each logged. Raises ``ConfigError`` when a key and its new place are both set,

@@ -1,16 +1,25 @@
 """The config schema. Every field says what it means; validation is local to its component.
 
 Cross-component checks (``learner.node_rank`` below ``learner.nnodes``) live in
-:meth:`Config._check_consistency`, which only rejects, never rewrites a sibling section.
+:mod:`asyncrl.config.checks`, run by :meth:`Config._check_consistency`: they only reject,
+never rewrite a sibling section. The bounds, and the strict and finite types every section
+holds its values to: :mod:`asyncrl.config.limits`.
 """
 
 from __future__ import annotations
 
+import re
+import string
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.config.checks import consistency_problems
+from asyncrl.config.limits import (MAX_BUCKET_MB, MAX_GROUP, MAX_GROUPS, MAX_MB,
+                                   MAX_PROCESSES, MAX_SEED, MAX_STEPS, MAX_THREADS,
+                                   MAX_TOKENS, MODULE_PATTERN, WEEK_S, Host, Name, PathName,
+                                   Seconds)
 from asyncrl.engine_kinds import engine_kind
 
 
@@ -18,9 +27,12 @@ _S = TypeVar("_S", bound="Section")
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, models are immutable."""
+    """Base for every config section: unknown keys are errors, models are immutable, types
+    are strict (``true`` is no integer, ``2.0`` no count) and floats finite (no inf, nan);
+    bounds live in :mod:`asyncrl.config.limits`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              strict=True, allow_inf_nan=False)
 
     def with_fields(self: _S, path: str = "", /, **fields: Any) -> _S:
         """A copy with ``fields`` replaced in the sub-section at the dotted ``path`` ("" for
@@ -33,25 +45,60 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+    name: str = Field("run", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="Run name; the run directory is <output_dir>/<name>.")
-    output_dir: Path = Field(Path("runs"), description="Parent of run directories.")
-    seed: int = Field(0, ge=0, description="Base seed; each role and rank derives its own.")
+    output_dir: PathName = Field(Path("runs"), strict=False, description="Parent of run "
+                                                                     "directories.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Base seed; each role and rank "
+                                                        "derives its own.")
+
+    @model_validator(mode="after")
+    def _check_name(self) -> RunConfig:
+        if self.name in (".", ".."):
+            raise ValueError(f"run.name = {self.name!r} would put the run directory outside "
+                             "run.output_dir: use a name such as 'quickstart'")
+        return self
 
 
 class TinyModelConfig(Section):
     """A random-init Qwen2-style model built in code (used when ``model.path`` is empty)."""
 
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(256, ge=8)
-    max_position_embeddings: int = Field(64, ge=8)
+    hidden_size: int = Field(64, ge=8, le=16384, description="Model width; num_heads divides "
+                                                            "it into even head sizes.")
+    num_layers: int = Field(2, ge=1, le=256, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, le=256, description="Attention (query) heads.")
+    num_kv_heads: int = Field(2, ge=1, le=256, description="Key/value heads (GQA): a divisor "
+                                                          "of num_heads.")
+    intermediate_size: int = Field(256, ge=8, le=65536, description="MLP width.")
+    max_position_embeddings: int = Field(64, ge=8, le=MAX_TOKENS,
+                                         description="Longest prompt + response, in tokens.")
     extra_tokens: list[str] = Field(default_factory=list,
                                     description="Whole-word tokens appended to the digit "
                                                 "vocabulary (e.g. [\"lookup(\", \")\"] for the "
                                                 "lookup agent env).")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> TinyModelConfig:
+        """What Qwen2 needs of its shapes; a worker building a model without it crashed,
+        and was restarted, for minutes (``model.tiny.*`` named nowhere)."""
+        key = "model.tiny"
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"{key}.num_heads = {self.num_heads} must divide {key}.hidden_size "
+                             f"= {self.hidden_size} (each head gets hidden_size / num_heads "
+                             "dimensions)")
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{key}.num_kv_heads = {self.num_kv_heads} must divide "
+                             f"{key}.num_heads = {self.num_heads} (each key/value head serves "
+                             "num_heads / num_kv_heads query heads)")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"{key}.hidden_size / {key}.num_heads = "
+                             f"{self.hidden_size // self.num_heads} must be even (rotary "
+                             "position embeddings rotate pairs of dimensions)")
+        if any(not token.strip() for token in self.extra_tokens) or \
+                len(set(self.extra_tokens)) != len(self.extra_tokens):
+            raise ValueError(f"{key}.extra_tokens must be distinct, non-blank tokens, got "
+                             f"{self.extra_tokens}")
+        return self
 
 
 SPILL_AUTO = "auto"  # buffer.zmq.spill_path: the run directory's buffer.spill
@@ -69,8 +116,9 @@ class LoraConfig(Section):
     No dropout: the learner runs in eval mode so that, on-policy, its logprobs equal the
     engine's (an importance ratio of exactly 1), and LoRA dropout would break that."""
 
-    rank: int = Field(0, ge=0, description="Adapter rank r; 0 turns LoRA off (full training).")
-    alpha: float = Field(16.0, gt=0, description="Scaling numerator: the update is "
+    rank: int = Field(0, ge=0, le=4096, description="Adapter rank r; 0 turns LoRA off (full "
+                                                   "training).")
+    alpha: float = Field(16.0, gt=0, le=1e4, description="Scaling numerator: the update is "
                                                  "(alpha / rank) · B·A.")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_ALL_LINEAR),
@@ -95,7 +143,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
+    path: Name = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     lora: LoraConfig = Field(default_factory=LoraConfig,
@@ -105,7 +153,8 @@ class ModelConfig(Section):
 class TaskConfig(Section):
     name: Literal["copy", "reverse", "sort"] = Field("copy", description="Built-in digit task.")
     length: int = Field(4, ge=1, le=32, description="Digits per prompt.")
-    eval_size: int = Field(256, ge=1, description="Held-out prompts for greedy evaluation.")
+    eval_size: int = Field(256, ge=1, le=1_000_000,
+                           description="Held-out prompts for greedy evaluation.")
 
 
 class RewardConfig(Section):
@@ -116,16 +165,19 @@ class RewardConfig(Section):
         "exact", description="exact: extracted answer == data answer field; math: equivalence "
                              "by math-verify; code: run the response with the row's tests in "
                              "a sandbox; custom: the function at `path`.")
-    path: str = Field("", description="custom: import path 'pkg.module:fn' of "
+    path: Name = Field("", description="custom: import path 'pkg.module:fn' of "
                                       "fn(response, sample) -> float, sync or async.")
-    timeout_s: float = Field(30.0, gt=0, description="A reward still running after this "
+    timeout_s: Seconds = Field(30.0, gt=0, description="A reward still running after this "
                                                      "scores 0 (counted as a timeout).")
-    tests_field: str = Field("tests", description="code: data field holding the tests "
+    tests_field: Name = Field("tests", description="code: data field holding the tests "
                                                   "(Python source); falls back to the answer.")
-    code_wall_s: float = Field(10.0, gt=0, description="code: wall-clock limit per program.")
-    code_cpu_s: int = Field(5, ge=1, description="code: CPU-seconds limit (RLIMIT_CPU).")
-    code_memory_mb: int = Field(512, ge=64, description="code: address-space limit (RLIMIT_AS).")
-    code_max_processes: int = Field(16, ge=1, description="code: extra processes allowed.")
+    code_wall_s: Seconds = Field(10.0, gt=0, description="code: wall-clock limit per program.")
+    code_cpu_s: int = Field(5, ge=1, le=int(WEEK_S), description="code: CPU-seconds limit "
+                                                                 "(RLIMIT_CPU).")
+    code_memory_mb: int = Field(512, ge=64, le=MAX_MB, description="code: address-space limit "
+                                                                   "(RLIMIT_AS).")
+    code_max_processes: int = Field(16, ge=1, le=MAX_PROCESSES,
+                                    description="code: extra processes allowed.")
 
     @model_validator(mode="after")
     def _check_path(self) -> RewardConfig:
@@ -142,26 +194,56 @@ class DataConfig(Section):
     the row's fields, the ``answer_field`` value, and the row itself for rewards and envs.
     Empty ``path`` with a built-in env: the env generates its own prompts."""
 
-    path: str = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
+    path: Name = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
     format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
         "auto", description="File format; auto picks by suffix (a directory is `hf`).")
-    split: str = Field("train", description="hf: split to use when the directory holds a "
-                                            "DatasetDict.")
-    prompt_template: str = Field("{prompt}", description="Python format string over the row's "
-                                                         "fields, e.g. 'Q: {question}'.")
-    answer_field: str = Field("answer", description="Row field compared by the reward "
+    split: Name = Field("train", min_length=1, description="hf: split to use when the "
+                                                         "directory holds a DatasetDict.")
+    prompt_template: str = Field("{prompt}", min_length=1,
+                                 description="Python format string over the row's fields, "
+                                             "e.g. 'Q: {question}'.")
+    answer_field: Name = Field("answer", description="Row field compared by the reward "
                                                     "(empty: none).")
-    id_field: str = Field("", description="Row field used as the sample id (empty: the row "
+    id_field: Name = Field("", description="Row field used as the sample id (empty: the row "
                                           "index).")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
-    seed: int = Field(0, ge=0, description="Shuffle seed.")
-    epochs: int = Field(0, ge=0, description="Passes over the data; 0 = no limit. The run ends "
-                        "when every rollout worker's share ran out.")
-    eval_path: str = Field("", description="Held-out rows for validation (same format and "
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Shuffle seed.")
+    epochs: int = Field(0, ge=0, le=MAX_STEPS,
+                        description="Passes over the data; 0 = no limit. The run ends when every "
+                                    "rollout worker's share ran out.")
+    eval_path: Name = Field("", description="Held-out rows for validation (same format and "
                                            "template); empty with a built-in env: its own.")
-    eval_size: int = Field(0, ge=0, description="Validate on the first N held-out rows; 0 = all.")
-    name: str = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
+    eval_size: int = Field(0, ge=0, le=MAX_STEPS,
+                           description="Validate on the first N held-out rows; 0 = all.")
+    name: Name = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
                                       "or the env name.")
+
+    @model_validator(mode="after")
+    def _check_template(self) -> DataConfig:
+        check_template(self.prompt_template)
+        return self
+
+
+def check_template(template: str) -> None:
+    """Raise ``ValueError`` naming ``data.prompt_template`` for a template ``str.format`` cannot
+    use on a row: unbalanced braces, or a positional field (``{}``, ``{0}``) where a row has
+    only names. Whether each row has the fields is checked on the rows
+    (:func:`rollouters.tasks.data.row_problem`)."""
+    key = "data.prompt_template"
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"{key} = {template!r} is not a format string: {exc} (write a "
+                         "literal brace as {{ or }})") from None
+    for _, field, spec, _ in parsed:
+        if field is None:
+            continue
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not name or name.isdigit():
+            raise ValueError(f"{key} = {template!r}: {{{field}}} is positional; name a row "
+                             "field instead, e.g. {question}")
+        if spec and "{" in spec:  # a nested field: '{x:>{width}}'
+            check_template(spec)
 
 
 class WorkflowConfig(Section):
@@ -171,17 +253,18 @@ class WorkflowConfig(Section):
 
     type: Literal["digits", "single_turn", "multi_turn", "custom"] = Field(
         "digits", description="Episode kind (see the section's doc).")
-    path: str = Field("", description="custom: import path 'pkg.module:name' of an async "
+    path: Name = Field("", description="custom: import path 'pkg.module:name' of an async "
                                       "run_episode(engine, sample) function, or of a factory "
                                       "called with (ctx) that returns an object having one.")
-    env: str = Field("", description="multi_turn: a built-in env ('lookup') or the import path "
+    env: Name = Field("", description="multi_turn: a built-in env ('lookup') or the import path "
                                      "'pkg.module:Env' of a class/factory making one env.")
     env_args: dict[str, Any] = Field(default_factory=dict,
                                      description="Keyword arguments for the env factory.")
     tool_format: Literal["hermes", "compact"] = Field(
         "hermes", description="Tool calls: hermes '<tool_call>{json}</tool_call>', or compact "
                               "'name(arg)' for tiny vocabularies.")
-    max_turns: int = Field(4, ge=1, description="multi_turn: most model turns per episode.")
+    max_turns: int = Field(4, ge=1, le=1000,
+                           description="multi_turn: most model turns per episode.")
     system_prompt: str = Field("", description="Optional system message.")
     chat_template: bool = Field(True, description="single_turn: render the prompt through the "
                                                   "tokenizer's chat template (else raw text).")
@@ -189,8 +272,8 @@ class WorkflowConfig(Section):
         "requeue", description="An episode whose oldest token would be more than "
                                "buffer.max_staleness versions old is dropped, or restarted "
                                "from its first turn (requeue; at most max_requeues times).")
-    max_requeues: int = Field(2, ge=0, description="requeue: restarts before a drop.")
-    episode_timeout_s: float = Field(600.0, gt=0, description="An episode still running after "
+    max_requeues: int = Field(2, ge=0, le=1000, description="requeue: restarts before a drop.")
+    episode_timeout_s: Seconds = Field(600.0, gt=0, description="An episode still running after "
                                                               "this is dropped, counted.")
 
     @model_validator(mode="after")
@@ -207,11 +290,11 @@ class ZmqBufferConfig(Section):
     """The ZMQ backend (``buffer.type = "zmq"``): an embedded broker process (``asyncrl
     buffer``) that the roles dial; these keys are read only by the broker and its clients."""
 
-    host: str = Field("127.0.0.1", description="Address the broker binds and clients dial.")
+    host: Host = Field("127.0.0.1", description="Address the broker binds and clients dial.")
     port: int = Field(5555, ge=0, le=65535, description="Broker port; 0 picks a free one.")
     auth: Literal["none", "curve"] = Field("none", description="Authentication: CURVE keys.")
-    curve_keys_dir: str = Field("", description="Directory with the CURVE key pairs.")
-    spill_path: str = Field(SPILL_AUTO,
+    curve_keys_dir: Name = Field("", description="Directory with the CURVE key pairs.")
+    spill_path: Name = Field(SPILL_AUTO,
                             description="Append-only file so a broker restart loses nothing "
                                         "accepted and unacked. 'auto': <run_dir>/buffer.spill "
                                         "(a fresh `asyncrl up` sets the previous run's aside, "
@@ -222,10 +305,17 @@ class ZmqBufferConfig(Section):
                                         "groups 14-20 % faster than 1 on a 16-core host and "
                                         "made no difference on 2 cores; small groups are bound "
                                         "by the Python thread.")
-    reconnect_s: float = Field(60.0, ge=0, description="How long a client keeps retrying a "
+    reconnect_s: Seconds = Field(60.0, ge=0, description="How long a client keeps retrying a "
                                                        "request that timed out (the broker is "
                                                        "restarting) before giving up; puts are "
                                                        "never retried. 0: no retries.")
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> ZmqBufferConfig:
+        if self.auth == "curve" and not self.curve_keys_dir:
+            raise ValueError("buffer.zmq.auth = 'curve' needs buffer.zmq.curve_keys_dir (the "
+                             "directory of the CURVE key pairs)")
+        return self
 
 
 class RedisBufferConfig(Section):
@@ -234,17 +324,19 @@ class RedisBufferConfig(Section):
     itself."""
 
     url: str = Field("redis://127.0.0.1:6379/0",
-                     description="Redis URL (redis:// or rediss:// for TLS).")
-    namespace: str = Field("", description="Key prefix; empty uses asyncrl:<run.name> (on a "
+                     pattern=r"^(redis|rediss|unix)://\S+$",
+                     description="Redis URL (redis://, rediss:// for TLS, or unix:// for a "
+                                 "socket).")
+    namespace: Name = Field("", description="Key prefix; empty uses asyncrl:<run.name> (on a "
                                            "cluster wrapped in a {hash tag}).")
     cluster: Literal["auto", "yes", "no"] = Field(
         "auto", description="Is buffer.redis.url a Redis Cluster node? auto asks it (INFO "
                             "cluster; an ACL user refused INFO is taken as a single server).")
-    username: str = Field("", description="ACL user (empty: default user).")
+    username: Name = Field("", description="ACL user (empty: default user).")
     password: str = Field("", description="Password (or the ACL user's password).")
-    tls_ca_file: str = Field("", description="CA bundle to verify the server (TLS).")
-    tls_cert_file: str = Field("", description="Client certificate for mutual TLS.")
-    tls_key_file: str = Field("", description="Client key for mutual TLS.")
+    tls_ca_file: Name = Field("", description="CA bundle to verify the server (TLS).")
+    tls_cert_file: Name = Field("", description="Client certificate for mutual TLS.")
+    tls_key_file: Name = Field("", description="Client key for mutual TLS.")
 
 
 class BufferConfig(Section):
@@ -254,18 +346,21 @@ class BufferConfig(Section):
     type: Literal["zmq", "redis"] = Field(
         "zmq", description="Buffer backend: embedded ZMQ broker, or Redis Streams (multi-node, "
                            "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
-    max_staleness: int = Field(2, ge=0, description="s: never train on a sample staler than s.")
-    max_groups: int = Field(4096, ge=1, description="Most groups held before producers wait.")
-    max_message_bytes: int = Field(64 << 20, ge=1024,
+    max_staleness: int = Field(2, ge=0, le=1000,
+                               description="s: never train on a sample staler than s.")
+    max_groups: int = Field(4096, ge=1, le=MAX_GROUPS,
+                            description="Most groups held before producers wait; at least "
+                                        "learner.groups_per_step (a step's batch).")
+    max_message_bytes: int = Field(64 << 20, ge=1024, le=1 << 31,
                                    description="Larger trajectory groups are rejected.")
-    reclaim_idle_s: float = Field(60.0, gt=0,
+    reclaim_idle_s: Seconds = Field(60.0, gt=0,
                                   description="Groups delivered but neither acked nor renewed "
                                               "for this long (a dead learner) are redelivered; "
                                               "a live learner renews every reclaim_idle_s / 3.")
-    heartbeat_timeout_s: float = Field(15.0, gt=0,
+    heartbeat_timeout_s: Seconds = Field(15.0, gt=0,
                                        description="A silent rollout worker's in-flight groups "
                                                    "are released after this long.")
-    request_timeout_s: float = Field(30.0, gt=0, description="Client-side request timeout.")
+    request_timeout_s: Seconds = Field(30.0, gt=0, description="Client-side request timeout.")
     zmq: ZmqBufferConfig = Field(default_factory=ZmqBufferConfig,
                                  description="buffer.type = 'zmq': the broker's own keys.")
     redis: RedisBufferConfig = Field(default_factory=RedisBufferConfig,
@@ -276,8 +371,9 @@ class BufferConfig(Section):
 class VllmRolloutConfig(Section):
     """The in-process vLLM engine (``rollout.engine = "vllm"``)."""
 
-    kv_cache_memory_mb: int = Field(64, ge=0, description="KV cache size (MB); 0 sizes it "
-                                                          "from gpu_memory_utilization.")
+    kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB,
+                                    description="KV cache size (MB); 0 sizes it from "
+                                                "gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
                                           description="On GPU: fraction of the device's memory "
                                                       "the engine may take.")
@@ -289,12 +385,12 @@ class SglangRolloutConfig(Section):
     """SGLang servers (``rollout.engine = "sglang"``) launched by the workers themselves, one
     each, when ``rollout.url`` is empty; with a ``url`` these keys are not read."""
 
-    module: str = Field("sglang.launch_server",
+    module: str = Field("sglang.launch_server", pattern=MODULE_PATTERN,
                         description="The module each worker runs (`python -m`) to launch its "
                                     "own server.")
     args: list[str] = Field(default_factory=list,
                             description="Extra launch flags (e.g. --mem-fraction-static 0.5).")
-    server_start_timeout_s: float = Field(600.0, gt=0, description="How long a launched server "
+    server_start_timeout_s: Seconds = Field(600.0, gt=0, description="How long a launched server "
                                                                    "may take to get ready.")
 
 
@@ -308,16 +404,18 @@ class RolloutConfig(Section):
                              "started), SGLang servers (at `url`, or one launched per worker), "
                              "or `sim`: calibrated waits instead of compute (see [sim]); sim "
                              "workers run as threads of one process.")
-    url: str = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
+    url: Name = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
                                      "separated, one per worker (worker i attaches to entry i).")
-    request_timeout_s: float = Field(120.0, gt=0, description="vllm-server, sglang: HTTP "
+    request_timeout_s: Seconds = Field(120.0, gt=0, description="vllm-server, sglang: HTTP "
                                                               "timeout.")
-    workers: int = Field(2, ge=1, description="Rollout worker processes (one engine each).")
-    group_size: int = Field(16, ge=1, description="Samples per prompt (G).")
-    groups_per_batch: int = Field(8, ge=1, description="Groups generated in one engine call.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    max_new_tokens: int = Field(8, ge=1, description="Generation length limit.")
-    threads: int = Field(1, ge=1, description="torch threads per worker.")
+    workers: int = Field(2, ge=1, le=MAX_PROCESSES,
+                         description="Rollout worker processes (one engine each).")
+    group_size: int = Field(16, ge=1, le=MAX_GROUP, description="Samples per prompt (G).")
+    groups_per_batch: int = Field(8, ge=1, le=MAX_GROUP,
+                                  description="Groups generated in one engine call.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    max_new_tokens: int = Field(8, ge=1, le=MAX_TOKENS, description="Generation length limit.")
+    threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads per worker.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="Engine device.")
     vllm: VllmRolloutConfig = Field(default_factory=VllmRolloutConfig,
                                     description="rollout.engine = 'vllm': the engine's own keys.")
@@ -330,6 +428,15 @@ class RolloutConfig(Section):
         if engine_kind(self.engine).needs_url and not self.url.strip():
             raise ValueError(f"rollout.engine = {self.engine!r} needs rollout.url (the server "
                              "fleet)")
+        urls = [u.strip() for u in self.url.split(",") if u.strip()]
+        bad = [u for u in urls if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", u)]
+        if bad:
+            raise ValueError(f"rollout.url = {self.url!r}: {bad[0]!r} is not an http:// or "
+                             "https:// URL")
+        if urls and len(urls) < self.workers:
+            raise ValueError(f"rollout.workers = {self.workers} but rollout.url names "
+                             f"{len(urls)} server(s): one server per worker (worker i attaches "
+                             "to entry i, and a server takes weights from one worker only)")
         return self
 
 
@@ -361,19 +468,22 @@ class LossConfig(Section):
     gae_gamma: float = Field(1.0, gt=0, le=1, description="GAE discount γ per token.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE λ: 0 trusts the critic, 1 is "
                                                             "Monte-Carlo.")
-    critic_lr: float | None = Field(None, gt=0, description="Critic AdamW lr; None uses "
+    critic_lr: float | None = Field(None, gt=0, lt=1, description="Critic AdamW lr; None uses "
                                                             "learner.lr.")
     aggregation: Literal["token", "sequence", "group"] = Field(
         "token", description="token: mean over all trained tokens; sequence: mean over "
                              "samples of each sample's token mean; group: mean over groups of "
                              "each group's token mean.")
-    clip_eps_high: float | None = Field(
-        None, gt=0, description="Upper clip 1 + clip_eps_high (DAPO clip-higher, e.g. 0.28); "
-                                "None uses learner.clip_eps.")
-    tis_cap: float = Field(2.0, gt=0, description="Truncation C of importance weights (tis, "
-                                                  "decoupled_ppo): min(w, C).")
-    kl_coef: float = Field(0.0, ge=0, description="β of the KL to the frozen reference model; "
-                                                  "0 loads no reference model.")
+    clip_eps_high: float | None = Field(None, gt=0, le=10,
+                                        description="Upper clip 1 + clip_eps_high (DAPO "
+                                                    "clip-higher, e.g. 0.28); None uses "
+                                                    "learner.clip_eps.")
+    tis_cap: float = Field(2.0, gt=0, le=1e4,
+                           description="Truncation C of importance weights (tis, decoupled_ppo): "
+                                       "min(w, C).")
+    kl_coef: float = Field(0.0, ge=0, le=1e3,
+                           description="β of the KL to the frozen reference model; 0 loads no "
+                                       "reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="KL(π‖π_ref) estimator per token: k1 = log r, k2 = ½(log r)², "
                           "k3 = 1/r − 1 + log r with r = π/π_ref.")
@@ -387,14 +497,19 @@ class LossConfig(Section):
         default_factory=list, description="Mask out the loss of samples with these finish "
                                           "reasons, e.g. [\"length\"] (overlong filtering); a "
                                           "group left with no trained token is dropped.")
-    mismatch_warn_abs_logp: float = Field(
-        0.5, gt=0, description="Warn when the mean |logp_train − logp_rollout| passes this.")
+    mismatch_warn_abs_logp: float = Field(0.5, gt=0, le=1e3,
+                                          description="Warn when the mean |logp_train − "
+                                                      "logp_rollout| passes this.")
 
     @model_validator(mode="after")
     def _check_step_advantage(self) -> LossConfig:
         if self.step_advantage == "per_step" and self.advantage not in ("grpo", "dr_grpo", "rloo"):
             raise ValueError(f"learner.loss.step_advantage = 'per_step' needs advantage grpo, "
                              f"dr_grpo or rloo (got {self.advantage!r})")
+        reasons = self.drop_finish_reasons
+        if any(not r.strip() for r in reasons) or len(set(reasons)) != len(reasons):
+            raise ValueError(f"learner.loss.drop_finish_reasons must be distinct, non-blank "
+                             f"finish reasons (e.g. [\"length\"]), got {reasons}")
         return self
 
 
@@ -406,36 +521,41 @@ class LearnerConfig(Section):
     zero_stage: Literal[2, 3] = Field(
         2, description="DeepSpeed only: ZeRO-2 shards optimizer state and gradients; ZeRO-3 "
         "also shards the weights (less memory, more communication).")
-    ranks: int = Field(1, ge=1, description="Training ranks on this node (torchrun's "
-                       "--nproc-per-node; CLI --nproc-per-node).")
-    nnodes: int = Field(1, ge=1, description="Learner nodes (CLI --nnodes); world size = nnodes "
-                        "x ranks, node K runs global ranks K*ranks .. K*ranks+ranks-1.")
+    ranks: int = Field(1, ge=1, le=MAX_PROCESSES,
+                       description="Training ranks on this node (torchrun's --nproc-per-node; CLI "
+                                   "--nproc-per-node).")
+    nnodes: int = Field(1, ge=1, le=MAX_PROCESSES,
+                        description="Learner nodes (CLI --nnodes); world size = nnodes x ranks, "
+                                    "node K runs global ranks K*ranks .. K*ranks+ranks-1.")
     node_rank: int = Field(0, ge=0, description="This node's index (CLI --node-rank); node 0 "
                            "holds global rank 0, which reads the buffer and publishes weights.")
-    master_addr: str = Field("127.0.0.1", min_length=1, description="Host of global rank 0's "
+    master_addr: Host = Field("127.0.0.1", description="Host of global rank 0's "
                              "rendezvous (CLI --master-addr); reachable from every node.")
-    groups_per_step: int = Field(32, ge=1, description="Groups consumed per optimizer step.")
-    total_steps: int = Field(200, ge=1, description="Optimizer steps before the run ends.")
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    groups_per_step: int = Field(32, ge=1, le=MAX_GROUPS,
+                                 description="Groups consumed per optimizer step.")
+    total_steps: int = Field(200, ge=1, le=MAX_STEPS,
+                             description="Optimizer steps before the run ends.")
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate (1 or more diverges "
+                                                   "at once: the loss turns NaN).")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global grad norm.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
     advantage_std_norm: bool = Field(True, description="GRPO: divide by the group's std.")
     loss: LossConfig = Field(default_factory=LossConfig,
                              description="Policy loss, advantages, aggregation, KL, filters.")
-    threads: int = Field(1, ge=1, description="torch threads per rank.")
+    threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads per rank.")
     device: Literal["auto", "cpu", "cuda"] = Field("cpu", description="cuda uses NCCL.")
     master_port: int = Field(0, ge=0, le=65535, description="torch.distributed port (CLI "
                              "--master-port); 0 = a free one, single node only.")
-    collective_timeout_s: float = Field(
+    collective_timeout_s: Seconds = Field(
         300.0, gt=0, description="How long a rank waits in a collective of the learners' group "
         "before the run fails: a crashed peer process is noticed at once, a silent host or a "
         "hung NCCL peer only after this. Must exceed the longest time rank 0 spends between "
         "steps while the others wait (the eval every eval.every_steps, a checkpoint export).")
-    micro_batch_tokens: int = Field(16384, ge=0, description="Tokens per forward/backward; a "
-                                    "rank's share runs as micro-batches with gradient "
-                                    "accumulation (0 = one micro-batch). Padding counts unless "
-                                    "packing.")
+    micro_batch_tokens: int = Field(16384, ge=0, le=1 << 30,
+                                    description="Tokens per forward/backward; a rank's share runs "
+                                                "as micro-batches with gradient accumulation (0 = "
+                                                "one micro-batch). Padding counts unless packing.")
     packing: bool = Field(False, description="Pack a micro-batch's sequences into one row "
                           "(positions restart per sequence, no attention across them) instead "
                           "of padding rows. Pays with flash-attention on GPU; on CPU sdpa the "
@@ -456,16 +576,16 @@ class WeightsConfig(Section):
     overlap: bool = Field(True, description="Deliver each version to the engines (and publish "
                                             "it) on a thread while the learner goes on to the "
                                             "next step; false: sync before the next step.")
-    bucket_mb: float = Field(32.0, gt=0, description="Broadcast bucket size (MB).")
-    alone_mb: float = Field(1.0, ge=0, description="Tensors at least this big (MB) are "
-                                                   "broadcast from their own memory, one "
-                                                   "collective each, instead of being copied "
-                                                   "into a bucket; 0 packs every tensor "
-                                                   "(always 0 for sglang peers: one HTTP "
-                                                   "request per bucket).")
-    timeout_s: float = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
-    host: str = Field("127.0.0.1", min_length=1,
-                      description="Address each side of the broadcast binds and announces "
+    bucket_mb: float = Field(32.0, gt=0, le=MAX_BUCKET_MB,
+                             description="Broadcast bucket size (MB).")
+    alone_mb: float = Field(1.0, ge=0, le=MAX_BUCKET_MB,
+                            description="Tensors at least this big (MB) are broadcast from their "
+                                        "own memory, one collective each, instead of being copied "
+                                        "into a bucket; 0 packs every tensor (always 0 for sglang "
+                                        "peers: one HTTP request per bucket).")
+    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+    host: Host = Field("127.0.0.1",
+                       description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "
                                   "Roles on several machines: \"auto\" (the address of the "
                                   "interface that reaches the buffer) or an explicit one.")
@@ -477,28 +597,32 @@ class SimConfig(Section):
     the model's arithmetic becomes calibrated waits. This measures the system's own overhead at
     a scale these machines cannot compute (bench/pipeline.py)."""
 
-    decode_step_s: float = Field(0.002, gt=0, description="Seconds per decode step of one "
+    decode_step_s: Seconds = Field(0.002, gt=0, description="Seconds per decode step of one "
                                                           "sequence running alone.")
-    batch_slowdown: float = Field(0.0, ge=0,
+    batch_slowdown: float = Field(0.0, ge=0, le=1e3,
                                   description="Batching effect: a decode step with `a` active "
                                               "sequences takes decode_step_s·(1 + "
                                               "batch_slowdown·(a−1)/max_batch).")
-    max_batch: int = Field(256, ge=1, description="Sequences an engine decodes at full slowdown.")
-    prefill_s: float = Field(0.0, ge=0, description="Fixed time before the first token.")
+    max_batch: int = Field(256, ge=1, le=MAX_GROUPS,
+                           description="Sequences an engine decodes at full slowdown.")
+    prefill_s: Seconds = Field(0.0, ge=0, description="Fixed time before the first token.")
     length: Literal["fixed", "uniform", "lognormal"] = Field(
         "lognormal", description="Response-length distribution: fixed (= mean_tokens), "
                                  "uniform on [1, 2·mean_tokens − 1], or lognormal with `sigma` "
                                  "(a long tail like reasoning traces); all capped at "
                                  "rollout.max_new_tokens (capped responses finish by length).")
-    mean_tokens: float = Field(64.0, ge=1, description="Mean response length (before the cap).")
-    sigma: float = Field(1.0, gt=0, description="lognormal: σ of log length (1.0 ≈ long tail).")
-    train_token_s: float = Field(1e-5, ge=0, description="Learner seconds per trained token, for "
+    mean_tokens: float = Field(64.0, ge=1, le=MAX_TOKENS,
+                               description="Mean response length (before the cap).")
+    sigma: float = Field(1.0, gt=0, le=10,
+                         description="lognormal: σ of log length (1.0 ≈ long tail).")
+    train_token_s: Seconds = Field(1e-5, ge=0, description="Learner seconds per trained token, for "
                                                          "all ranks together (a rank waits for "
                                                          "its share times the world size).")
-    model_params: float = Field(7e9, gt=0, description="Parameters of the simulated model "
+    model_params: float = Field(7e9, ge=1, le=1e14, description="Parameters of the simulated model "
                                                        "(sync time = bytes / bandwidth).")
-    param_bytes: int = Field(2, ge=1, description="Bytes per parameter on the wire (bf16 = 2).")
-    sync_gb_per_s: float = Field(50.0, gt=0, description="Broadcast bandwidth, GB/s.")
+    param_bytes: int = Field(2, ge=1, le=8,
+                             description="Bytes per parameter on the wire (bf16 = 2).")
+    sync_gb_per_s: float = Field(50.0, gt=0, le=1e6, description="Broadcast bandwidth, GB/s.")
 
     @property
     def sync_s(self) -> float:
@@ -507,9 +631,14 @@ class SimConfig(Section):
 
 
 class EvalConfig(Section):
-    every_steps: int = Field(10, ge=0, description="Greedy held-out eval period; 0 = end only.")
+    every_steps: int = Field(10, ge=0, le=MAX_STEPS,
+                             description="Greedy held-out eval period; 0 = end only.")
     stop_at_accuracy: float | None = Field(None, gt=0, le=1,
                                            description="End the run once eval reaches this.")
+
+
+RAY_ADDRESS = r"^$|^auto$|^local$|^(ray://)?[^\s/:]+:[0-9]{1,5}$"
+"""``launcher.address``: empty, ``auto``, ``local``, ``host:port`` or ``ray://host:port``."""
 
 
 class LauncherConfig(Section):
@@ -518,21 +647,23 @@ class LauncherConfig(Section):
     type: Literal["local", "ray"] = Field(
         "local", description="Where `asyncrl up` starts roles: local OS processes, or actors on "
                              "a Ray cluster (placement groups sized by `resources`).")
-    address: str = Field("", description="ray: cluster to join (`ray start --head` prints it, "
-                                         "e.g. 127.0.0.1:6379); empty starts a private local one.")
-    stop_timeout_s: float = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
-    learner_stop_timeout_s: float = Field(
+    address: str = Field("", pattern=RAY_ADDRESS,
+                         description="ray: cluster to join (`ray start --head` prints it, e.g. "
+                                     "127.0.0.1:6379); empty starts a private local one.")
+    stop_timeout_s: Seconds = Field(10.0, gt=0, description="SIGTERM → SIGKILL grace period.")
+    learner_stop_timeout_s: Seconds = Field(
         120.0, gt=0, description="The learner's grace period after a stop: time to finish its "
                                  "step and save its checkpoint and export (a second Ctrl-C "
                                  "ends it at once).")
-    refresh_s: float = Field(2.0, gt=0, description="Progress line period of `asyncrl up`.")
-    max_restarts: int = Field(3, ge=0, description="Restarts of one crashed rollout worker (or "
-                                                   "ZMQ broker) before the run is stopped; a "
-                                                   "worker that ran `healthy_after_s` is "
-                                                   "forgiven its earlier crashes.")
-    restart_backoff_s: float = Field(1.0, ge=0, description="Wait before the first restart; "
-                                                            "doubled after each further one.")
-    healthy_after_s: float = Field(60.0, gt=0, description="A process that ran this long before "
+    refresh_s: Seconds = Field(2.0, ge=0.1, description="Progress line period of `asyncrl up`.")
+    max_restarts: int = Field(3, ge=0, le=100,
+                              description="Restarts of one crashed rollout worker (or ZMQ broker) "
+                                          "before the run is stopped; a worker that ran "
+                                          "`healthy_after_s` is forgiven its earlier crashes.")
+    restart_backoff_s: Seconds = Field(1.0, ge=0, description="Wait before the first restart; "
+                                                            "doubled after each further one "
+                                                            "(the last at most a week).")
+    healthy_after_s: Seconds = Field(60.0, gt=0, description="A process that ran this long before "
                                                            "crashing starts a fresh restart count.")
 
     def stop_grace_s(self, role: str) -> float:
@@ -543,8 +674,8 @@ class LauncherConfig(Section):
 class RoleResources(Section):
     """What one process of a role asks the cluster for (Ray placement-group bundles)."""
 
-    cpus: float = Field(1.0, ge=0, description="CPUs per process.")
-    gpus: float = Field(0.0, ge=0, description="GPUs per process.")
+    cpus: float = Field(1.0, ge=0, le=1024, description="CPUs per process.")
+    gpus: float = Field(0.0, ge=0, le=64, description="GPUs per process.")
 
 
 class ResourcesConfig(Section):
@@ -565,19 +696,22 @@ class MonitorConfig(Section):
         0, ge=0, le=65535 - 1024,
         description="Base port of the Prometheus /metrics endpoints on 127.0.0.1 (0 = off): the "
                     "buffer serves base + 0, the learner base + 1, rollout worker i base + 2 + i.")
-    prometheus_host: str = Field("127.0.0.1", description="Address the /metrics endpoints bind.")
+    prometheus_host: Host = Field("127.0.0.1",
+                                  description="Address the /metrics endpoints bind.")
     sinks: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["jsonl"],
         description="Where the learner writes its per-step metrics: jsonl (<run dir>/"
                     "metrics.jsonl, read by `asyncrl plot`), tensorboard (<run dir>/tensorboard; "
                     "needs the tensorboard package), wandb (needs the wandb package).")
-    wandb_project: str = Field("asyncrl", min_length=1, description="wandb project name.")
+    wandb_project: str = Field("asyncrl", pattern=r"^[^\s/\\#?%:\x00-\x1f]+$",
+                               description="wandb project name (no spaces, no /\\#?%:).")
     wandb_mode: Literal["online", "offline", "disabled"] = Field(
         "online", description="wandb mode; offline writes <run dir>/wandb for `wandb sync`.")
     tui: Literal["auto", "rich", "plain"] = Field(
         "auto", description="Live view of `asyncrl up`/`monitor`: rich (a full-screen table), "
                             "plain (progress lines), auto (rich when stdout is a terminal).")
-    history: int = Field(120, ge=2, description="Learner steps kept for the sparklines.")
+    history: int = Field(120, ge=2, le=100_000,
+                         description="Learner steps kept for the sparklines.")
 
     @model_validator(mode="after")
     def _check_sinks(self) -> MonitorConfig:
@@ -590,16 +724,19 @@ class CheckpointConfig(Section):
     """Learner checkpoints (sharded model and optimizer: torch DCP for FSDP2, DeepSpeed's own for
     DeepSpeed; version, RNG, counters) and HF exports."""
 
-    every_steps: int = Field(50, ge=0, description="Checkpoint period in optimizer steps; 0 = "
-                                                   "only at the end or on stop.")
-    keep: int = Field(2, ge=1, description="Most recent checkpoints kept; older ones are deleted.")
+    every_steps: int = Field(50, ge=0, le=MAX_STEPS,
+                             description="Checkpoint period in optimizer steps; 0 = only at the "
+                                         "end or on stop.")
+    keep: int = Field(2, ge=1, le=1000,
+                      description="Most recent checkpoints kept; older ones are deleted.")
     resume: bool = Field(True, description="Resume from the latest checkpoint in `dir` if one "
                                            "exists (a learner restart or `asyncrl up` again).")
-    path: str = Field("", description="Resume from this checkpoint directory (`--resume PATH`); "
+    path: Name = Field("", description="Resume from this checkpoint directory (`--resume PATH`); "
                                       "empty: the latest in `dir` when `resume` is true.")
-    hf_every_steps: int = Field(0, ge=0, description="Export an HF model to <run dir>/hf/step_<V> "
-                                                     "every this many steps; 0 = off.")
-    dir: str = Field("checkpoints", min_length=1,
+    hf_every_steps: int = Field(0, ge=0, le=MAX_STEPS,
+                                description="Export an HF model to <run dir>/hf/step_<V> every "
+                                            "this many steps; 0 = off.")
+    dir: Name = Field("checkpoints", min_length=1,
                      description="Checkpoint directory, relative to the run directory.")
 
 
@@ -625,26 +762,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        if self.learner.node_rank >= self.learner.nnodes:
-            raise ValueError(f"learner.node_rank ({self.learner.node_rank}) must be below "
-                             f"learner.nnodes ({self.learner.nnodes})")
-        if self.learner.nnodes > 1 and self.learner.master_port == 0:
-            raise ValueError("learner.nnodes > 1 needs a fixed learner.master_port (every node "
-                             "must dial the same one; 0 picks a free port on one machine only)")
-        if self.workflow.type == "digits" and self.task.length + 2 + \
-                self.rollout.max_new_tokens > self.model.tiny.max_position_embeddings \
-                and not self.model.path:
-            raise ValueError(
-                "model.tiny.max_position_embeddings is shorter than prompt + "
-                "rollout.max_new_tokens")
-        self._check_lora()
+        """The rules across sections (:mod:`asyncrl.config.checks`), all reported at once."""
+        problems = consistency_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
-
-    def _check_lora(self) -> None:
-        """LoRA is built for the FSDP2 learner only (peft before ``fully_shard``)."""
-        if self.model.lora.rank and self.learner.backend != "fsdp2":
-            raise ValueError(f"model.lora.rank > 0 needs learner.backend = 'fsdp2' (got "
-                             f"{self.learner.backend!r}): LoRA is not built for that backend")
 
     @property
     def run_dir(self) -> Path:

@@ -4,6 +4,12 @@ A :class:`DatasetSource` walks its rows epoch by epoch, each epoch in a seeded s
 (``data.seed + epoch``), and can say where it is (:meth:`state`) and resume there
 (:meth:`load_state`): rollout worker ``i`` of ``K`` reads the rows ``j`` with ``j % K == i``
 and keeps its position in ``<run dir>/data/worker-<i>.json``.
+
+Every row is checked as it is read (:func:`row_problem`): a JSON object with the fields the
+config names, which the prompt template formats. An error names the config key, the file and
+the 1-based line (JSONL) or row (Parquet, ``datasets``). `asyncrl up` (and ``--dry-run``)
+streams each data file once before anything starts (:func:`check_data_file`); each worker
+checks the rows again as it loads them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +31,44 @@ from rollouters.tasks.sample import Sample
 logger = logging.getLogger(__name__)
 
 
-def load_rows(path: str | Path, fmt: str = "auto", split: str = "train",
-              key: str = "data.path") -> list[dict[str, Any]]:
-    """Every row of a JSONL file, a Parquet file or a ``datasets`` directory, as dicts."""
+PARQUET_BATCH_ROWS = 65536
+"""Rows read at once from a Parquet file or a ``datasets`` directory: memory stays one batch."""
+FIELDS_SHOWN = 12
+"""Field names listed in an error about a row."""
+
+
+def load_rows(path: str | Path, fmt: str = "auto", split: str = "train", key: str = "data.path",
+              data: DataConfig | None = None) -> list[dict[str, Any]]:
+    """Every row of a JSONL file, a Parquet file or a ``datasets`` directory, as dicts, each
+    checked (:func:`row_problem`: an object, with the fields ``data`` names) as it is read."""
+    return list(checked_rows(path, fmt, split, key, data))
+
+
+def check_data_file(path: str | Path, fmt: str, split: str, data: DataConfig,
+                    key: str = "data.path") -> int:
+    """Read every row of a data file once, streaming, and check it as the rollout workers
+    will; the number of rows. Raises :class:`ConfigError` naming ``key``, the file and the
+    1-based line (JSONL) or row (Parquet, ``datasets``) of the first bad row."""
+    rows = sum(1 for _ in checked_rows(path, fmt, split, key, data))
+    if not rows:
+        raise ConfigError(f"{key}: {str(path)!r} holds no rows")
+    return rows
+
+
+def checked_rows(path: str | Path, fmt: str = "auto", split: str = "train",
+                 key: str = "data.path", data: DataConfig | None = None) -> Iterator[dict]:
+    """The rows of a data file one by one, each checked, without holding the file."""
     p = Path(path).expanduser()
+    fmt = _format(p, fmt, key)
+    for number, row in _read(p, fmt, split, key):
+        problem = row_problem(row, data)
+        if problem:
+            where = f"{p}:{number}" if fmt == "jsonl" else f"{p}: row {number}"
+            raise ConfigError(f"{key}: {where}: {problem}")
+        yield row
+
+
+def _format(p: Path, fmt: str, key: str) -> str:
     if not p.exists():
         raise ConfigError(f"{key}: {str(p)!r} does not exist")
     if fmt == "auto":
@@ -35,41 +76,99 @@ def load_rows(path: str | Path, fmt: str = "auto", split: str = "train",
                                        ".parquet": "parquet"}.get(p.suffix, "")
         if not fmt:
             raise ConfigError(f"{key}: cannot tell the format of {str(p)!r}; set data.format")
+    return fmt
+
+
+def _read(p: Path, fmt: str, split: str, key: str) -> Iterator[tuple[int, Any]]:
+    """``(position, row)`` pairs, position 1-based: the line of a JSONL file (blank lines
+    count), the row of a Parquet file or a dataset."""
     if fmt == "jsonl":
-        rows = []
-        for number, line in enumerate(p.read_bytes().splitlines(), 1):
+        yield from _read_jsonl(p, key)
+    elif fmt == "parquet":
+        yield from enumerate(_read_parquet(p, key), 1)
+    else:
+        yield from enumerate(_read_dataset(p, split, key), 1)
+
+
+def _read_jsonl(p: Path, key: str) -> Iterator[tuple[int, Any]]:
+    with p.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
             if line.strip():
                 try:
-                    rows.append(orjson.loads(line))
+                    yield number, orjson.loads(line)
                 except orjson.JSONDecodeError as exc:
                     raise ConfigError(f"{key}: {p}:{number}: not JSON: {exc}") from None
-        return rows
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
+
+def _read_parquet(p: Path, key: str) -> Iterator[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(p).iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        for batch in batches:
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"{key}: {p}: not a readable Parquet file: {exc}") from None
+
+
+def _read_dataset(p: Path, split: str, key: str) -> Iterator[dict[str, Any]]:
     import datasets
 
-    loaded = datasets.load_from_disk(str(p))
+    try:
+        loaded = datasets.load_from_disk(str(p))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"{key}: {p}: not a `datasets` directory (save_to_disk): "
+                          f"{exc}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise ConfigError(f"data.split: {split!r} is not a split of {p} "
                               f"(splits: {sorted(loaded)})")
         loaded = loaded[split]
-    return loaded.to_list()
+    for batch in loaded.iter(batch_size=PARQUET_BATCH_ROWS):
+        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def row_problem(row: Any, data: DataConfig | None) -> str | None:
+    """What stops ``row`` from becoming a sample, in words; None when nothing does. A row is
+    a JSON object (a mapping); with ``data``, it has every field ``data.prompt_template``,
+    ``data.answer_field`` and ``data.id_field`` name, and the template formats it."""
+    if not isinstance(row, dict):
+        kind = _JSON_KINDS.get(type(row), type(row).__name__)
+        return f"a row must be a JSON object ({{\"field\": value, ...}}), this one is {kind}"
+    if data is None:
+        return None
+    try:
+        data.prompt_template.format(**row)
+    except KeyError as exc:
+        return f"no field {exc} (named by data.prompt_template; the row has {_fields(row)})"
+    except (IndexError, ValueError, TypeError, AttributeError) as exc:
+        return f"data.prompt_template = {data.prompt_template!r} cannot format it: {exc}"
+    for key, field in (("data.answer_field", data.answer_field), ("data.id_field", data.id_field)):
+        if field and field not in row:
+            return f"no field {field!r} (named by {key}; the row has {_fields(row)})"
+    return None
+
+
+def _fields(row: dict[str, Any]) -> str:
+    names = sorted(row)
+    shown = ", ".join(repr(name) for name in names[:FIELDS_SHOWN])
+    return (shown + f", ... ({len(names)} fields)") if len(names) > FIELDS_SHOWN else \
+        (shown or "no fields")
 
 
 def row_to_sample(row: dict[str, Any], index: int, cfg: DataConfig) -> Sample:
-    try:
-        prompt = cfg.prompt_template.format(**row)
-    except KeyError as exc:
-        raise ConfigError(f"data.prompt_template: row {index} has no field {exc} "
-                          f"(fields: {sorted(row)})") from None
-    if cfg.answer_field and cfg.answer_field not in row:
-        raise ConfigError(f"data.answer_field: row {index} has no field {cfg.answer_field!r} "
-                          f"(fields: {sorted(row)})")
+    """Row ``index`` (0-based) as a sample; a row :func:`checked_rows` did not check is
+    checked here, and named by its 1-based number."""
+    problem = row_problem(row, cfg)
+    if problem:
+        raise ConfigError(f"data.path: row {index + 1}: {problem}")
     sample_id = str(row[cfg.id_field]) if cfg.id_field else str(index)
-    return Sample(sample_id=sample_id, prompt=prompt,
+    return Sample(sample_id=sample_id, prompt=cfg.prompt_template.format(**row),
                   answer=row.get(cfg.answer_field) if cfg.answer_field else None, fields=row)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import TaskConfig
 from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID
 
@@ -131,8 +132,8 @@ class DigitTask:
         # For long prompts, only claim a conservative half of the ~10**L / 8 held-out strings.
         available = len(held_out) if held_out is not None \
             else 10 ** self.length // (2 * HOLDOUT_MODULUS)
-        if self.eval_size > available:
-            raise ValueError(
+        if self.eval_size > available:  # a ConfigError: `asyncrl up` checks it at start
+            raise ConfigError(
                 f"task.eval_size={self.eval_size} exceeds the {available} held-out prompts of "
                 f"{self.name} with task.length={self.length}; lower task.eval_size or raise "
                 f"task.length")

@@ -121,7 +121,7 @@ def make_source(cfg: Config, index: int, workers: int, seed: int):
                               f"of the run, which shares data.path among them; this is "
                               f"worker {index}: set it to the whole fleet (e.g. --set "
                               f"rollout.workers={index + 1} or more)")
-        rows = load_rows(cfg.data.path, cfg.data.format, cfg.data.split)
+        rows = load_rows(cfg.data.path, cfg.data.format, cfg.data.split, data=cfg.data)
         return DatasetSource(rows, cfg.data, index, workers,
                              state_path=cfg.run_dir / DATA_POSITION_DIR / f"worker-{index}.json")
     generate = getattr(env_class(cfg), "samples", None) if cfg.workflow.env else None
@@ -135,7 +135,8 @@ def eval_samples(cfg: Config) -> tuple[str, list[Sample]]:
     from rollouters.tasks.data import load_rows, row_to_sample
 
     if cfg.data.eval_path:
-        rows = load_rows(cfg.data.eval_path, cfg.data.format, cfg.data.split, "data.eval_path")
+        rows = load_rows(cfg.data.eval_path, cfg.data.format, cfg.data.split, "data.eval_path",
+                         cfg.data)
         samples = [row_to_sample(r, i, cfg.data) for i, r in enumerate(rows)]
         name = cfg.data.name or Path(cfg.data.eval_path).stem
     else:

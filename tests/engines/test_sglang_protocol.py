@@ -219,10 +219,9 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     finally:
         control.close()
         stop_broker()
-    two = load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
-                             f"rollout.url={url}", "rollout.workers=2"])
-    with pytest.raises(ValueError, match="rollout.workers"):
-        make_engine(two, tmp_path, 0)
+    with pytest.raises(ValueError, match="rollout.workers = 2 but rollout.url names 1"):
+        load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
+                           f"rollout.url={url}", "rollout.workers=2"])  # checked by the config
 
 
 def test_sglang_plans_pack_every_tensor() -> None:

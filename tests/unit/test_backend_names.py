@@ -179,15 +179,15 @@ def test_an_unknown_engine_kind_names_the_choices() -> None:
 def test_an_engine_that_needs_a_url_is_refused_without_one() -> None:
     with pytest.raises(ConfigError, match="rollout.engine = 'vllm-server' needs rollout.url"):
         load_config(None, ["rollout.engine='vllm-server'"])
-    assert load_config(None, ["rollout.engine='vllm-server'",
-                              "rollout.url='http://h:8000'"]).rollout.url == "http://h:8000"
+    assert load_config(None, ["rollout.engine='vllm-server'", "rollout.url='http://h:8000'",
+                              "rollout.workers=1"]).rollout.url == "http://h:8000"
 
 
 def test_the_vllm_table_is_read_by_vllm_only(caplog: pytest.LogCaptureFixture) -> None:
     """``[rollout.vllm]`` belongs to the in-process engine: a vllm-server run is told it is
     ignored, and the rendered config leaves it out."""
     overrides = ["rollout.engine='vllm-server'", "rollout.url='http://h:8000'",
-                 "rollout.vllm.enforce_eager=false"]
+                 "rollout.workers=1", "rollout.vllm.enforce_eager=false"]
     with caplog.at_level(logging.WARNING, logger="asyncrl.config.resolve"):
         cfg = load_config(None, overrides)
     assert [r.getMessage() for r in caplog.records] == [

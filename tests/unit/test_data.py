@@ -85,9 +85,11 @@ def test_workers_read_disjoint_shards(tmp_path: Path) -> None:
 
 def test_bad_template_or_answer_field_names_the_key(tmp_path: Path) -> None:
     path = _write(tmp_path, "jsonl")
-    with pytest.raises(ConfigError, match="data.prompt_template: row 0 has no field 'nope'"):
+    with pytest.raises(ConfigError, match=r"data.path: row 1: no field 'nope' \(named by "
+                                          r"data.prompt_template"):
         DatasetSource(load_rows(path), _data_cfg(path, "data.prompt_template={nope}"))
-    with pytest.raises(ConfigError, match="data.answer_field: row 0 has no field 'ans'"):
+    with pytest.raises(ConfigError, match=r"data.path: row 1: no field 'ans' \(named by "
+                                          r"data.answer_field"):
         DatasetSource(load_rows(path), _data_cfg(path, "data.answer_field=ans"))
     with pytest.raises(ConfigError, match="data.path: .* does not exist"):
         load_rows(tmp_path / "missing.jsonl")

@@ -1,0 +1,104 @@
+"""Rules that tie keys of different sections together, checked on the whole :class:`Config`.
+
+Each check returns its problems as lines that start with every key involved and its value, so
+``asyncrl`` reports them with the others, all at once. They only reject: nothing here rewrites
+a section (STYLE.md, habit 6). Rules within one section live on that section's model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from asyncrl.config.limits import WEEK_S
+from asyncrl.config.resolve import selected_table
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import Config
+
+PROMPT_EXTRA_TOKENS = 2
+"""A digit prompt is BOS, the digits, SEP: ``task.length + 2`` positions."""
+PROMETHEUS_OFFSETS = 2
+"""The buffer serves ``monitor.prometheus_port + 0``, the learner ``+ 1``, rollout worker i
+``+ 2 + i`` (:mod:`asyncrl.prometheus`)."""
+
+
+def consistency_problems(cfg: Config) -> list[str]:
+    """Every cross-section problem of ``cfg``, one line each (empty: none)."""
+    return [problem for check in CHECKS for problem in check(cfg)]
+
+
+def _learner_topology(cfg: Config) -> Iterator[str]:
+    learner = cfg.learner
+    if learner.node_rank >= learner.nnodes:
+        yield (f"learner.node_rank ({learner.node_rank}) must be below learner.nnodes "
+               f"({learner.nnodes})")
+    if learner.nnodes > 1 and learner.master_port == 0:
+        yield ("learner.nnodes > 1 needs a fixed learner.master_port (every node must dial the "
+               "same one; 0 picks a free port on one machine only)")
+
+
+def _buffer_holds_a_step(cfg: Config) -> Iterator[str]:
+    """The learner takes ``groups_per_step`` groups at once: a buffer that holds fewer never
+    fills a step, and the learner failed only deep in a traceback."""
+    held, step = cfg.buffer.max_groups, cfg.learner.groups_per_step
+    if held < step:
+        yield (f"buffer.max_groups = {held} is below learner.groups_per_step = {step}: the "
+               "buffer could never hold one step's batch")
+
+
+def _digit_positions(cfg: Config) -> Iterator[str]:
+    """The tiny model's position table must hold a digit prompt and its longest response."""
+    if cfg.workflow.type != "digits" or cfg.model.path:
+        return
+    needed = cfg.task.length + PROMPT_EXTRA_TOKENS + cfg.rollout.max_new_tokens
+    table = cfg.model.tiny.max_position_embeddings
+    if needed > table:
+        yield (f"model.tiny.max_position_embeddings = {table} is shorter than the prompt "
+               f"(task.length = {cfg.task.length}, + {PROMPT_EXTRA_TOKENS}) + "
+               f"rollout.max_new_tokens = {cfg.rollout.max_new_tokens}: {needed} positions")
+
+
+def _lora_backend(cfg: Config) -> Iterator[str]:
+    """LoRA is built for the FSDP2 learner only (peft before ``fully_shard``)."""
+    if cfg.model.lora.rank and cfg.learner.backend != "fsdp2":
+        yield (f"model.lora.rank > 0 needs learner.backend = 'fsdp2' (got "
+               f"{cfg.learner.backend!r}): LoRA is not built for that backend")
+
+
+def _ports(cfg: Config) -> Iterator[str]:
+    """Fixed ports must fit below 65536 and not be claimed twice by one run."""
+    base, workers = cfg.monitor.prometheus_port, cfg.rollout.workers
+    claimed: dict[int, str] = {}
+    if base:
+        last = base + PROMETHEUS_OFFSETS + workers - 1
+        if last > 65535:
+            yield (f"monitor.prometheus_port = {base} with rollout.workers = {workers} needs "
+                   f"ports up to {last}, past 65535 (buffer +0, learner +1, worker i +2+i)")
+        claimed.update({port: "monitor.prometheus_port range" for port in
+                        range(base, min(last, 65535) + 1)})
+    broker = cfg.buffer.zmq.port if selected_table(cfg, "buffer") == "zmq" else 0
+    fixed = (("buffer.zmq.port", broker), ("learner.master_port", cfg.learner.master_port))
+    for key, port in fixed:
+        if port and port in claimed:
+            yield f"{key} = {port} is also claimed by {claimed[port]}: give each its own port"
+        elif port:
+            claimed[port] = f"{key} = {port}"
+
+
+def _restart_backoff(cfg: Config) -> Iterator[str]:
+    """The backoff doubles at each consecutive restart: the last one must stay a real wait."""
+    launcher = cfg.launcher
+    if not launcher.max_restarts:
+        return
+    last = launcher.restart_backoff_s * 2 ** (launcher.max_restarts - 1)
+    if last > WEEK_S:
+        yield (f"launcher.restart_backoff_s = {launcher.restart_backoff_s} doubled up to "
+               f"launcher.max_restarts = {launcher.max_restarts} times waits {last:.3g} s "
+               f"before the last restart, over a week ({WEEK_S:.0f} s)")
+
+
+CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
+    _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
+    _restart_backoff)
+"""Every cross-section rule, in the order their problems are reported."""
