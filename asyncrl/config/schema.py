@@ -161,12 +161,16 @@ class RewardConfig(Section):
     """How a response is scored (workflows `single_turn` and `multi_turn`; digit tasks score
     themselves). Rewards that raise or time out score 0 and are counted."""
 
-    type: Literal["exact", "math", "code", "custom"] = Field(
+    type: Literal["exact", "math", "code", "custom", "verl"] = Field(
         "exact", description="exact: extracted answer == data answer field; math: equivalence "
                              "by math-verify; code: run the response with the row's tests in "
-                             "a sandbox; custom: the function at `path`.")
+                             "a sandbox; custom: the function at `path`; verl: a verl "
+                             "compute_score at `path`, or without one verl's built-in scorer "
+                             "for each row's data_source (GSM8K, MATH, else exact match).")
     path: Name = Field("", description="custom: import path 'pkg.module:fn' of "
-                                      "fn(response, sample) -> float, sync or async.")
+                                      "fn(response, sample) -> float, sync or async; verl: "
+                                      "'pkg.module:compute_score' of compute_score(data_source, "
+                                      "solution_str, ground_truth, extra_info).")
     timeout_s: Seconds = Field(30.0, gt=0, description="A reward still running after this "
                                                      "scores 0 (counted as a timeout).")
     tests_field: Name = Field("tests", description="code: data field holding the tests "
@@ -189,23 +193,30 @@ class RewardConfig(Section):
 class DataConfig(Section):
     """Where prompts come from for `single_turn` and `multi_turn` workflows.
 
-    Rows are read from a JSONL file, a Parquet file or a local HF ``datasets`` directory (one
-    saved with ``save_to_disk``). Each row becomes a sample: ``prompt_template`` formatted with
-    the row's fields, the ``answer_field`` value, and the row itself for rewards and envs.
+    Rows are read from a JSONL file, a Parquet file, a local HF ``datasets`` directory (one
+    saved with ``save_to_disk``) or a hub dataset id. Each row becomes a sample:
+    ``prompt_template`` formatted with the row's fields, the ``answer_field`` value, and the
+    row itself for rewards and envs. verl's layout (``prompt`` a list of chat messages,
+    ``reward_model.ground_truth``, ``data_source``, ``extra_info``) is read as it is.
     Empty ``path`` with a built-in env: the env generates its own prompts."""
 
-    path: Name = Field("", description="Training rows: .jsonl, .parquet, or a datasets dir.")
-    format: Literal["auto", "jsonl", "parquet", "hf"] = Field(
-        "auto", description="File format; auto picks by suffix (a directory is `hf`).")
+    path: Name = Field("", description="Training rows: .jsonl, .parquet, a datasets dir, or a "
+                                       "hub dataset id (e.g. openai/gsm8k, with data.split).")
+    format: Literal["auto", "jsonl", "parquet", "hf", "verl"] = Field(
+        "auto", description="File format; auto picks by suffix (a directory is `hf`, a hub id "
+                            "goes through datasets.load_dataset) and reads verl's layout when "
+                            "the rows have it; verl: that layout, required.")
     split: Name = Field("train", min_length=1, description="hf: split to use when the "
                                                          "directory holds a DatasetDict.")
     prompt_template: str = Field("{prompt}", min_length=1,
                                  description="Python format string over the row's fields, "
                                              "e.g. 'Q: {question}'.")
-    answer_field: Name = Field("answer", description="Row field compared by the reward "
-                                                    "(empty: none).")
-    id_field: Name = Field("", description="Row field used as the sample id (empty: the row "
-                                          "index).")
+    answer_field: Name = Field("answer", description="Row field compared by the reward, a "
+                                                    "dotted path into nested fields allowed "
+                                                    "(empty: none; verl layout: "
+                                                    "reward_model.ground_truth).")
+    id_field: Name = Field("", description="Row field used as the sample id, dotted paths "
+                                          "allowed (empty: the row index).")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Shuffle seed.")
     epochs: int = Field(0, ge=0, le=MAX_STEPS,

@@ -200,7 +200,7 @@ def plugin_errors(cfg: Config) -> list[str]:
         from rollouters.workflows.factory import env_class  # built-in names, then import paths
 
         checks.append(lambda: env_class(cfg))
-    if cfg.reward.type == "custom":
+    if cfg.reward.type in ("custom", "verl") and cfg.reward.path:
         checks.append(lambda: load_callable(cfg.reward.path, "reward.path"))
     errors = []
     with _importable_from_cwd():

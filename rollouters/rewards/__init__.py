@@ -34,6 +34,10 @@ def make_reward(cfg: RewardConfig) -> RewardScorer:
         fn = CodeReward(SandboxLimits(wall_s=cfg.code_wall_s, cpu_s=cfg.code_cpu_s,
                                       memory_mb=cfg.code_memory_mb,
                                       max_processes=cfg.code_max_processes), cfg.tests_field)
+    elif cfg.type == "verl":
+        from rollouters.rewards.verl import VerlReward
+
+        fn = VerlReward(load_callable(cfg.path, "reward.path") if cfg.path else None)
     else:
         fn = load_callable(cfg.path, "reward.path")
     return RewardScorer(fn, cfg.timeout_s, name=cfg.type)

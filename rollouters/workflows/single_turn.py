@@ -60,6 +60,17 @@ class SingleTurnWorkflow:
         self.system_prompt = system_prompt
 
     def prompt_tokens(self, sample: Sample) -> list[int]:
+        """The prompt's ids: chat messages (verl's layout) through the chat template, with
+        ``workflow.system_prompt`` first unless they bring their own system message; a text
+        prompt as a user message, or as it is with ``workflow.chat_template = false``."""
+        if sample.messages is not None:
+            if self.chat is None:
+                raise ValueError(f"sample {sample.sample_id}: its prompt is a list of chat "
+                                 "messages, which workflow.chat_template = false cannot render")
+            messages = sample.messages
+            if self.system_prompt and not any(m["role"] == "system" for m in messages):
+                messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            return self.chat.prompt_tokens(messages)
         if self.chat is None:
             from asyncrl.tokens import encode_strict
 
