@@ -1,7 +1,12 @@
 """Rewards: exact match, math equivalence, sandboxed code execution, user functions by path.
 
 :func:`make_reward` turns ``[reward]`` into a :class:`RewardScorer`; every reward is awaited
-through it, so none can raise into, or stall, a rollout worker.
+through it, so none can raise into, or stall, a rollout worker. ``custom`` and ``math`` rewards
+run in a pool of processes (``reward.isolation = "process"``), killed when a call hangs: user
+code can hang, and math-verify (sympy) on a model's answer can compute for as long as it likes
+while holding the interpreter lock, which no thread timeout interrupts. ``exact`` (a regex and
+a string compare) cannot hang and ``code`` kills its own sandboxed program: both run in the
+worker.
 """
 
 from __future__ import annotations
@@ -18,22 +23,30 @@ __all__ = ["RewardError", "RewardFn", "RewardScorer", "exact_match", "extract_an
            "make_reward", "math_equal"]
 
 
+MATH_PATH = "rollouters.rewards.match:math_equal"
+
+
 def make_reward(cfg: RewardConfig) -> RewardScorer:
-    """The scorer ``cfg.type`` names (a custom one is loaded from ``reward.path``)."""
+    """The scorer ``cfg.type`` names (a custom one is loaded from ``reward.path``, here to
+    check the path, and again in each pool process)."""
     from asyncrl.plugins import load_callable
+    from rollouters.rewards.base import is_coroutine_fn
+    from rollouters.rewards.pool import ProcessPool
 
     fn: RewardFn
-    if cfg.type == "exact":
+    path = cfg.path if cfg.type == "custom" else MATH_PATH if cfg.type == "math" else None
+    if path is not None:
+        fn = load_callable(path, "reward.path")
+        if cfg.isolation == "process":
+            pool = ProcessPool(path, cfg.workers, is_coroutine_fn(fn), cfg.type)
+            return RewardScorer(fn, cfg.timeout_s, name=cfg.type, runner=pool)
+    elif cfg.type == "exact":
         fn = exact_match
-    elif cfg.type == "math":
-        fn = math_equal
-    elif cfg.type == "code":
+    else:
         from rollouters.rewards.code import CodeReward
         from rollouters.rewards.sandbox import SandboxLimits
 
         fn = CodeReward(SandboxLimits(wall_s=cfg.code_wall_s, cpu_s=cfg.code_cpu_s,
                                       memory_mb=cfg.code_memory_mb,
                                       max_processes=cfg.code_max_processes), cfg.tests_field)
-    else:
-        fn = load_callable(cfg.path, "reward.path")
-    return RewardScorer(fn, cfg.timeout_s, name=cfg.type)
+    return RewardScorer(fn, cfg.timeout_s, name=cfg.type, workers=cfg.workers)

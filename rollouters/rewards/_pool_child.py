@@ -1,0 +1,65 @@
+"""Runs INSIDE a reward pool process (:data:`BOOT`): loads the reward function by its import
+path, says it is ready, then answers one call at a time until the pool closes the request pipe.
+
+It dies with its parent (``PR_SET_PDEATHSIG``, Linux), so a rollout worker killed by SIGKILL
+leaves no reward process behind. Every answer is small (an outcome, a float, a capped message):
+one pipe write, which the parent reads whole once the pipe is readable.
+"""
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+# ``python -c BOOT SYS_PATH PATH REQUEST_FD RESULT_FD PARENT``: the worker's sys.path (lines)
+# is this process's before anything is imported, so the reward's path imports here as there.
+BOOT = ("import sys; sys.path[:] = sys.argv.pop(1).split('\\n'); "
+        "from rollouters.rewards._pool_child import main; main()")
+PR_SET_PDEATHSIG = 1
+DETAIL_CHARS = 500
+
+
+def _die_with(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(0)
+
+
+def _call(fn, response, sample, loop: asyncio.AbstractEventLoop) -> tuple:
+    from rollouters.rewards.base import RewardError
+
+    try:
+        value = fn(response, sample)
+        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+            value = loop.run_until_complete(value)
+        return ("ok", float(value))
+    except RewardError as exc:
+        return ("reward_error", exc.reason, str(exc)[:DETAIL_CHARS])
+    except Exception as exc:  # the user's failure, counted by type in the worker
+        return ("error", type(exc).__name__, repr(exc)[:DETAIL_CHARS])
+
+
+def main() -> None:
+    path, request_fd, result_fd, parent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
+        int(sys.argv[4])
+    _die_with(parent)
+    requests = Connection(request_fd, writable=False)
+    results = Connection(result_fd, readable=False)
+    try:
+        from asyncrl.plugins import load_callable
+
+        fn = load_callable(path, "reward.path")
+    except BaseException as exc:
+        results.send(("start_failed", f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS]))
+        return
+    results.send(("ready",))
+    loop = asyncio.new_event_loop()
+    while True:
+        try:
+            response, sample = requests.recv()
+        except EOFError:  # the pool closed
+            return
+        results.send(_call(fn, response, sample, loop))
