@@ -24,6 +24,7 @@ __all__ = ["RewardError", "RewardFn", "RewardScorer", "exact_match", "extract_an
 
 
 MATH_PATH = "rollouters.rewards.match:math_equal"
+MATH_PRELOAD = ("math_verify",)  # imported before a process takes calls: not a call's time
 
 
 def make_reward(cfg: RewardConfig) -> RewardScorer:
@@ -38,7 +39,8 @@ def make_reward(cfg: RewardConfig) -> RewardScorer:
     if path is not None:
         fn = load_callable(path, "reward.path")
         if cfg.isolation == "process":
-            pool = ProcessPool(path, cfg.workers, is_coroutine_fn(fn), cfg.type)
+            pool = ProcessPool(path, cfg.workers, is_coroutine_fn(fn), cfg.type,
+                               preload=MATH_PRELOAD if cfg.type == "math" else ())
             return RewardScorer(fn, cfg.timeout_s, name=cfg.type, runner=pool)
     elif cfg.type == "exact":
         fn = exact_match

@@ -1,4 +1,5 @@
-"""Runs INSIDE a reward pool process (:data:`BOOT`): loads the reward function by its import
+"""Runs INSIDE a reward pool process (:data:`BOOT`): imports the modules to preload (math-verify
+for the math reward: its import is not a call's time), loads the reward function by its import
 path, says it is ready, then answers one call at a time until the pool closes the request pipe.
 
 It dies with its parent (``PR_SET_PDEATHSIG``, Linux), so a rollout worker killed by SIGKILL
@@ -13,8 +14,9 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-# ``python -c BOOT SYS_PATH PATH REQUEST_FD RESULT_FD PARENT``: the worker's sys.path (lines)
-# is this process's before anything is imported, so the reward's path imports here as there.
+# ``python -c BOOT SYS_PATH PATH PRELOAD REQUEST_FD RESULT_FD PARENT``: the worker's sys.path
+# (lines) is this process's before anything is imported, so the reward's path imports here as
+# there; PRELOAD: module names, comma-separated.
 BOOT = ("import sys; sys.path[:] = sys.argv.pop(1).split('\\n'); "
         "from rollouters.rewards._pool_child import main; main()")
 PR_SET_PDEATHSIG = 1
@@ -43,14 +45,18 @@ def _call(fn, response, sample, loop: asyncio.AbstractEventLoop) -> tuple:
 
 
 def main() -> None:
-    path, request_fd, result_fd, parent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        int(sys.argv[4])
+    path, preload = sys.argv[1], [m for m in sys.argv[2].split(",") if m]
+    request_fd, result_fd, parent = (int(arg) for arg in sys.argv[3:6])
     _die_with(parent)
     requests = Connection(request_fd, writable=False)
     results = Connection(result_fd, readable=False)
     try:
+        import importlib
+
         from asyncrl.plugins import load_callable
 
+        for module in preload:
+            importlib.import_module(module)
         fn = load_callable(path, "reward.path")
     except BaseException as exc:
         results.send(("start_failed", f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS]))

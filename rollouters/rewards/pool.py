@@ -35,8 +35,10 @@ class ProcessPool:
     """:class:`~rollouters.rewards.base.RewardRunner` over up to ``size`` processes."""
 
     def __init__(self, path: str, size: int, is_async: bool, name: str,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 preload: tuple[str, ...] = (), start_timeout_s: float = START_TIMEOUT_S
+                 ) -> None:
         self.path, self.size, self.is_async, self.name = path, size, is_async, name
+        self.preload = preload
         self.start_timeout_s = start_timeout_s
         self.replaced = 0
         self._procs: set[_Process] = set()  # idle and busy
@@ -84,7 +86,7 @@ class ProcessPool:
             if len(self._procs) + self._starting < self.size:
                 self._starting += 1
                 try:
-                    proc = await _Process.start(self.path, self.start_timeout_s)
+                    proc = await _Process.start(self.path, self.preload, self.start_timeout_s)
                 except BaseException:
                     self._wake()  # the room it took is free again
                     raise
@@ -145,15 +147,15 @@ class _Process:
         self.popen, self.requests, self.results = popen, requests, results
 
     @classmethod
-    async def start(cls, path: str, timeout_s: float) -> _Process:
+    async def start(cls, path: str, preload: tuple[str, ...], timeout_s: float) -> _Process:
         request_r, request_w = os.pipe()
         result_r, result_w = os.pipe()
         try:
             # its own session: a Ctrl-C to the worker's group does not reach user code, and
             # killing the group kills what the call started
             popen = subprocess.Popen(
-                [sys.executable, "-c", BOOT, "\n".join(sys.path), path, str(request_r),
-                 str(result_w), str(os.getpid())], stdin=subprocess.DEVNULL,
+                [sys.executable, "-c", BOOT, "\n".join(sys.path), path, ",".join(preload),
+                 str(request_r), str(result_w), str(os.getpid())], stdin=subprocess.DEVNULL,
                 pass_fds=(request_r, result_w), start_new_session=True)
         except BaseException:
             for fd in (request_w, result_r):

@@ -60,6 +60,19 @@ def test_hung_calls_are_killed_and_later_calls_still_score(path: str) -> None:
     assert _children() == before  # the hung ones killed and reaped, the others too
 
 
+def test_a_math_answer_that_holds_the_interpreter_lock_for_good_is_killed() -> None:
+    """sympy evaluates a tower of powers without releasing the GIL: in the worker this froze
+    every thread (the heartbeat included) and no timeout could fire."""
+    cfg = load_config(None, ["reward.type=math", "reward.timeout_s=1", "reward.workers=1"])
+    scorer = make_reward(cfg.reward)
+    try:
+        tower = asyncio.run(_score_all(scorer, ["$\\boxed{9^{9^{9^{9}}}}$"]))
+        assert tower == [0.0] and scorer.counts["timeout"] == 1
+        assert asyncio.run(_score_all(scorer, ["so $\\boxed{1}$"])) == [1.0]
+    finally:
+        scorer.close()
+
+
 def test_a_reward_process_that_dies_is_replaced() -> None:
     scorer = _scorer("tests.rewards.helpers:hang_on_some", "reward.workers=1")
     try:
