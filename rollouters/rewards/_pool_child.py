@@ -10,9 +10,12 @@ one pipe write, which the parent reads whole once the pipe is readable.
 import asyncio
 import ctypes
 import os
+import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
+
+from rollouters.rewards.base import RewardError
 
 # ``python -c BOOT SYS_PATH PATH PRELOAD REQUEST_FD RESULT_FD PARENT``: the worker's sys.path
 # (lines) is this process's before anything is imported, so the reward's path imports here as
@@ -24,16 +27,17 @@ DETAIL_CHARS = 500
 
 
 def _die_with(parent: int) -> None:
+    """SIGKILL this process when the thread that started it ends (Linux follows the thread,
+    not the process: the pool's are started by the thread that runs the worker's loop)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(0)
 
 
-def _call(fn, response, sample, loop: asyncio.AbstractEventLoop) -> tuple:
-    from rollouters.rewards.base import RewardError
-
+def _call(fn, request: bytes, loop: asyncio.AbstractEventLoop) -> tuple:
     try:
+        response, sample = pickle.loads(request)
         value = fn(response, sample)
         if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
             value = loop.run_until_complete(value)
@@ -65,7 +69,7 @@ def main() -> None:
     loop = asyncio.new_event_loop()
     while True:
         try:
-            response, sample = requests.recv()
+            request = requests.recv_bytes()
         except EOFError:  # the pool closed
             return
-        results.send(_call(fn, response, sample, loop))
+        results.send(_call(fn, request, loop))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -49,9 +50,10 @@ class ProcessPool:
         self._closed = False
 
     async def run(self, response: str, sample: Sample, timeout_s: float) -> float:
+        request = pickle.dumps((response, sample))  # a sample that cannot be sent costs no process
         proc = await self._acquire()
         try:
-            outcome = await proc.call(response, sample, timeout_s)
+            outcome = await proc.call(request, timeout_s)
         except BaseException:  # timed out, cancelled or died: never reused
             self._discard(proc, replaced=True)
             raise
@@ -178,9 +180,9 @@ class _Process:
             raise RewardError("start_failed", hello[1])
         return proc
 
-    async def call(self, response: str, sample: Sample, timeout_s: float) -> tuple:
+    async def call(self, request: bytes, timeout_s: float) -> tuple:
         try:
-            self.requests.send((response, sample))  # an idle process is reading: no wait
+            self.requests.send_bytes(request)  # an idle process is reading: no wait
         except OSError as exc:
             raise RewardError("worker_died", f"the reward process is gone: {exc}") from None
         return await self._receive(timeout_s)

@@ -36,7 +36,8 @@ class InWorker:
 
     async def run(self, response: str, sample: Sample, timeout_s: float) -> float:
         if self._threads is None:
-            return await asyncio.wait_for(self.fn(response, sample), timeout_s)  # type: ignore[arg-type]
+            call = self.fn(response, sample)
+            return await asyncio.wait_for(call, timeout_s)  # type: ignore[arg-type]
         return await self._threads.run(self.fn, (response, sample), timeout_s)
 
     def metrics(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ def test_a_run_whose_data_runs_out_ends_finished(tmp_path: Path, processes: Proc
     # row r3 in each of the 2 passes: 8 episodes each, killed; the other rows scored
     assert last["reward/timeout"] >= 8 and last["reward/ok"] >= 8, last
     assert last["reward/failed"] == last["reward/timeout"], last
+    assert "rewards failed" in processes.log("up")  # the progress line says so
     assert 1 <= len(trained) <= 4 and steps[-1] == "final", steps
     assert f"ending the run at step {trained[-1]} of learner.total_steps = 1000" in log
     (version, path), = step_dirs(tmp_path / "ends" / "checkpoints")

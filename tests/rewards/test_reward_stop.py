@@ -9,24 +9,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import ROOT, Processes, wait_for
+from tests.integration.conftest import processes  # noqa: F401 - the fixture
 
 EXAMPLE = ROOT / "examples" / "agent" / "single_turn.toml"
 STOP_BOUND_S = 15.0  # the supervisor's own grace is launcher.stop_timeout_s / 2 = 5 s
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    procs = Processes(tmp_path)
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
 
 
 def test_a_worker_with_a_hung_reward_stops_on_one_sigterm(
