@@ -43,6 +43,9 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
                                on its own thread during this step: not a part of the step
 ``weights/*``                  the broadcast: bytes, members, evicted, buckets, epoch
 ``buffer/*``, ``rollout/*``    the buffer's counters; the rollout fleet's totals
+``reward/*``                   reward calls summed over the rollout workers: ``ok``,
+                               ``failed``, one per failure reason (``timeout``,
+                               ``error:<type>`` ...), ``replaced`` (processes, threads)
 ``filter/*``                   groups dropped by DAPO / finish-reason filters
 =============================  ==============================================================
 """

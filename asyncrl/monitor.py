@@ -30,16 +30,20 @@ SCREEN_WIDTH = 120  # when the output is not a terminal, render at a fixed width
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """One line: version, consumed staleness, token rates, depth, score, held-out score."""
+    """One line: version, consumed staleness, token rates, depth, score, held-out score, and
+    the reward calls that failed (scored 0) once any did."""
     info = learner_info(status)
     gen = sum(m.get("info", {}).get("tokens_per_s", 0.0)
               for m in rollouts(status).values() if m.get("alive"))
+    failed = info.get("reward/failed", 0)
     return (f"v{status.get('version', 0):<4} "
             f"stale mean {fmt(info.get(STALENESS_MEAN), '.2f')} "
             f"max {fmt(info.get(STALENESS_MAX), '.0f')} | "
             f"gen {gen:,.0f} tok/s train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s | "
             f"depth {status.get('depth', 0)} drops {status.get('dropped_stale', 0)} | "
-            f"score {fmt(info.get(REWARD))} val {fmt(val_score(info))}")
+            f"score {fmt(info.get(REWARD))} val {fmt(val_score(info))}" +
+            (f" | rewards failed {failed} of {failed + info.get('reward/ok', 0)}"
+             if failed else ""))
 
 
 class StatusView(Protocol):

@@ -10,6 +10,8 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -142,12 +144,13 @@ class RankZero:
 
     def _rollout_totals(self) -> dict[str, float]:
         members = self.ctx.client.status().get("members", {})
-        infos = [m.get("info", {}) for m in members.values()
-                 if m.get("role") == "rollout" and m.get("alive")]
+        rollouts = [m for m in members.values() if m.get("role") == "rollout"]
+        infos = [m.get("info", {}) for m in rollouts if m.get("alive")]
         return {"rollout/workers": len(infos),
                 "rollout/tokens_per_s": sum(i.get("tokens_per_s", 0.0) for i in infos),
                 "rollout/gate_wait_s": sum(i.get("gate_wait_s", 0.0) for i in infos),
-                "rollout/generate_s": sum(i.get("generate_s", 0.0) for i in infos)}
+                "rollout/generate_s": sum(i.get("generate_s", 0.0) for i in infos),
+                **fleet_counters(m.get("info", {}) for m in rollouts)}
 
     def finish(self, state, version: int, done: bool) -> None:
         """The final eval, and, when training finished (``done``), the run marked done: its
@@ -187,10 +190,24 @@ class RankZero:
             self.endpoint = None
 
 
+def fleet_counters(infos: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The workers' own counters (``reward/*``, ``rollout/*``: namespaced, whole numbers,
+    counted since each worker started), summed over every worker the buffer knows, the ones
+    that left included: a total that only grows while the buffer lives."""
+    totals: Counter[str] = Counter()
+    for info in infos:
+        totals.update({k: v for k, v in info.items()
+                       if "/" in k and isinstance(v, int) and not isinstance(v, bool)})
+    return dict(totals)
+
+
 def _log_step(record: dict) -> None:
     score = val_score(record)
-    logger.info("step %s  score %.3f  loss %+.4f  staleness max %d  %s",
+    failed = record.get("reward/failed", 0)
+    logger.info("step %s  score %.3f  loss %+.4f  staleness max %d  %s%s",
                 record["step"], record.get("critic/score/mean", float("nan")),
                 record.get("actor/loss", float("nan")),
                 record.get("staleness/max", 0),
-                f"val score {score:.3f}" if score is not None else "")
+                f"val score {score:.3f}" if score is not None else "",
+                f"  rewards failed {failed} of {failed + record.get('reward/ok', 0)}"
+                if failed else "")

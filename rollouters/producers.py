@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+from collections.abc import Awaitable
 
 from asyncrl.config import Config
+
+STOP_POLL_S = 0.1  # how soon a stop (a signal) ends the episodes in flight
 
 
 class DigitProducer:
@@ -45,9 +49,12 @@ class DigitProducer:
 class EpisodeProducer:
     """Workflows behind the workflow API: G concurrent episodes per sample on one event loop,
     samples from ``[data]`` (or the env), their position saved once the groups are handed over.
+    ``stop`` (the worker's): set, it cancels the episodes in flight, whatever they wait for (a
+    hung reward's process is killed), and ``produce`` returns no group.
     """
 
-    def __init__(self, cfg: Config, engine, model_dir, index: int) -> None:
+    def __init__(self, cfg: Config, engine, model_dir, index: int,
+                 stop: threading.Event | None = None) -> None:
         from asyncrl.models import load_tokenizer
         from rollouters.workflows.batching import BatchingEngine
         from rollouters.workflows.factory import make_source, make_workflow
@@ -55,6 +62,7 @@ class EpisodeProducer:
 
         seed = cfg.run.seed * 7919 + index
         self.cfg, self.loop = cfg, asyncio.new_event_loop()
+        self.stop = stop or threading.Event()
         self.workflow = make_workflow(cfg, load_tokenizer(model_dir), seed)
         self.source = make_source(cfg, index, cfg.rollout.workers, seed)
         wf = cfg.workflow
@@ -69,8 +77,20 @@ class EpisodeProducer:
 
     def produce(self, n: int) -> list:
         samples = self.source.next(n)
-        return self.loop.run_until_complete(
-            self.runner.groups(samples, self.cfg.rollout.group_size, self.cfg.run.name))
+        return self.loop.run_until_complete(self._unless_stopped(
+            self.runner.groups(samples, self.cfg.rollout.group_size, self.cfg.run.name)))
+
+    async def _unless_stopped(self, work: Awaitable[list]) -> list:
+        """``work``'s groups; none if the stop came first (the samples are not handed over:
+        a resumed worker reads them again)."""
+        task = asyncio.ensure_future(work)
+        while not self.stop.is_set():
+            done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
+            if done:
+                return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return []
 
     def handed_over(self) -> None:
         self.source.save_state()
@@ -83,10 +103,16 @@ class EpisodeProducer:
         reward = getattr(self.workflow, "reward", None)
         if reward is not None:
             reward.close()
+        pending = asyncio.all_tasks(self.loop)  # e.g. an engine call of a stopped window
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.wait(pending))
         self.loop.close()
 
 
-def make_producer(cfg: Config, engine, model_dir, index: int):
+def make_producer(cfg: Config, engine, model_dir, index: int,
+                  stop: threading.Event | None = None):
     if cfg.workflow.type == "digits":
         return DigitProducer(cfg, engine, index)
-    return EpisodeProducer(cfg, engine, model_dir, index)
+    return EpisodeProducer(cfg, engine, model_dir, index, stop)

@@ -77,7 +77,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     member = member_name(index, os.getpid())
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     engine = make_engine(cfg, model_dir, index)
-    producer = make_producer(cfg, engine, model_dir, index)
+    producer = make_producer(cfg, engine, model_dir, index, stop)
     client = connect_buffer(cfg, address, stop)
     receiver_client = connect_buffer(cfg, address, stop)  # clients are per thread
     receiver = make_weight_receiver(engine, receiver_client, member,
@@ -153,6 +153,8 @@ def _loop(cfg: Config, index: int, member: str, engine, producer, client: Buffer
         stats.generate_s += time.perf_counter() - start
         if len(groups) < grant.granted:  # episodes dropped, or the data ran out
             client.release(member, grant.granted - len(groups))
+        if stop.is_set() and not groups:  # stopped mid-window: its samples are read again
+            break
         if groups:
             results = client.put_many(member, groups)  # one round trip per window
             stats.groups += sum(r.accepted for r in results)
@@ -164,7 +166,8 @@ def _loop(cfg: Config, index: int, member: str, engine, producer, client: Buffer
             # the learner ends the run once every worker's share ran out
             last.update(exit=DATA_EXHAUSTED, shard=[index, cfg.rollout.workers])
             break
-    client.heartbeat(member, "rollout", {**_info(engine, stats, tokens), **last})
+    client.heartbeat(member, "rollout",
+                     {**_info(engine, stats, tokens), **producer.metrics(), **last})
 
 
 def _wait_for_gate(buffer_version: int, engine_version: int, receiver: WeightReceiver,

@@ -171,8 +171,18 @@ class RewardConfig(Section):
                                       "fn(response, sample) -> float, sync or async; verl: "
                                       "'pkg.module:compute_score' of compute_score(data_source, "
                                       "solution_str, ground_truth, extra_info).")
-    timeout_s: Seconds = Field(30.0, gt=0, description="A reward still running after this "
-                                                     "scores 0 (counted as a timeout).")
+    timeout_s: Seconds = Field(30.0, gt=0, description="A reward call still running after "
+                                                     "this scores 0 (counted as a timeout) and "
+                                                     "is abandoned.")
+    isolation: Literal["process", "thread"] = Field(
+        "process", description="Where custom, verl and math rewards run. process: a pool of "
+                               "`workers` processes; a call past timeout_s is killed with its "
+                               "process, which is replaced. thread: in the rollout worker (sync "
+                               "on `workers` threads, async on its event loop); a call past "
+                               "timeout_s keeps running on an abandoned thread. exact and code "
+                               "always run in the worker.")
+    workers: int = Field(4, ge=1, le=256, description="Reward calls run at once by each rollout "
+                                                      "worker: processes or threads.")
     tests_field: Name = Field("tests", description="code: data field holding the tests "
                                                   "(Python source); falls back to the answer.")
     code_wall_s: Seconds = Field(10.0, gt=0, description="code: wall-clock limit per program.")

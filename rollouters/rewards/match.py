@@ -31,8 +31,10 @@ def math_equal(response: str, sample: Sample) -> float:
     """1.0 if the response's final answer is mathematically equal to ``sample.answer``.
 
     Uses ``math-verify`` (LaTeX and plain expressions, sets, intervals, units). Its own
-    SIGALRM timeouts work only on the main thread, so they are off here: the
-    :class:`~rollouters.rewards.base.RewardScorer` bounds the time instead.
+    SIGALRM timeouts work only on the main thread, so they are off here. An answer such as
+    ``9^{9^{9^9}}`` makes sympy compute for good without releasing the interpreter lock (no
+    other thread of the process runs meanwhile), which is why the math reward runs in the
+    reward pool's processes (:mod:`rollouters.rewards.pool`), killed at ``reward.timeout_s``.
     """
     from math_verify import parse, verify
 

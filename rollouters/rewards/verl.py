@@ -7,7 +7,8 @@ verl bring such functions; :class:`VerlReward` adapts one to our
 ``sample.fields``, the ground truth is ``sample.answer``, read from ``data.answer_field``).
 
 With no ``reward.path`` the scorer is chosen per row by its ``data_source``, as verl's
-``default_compute_score`` does for the datasets its preprocessing scripts write: GSM8K's
+``default_compute_score`` does for the datasets its preprocessing scripts write
+(:func:`default_compute_score`, itself a verl-signature function): GSM8K's
 ``#### answer`` (:func:`gsm8k_score`, strict as verl's), MATH-style equivalence by
 math-verify (:func:`math_score`), and exact match for any other source (said once per source
 in the log, since a silent fallback is how a run scores 0 without anyone noticing).
@@ -15,6 +16,7 @@ in the log, since a silent fallback is how a run scores 0 without anyone noticin
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -24,7 +26,8 @@ from rollouters.rewards.base import RewardError
 from rollouters.rewards.match import exact_match, math_equal
 from rollouters.tasks.sample import Sample
 
-__all__ = ["VerlReward", "gsm8k_score", "math_score", "score_value", "scorer_for"]
+__all__ = ["VerlReward", "default_compute_score", "gsm8k_score", "math_score", "score_value",
+           "scorer_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +77,26 @@ ROUTES: dict[str, VerlScore] = {
 }
 
 
-def scorer_for(data_source: str, warned: set[str] | None = None) -> VerlScore:
+def scorer_for(data_source: str) -> VerlScore:
     """The built-in scorer for ``data_source`` (exact match when verl has none for it)."""
     scorer = ROUTES.get(data_source)
-    if scorer is not None:
-        return scorer
-    if warned is not None and data_source not in warned:
-        warned.add(data_source)
-        logger.warning("reward: no built-in scorer for data_source %r: exact match of the final "
-                       "answer; set reward.path to your compute_score for another rule",
-                       data_source)
-    return exact_score
+    if scorer is None:
+        _warn_unrouted(data_source)
+        return exact_score
+    return scorer
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_unrouted(data_source: str) -> None:
+    """Once per source and process (the cache remembers who was warned about)."""
+    logger.warning("reward: no built-in scorer for data_source %r: exact match of the final "
+                   "answer; set reward.path to your compute_score for another rule", data_source)
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                          extra_info: Any = None) -> float:
+    """verl's ``default_compute_score``: the built-in scorer for the row's ``data_source``."""
+    return scorer_for(data_source)(data_source, solution_str, ground_truth, extra_info)
 
 
 def score_value(result: Any) -> float:
@@ -101,16 +113,13 @@ def score_value(result: Any) -> float:
 
 
 class VerlReward:
-    """``fn(response, sample)`` calling a verl ``compute_score`` (or the built-in one for the
-    row's ``data_source`` when ``compute_score`` is None)."""
+    """``fn(response, sample)`` calling a (synchronous) verl ``compute_score``."""
 
-    def __init__(self, compute_score: VerlScore | None = None) -> None:
+    def __init__(self, compute_score: VerlScore = default_compute_score) -> None:
         self.compute_score = compute_score
-        self._warned: set[str] = set()
 
     def __call__(self, response: str, sample: Sample) -> float:
-        data_source = str(sample.fields.get("data_source", ""))
         extra_info = sample.fields.get("extra_info")
-        fn = self.compute_score or scorer_for(data_source, self._warned)
-        return score_value(fn(data_source, response, sample.answer,
-                              extra_info if extra_info is not None else {}))
+        return score_value(self.compute_score(
+            str(sample.fields.get("data_source", "")), response, sample.answer,
+            extra_info if extra_info is not None else {}))
