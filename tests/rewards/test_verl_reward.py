@@ -52,3 +52,28 @@ def test_rows_are_routed_by_data_source(caplog: pytest.LogCaptureFixture) -> Non
         assert reward("Answer: Rome", _sample("my/trivia", "paris")) == 0.0
     warnings = [r for r in caplog.records if "my/trivia" in r.getMessage()]
     assert len(warnings) == 1   # said once per source, not per call
+
+
+@pytest.mark.parametrize("path", ["examples.verl.reward:compute_score", ""])
+def test_reward_type_verl_scores_in_the_process_pool(path: str) -> None:
+    """`reward.type = "verl"` through make_reward: each pool process applies the adapter to
+    the user's compute_score (or to the data_source routing when no path is given)."""
+    import asyncio
+
+    from asyncrl.config.schema import RewardConfig
+    from rollouters.rewards import make_reward
+
+    scorer = make_reward(RewardConfig(type="verl", path=path, workers=1))
+    try:
+        sample = _sample("openai/gsm8k", "1234")
+        # the example's dense digit match, or GSM8K's "#### answer" (the row's data_source)
+        right, wrong = ("1234", "1243") if path else ("so\n#### 1234", "so\n#### 1243")
+        scores = asyncio.run(_score_all(scorer, [(right, sample), (wrong, sample)]))
+    finally:
+        scorer.close()
+    assert scores == ([1.0, 0.5] if path else [1.0, 0.0])
+    assert scorer.counts["ok"] == 2
+
+
+async def _score_all(scorer, calls):
+    return [await scorer.score(response, sample) for response, sample in calls]
