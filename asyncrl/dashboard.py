@@ -21,8 +21,8 @@ from rich.text import Text
 
 from asyncrl.metrics import val_score
 from asyncrl.snapshot import (MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, STEP_TIME,
-                              TRAINED_TOKENS_PER_S, WAIT_DATA, History, engine_idle, fleet_idle,
-                              learner_idle, learner_info, rollouts)
+                              TRAINED_TOKENS_PER_S, WAIT_DATA, History, engine_idle, evictions,
+                              fleet_idle, learner_idle, learner_info, rollouts)
 
 COMPUTE, GATHER = "timing/compute", "timing/gather"
 WEIGHT_SYNC, WEIGHT_WAIT = "timing/weight_sync", "timing/weight_wait"
@@ -98,24 +98,34 @@ def _header(status: Mapping[str, Any]) -> Text:
 
 
 def _engines(status: Mapping[str, Any], history: History) -> Panel:
+    """One row per engine; an engine the weight sync evicted says so in place of ``alive``
+    (a frozen one is still alive to the buffer), and why under the table."""
     table = Table(expand=True, box=None, header_style="bold")
     for name, justify in (("engine", "left"), ("alive", "left"), ("version", "right"),
                           ("lag", "right"), ("tok/s", "right"), ("groups", "right"),
                           ("heartbeat", "right"), ("idle", "right")):
         table.add_column(name, justify=justify)
     version, total = status.get("version", 0), 0.0
+    evicted = evictions(status)
     for name, member in rollouts(status).items():
         info = member.get("info", {})
         ev = info.get("engine_version")
         alive = bool(member.get("alive"))
         total += info.get("tokens_per_s", 0.0) if alive else 0.0
-        table.add_row(name, Text("yes" if alive else "no", "green" if alive else "red"),
+        table.add_row(name, _alive(alive, name in evicted),
                       fmt(ev, "d"), fmt(None if ev is None else _lag(version, ev), "d"),
                       f"{info.get('tokens_per_s', 0.0):,.0f}", str(info.get("groups", 0)),
                       f"{member.get('last_seen_s_ago', 0.0):.1f}s ago",
                       pct(engine_idle(info, history.engine_window.get(name))))
     title = f"engines · {total:,.0f} tok/s generated · idle {pct(fleet_idle(status, history))}"
-    return Panel(table, title=title, title_align="left")
+    notes = [Text(f"weights: evicted {name}: {why}", "yellow") for name, why in evicted.items()]
+    return Panel(Group(table, *notes), title=title, title_align="left")
+
+
+def _alive(alive: bool, evicted: bool) -> Text:
+    if evicted:
+        return Text("evicted", "bold yellow")
+    return Text("yes" if alive else "no", "green" if alive else "red")
 
 
 def _lag(version: int, engine_version: int) -> int:

@@ -23,7 +23,7 @@ from asyncrl.control_plane import STOPPED
 from buffers.protocol import DATA_EXHAUSTED
 from asyncrl.dashboard import dashboard, fmt
 from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
-                              History, learner_info, rollouts)
+                              History, evictions, learner_info, rollouts)
 from asyncrl.metrics import val_score
 
 SCREEN_WIDTH = 120  # when the output is not a terminal, render at a fixed width
@@ -135,17 +135,32 @@ def fleet_events(before: Mapping[str, str], status: Mapping[str, Any]
     return states, events
 
 
+def eviction_events(before: Mapping[str, str], status: Mapping[str, Any]
+                    ) -> tuple[dict[str, str], list[str]]:
+    """The engines the weight sync evicted since ``before`` (engine -> why, from the last
+    call), from the learner's heartbeat: a frozen engine is still alive to the buffer, so
+    :func:`fleet_events` does not see it go. Returns the evictions now and one line per new
+    one."""
+    now = evictions(status)
+    return now, [f"evicted {name}: {why}" for name, why in now.items() if before.get(name) != why]
+
+
 class LineView:
-    """One progress line per refresh, and a line for each change in the rollout fleet."""
+    """One progress line per refresh, and a line for each change in the rollout fleet and
+    each engine evicted from the weight sync."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
         self._fleet: dict[str, str] = {}  # `up` started the fleet: its first members are news
+        self._evicted: dict[str, str] = {}
 
     def show(self, status: dict[str, Any]) -> None:
         self._fleet, events = fleet_events(self._fleet, status)
         for event in events:
             self.out.write(f"fleet: {event}\n")
+        self._evicted, events = eviction_events(self._evicted, status)
+        for event in events:
+            self.out.write(f"weights: {event}\n")
         self.out.write(progress_line(status) + "\n")
         self.out.flush()
 

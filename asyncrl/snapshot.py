@@ -20,6 +20,9 @@ MISMATCH = "mismatch/abs_logp"
 STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
 TRAINED_TOKENS_PER_S = "perf/trained_tokens_per_s"
 STEP_TIME, WAIT_DATA = "timing/step", "timing/wait_data"
+# In the learner's heartbeat, not its metrics: {engine: why} for the engines the weight sync
+# evicted, until each is heard from again (asyncrl.weights.membership).
+EVICTIONS = "weights/evictions"
 
 
 @dataclass
@@ -121,6 +124,14 @@ def learner_info(status: Mapping[str, Any]) -> dict[str, Any]:
     for member in status.get("members", {}).values():
         if member.get("role") == "learner" and "step" in member.get("info", {}):
             return member["info"]
+    return {}
+
+
+def evictions(status: Mapping[str, Any]) -> dict[str, str]:
+    """The engines the weight sync evicted and has not taken back, each with the reason."""
+    for member in status.get("members", {}).values():
+        if member.get("role") == "learner" and EVICTIONS in member.get("info", {}):
+            return dict(member["info"][EVICTIONS])
     return {}
 
 

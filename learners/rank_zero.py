@@ -19,6 +19,7 @@ from asyncrl.evaluation import EvaluatorFactory
 from asyncrl.metrics import val_score
 from asyncrl.prometheus import start_endpoint
 from asyncrl.sinks import make_sinks
+from asyncrl.snapshot import EVICTIONS
 from buffers import connect_buffer, unanswered
 from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.batch_feed import BatchFeed
@@ -61,7 +62,7 @@ class RankZero:
         self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
-        self.last_record: dict[str, Any] = {}
+        self._record: dict[str, Any] = {}  # the last step's
         self.version = 0  # the latest version handed to the publisher
         # the eval that reached eval.stop_at_accuracy: {"version", "score", "target"}
         self.reached: dict[str, Any] | None = None
@@ -123,14 +124,22 @@ class RankZero:
         self.writer.write(record)
         if self.endpoint is not None:
             self.endpoint.publish(record)
-        lost.call(self.ctx.client.heartbeat, self.ctx.member, "learner", record)
-        self.last_record = record
+        self._record = record
+        lost.call(self.ctx.client.heartbeat, self.ctx.member, "learner", self.last_record)
         _log_step(record)
         target = self.cfg.eval.stop_at_accuracy
         score = val_score(record)
         if target is not None and score is not None and score >= target:
             self.reached = {"version": version, "score": float(score), "target": target}
         return self.reached is not None
+
+    @property
+    def last_record(self) -> dict[str, Any]:
+        """The last step's record as every heartbeat of the learner carries it: with the
+        engines the weight sync evicted and why (``weights/evictions``, until each is heard
+        from again), which the monitor shows."""
+        evicted = self.publisher.broadcaster.evictions()
+        return {**self._record, EVICTIONS: evicted} if evicted else self._record
 
     def evaluate(self, state, version: int) -> dict[str, float]:
         self.last_eval = self.evaluator.evaluate(state, version)

@@ -2,7 +2,8 @@
 
 Weights arrive on a background thread (:func:`rollouters.engines.make_weight_receiver`) and are
 loaded between decode steps, so generation never stops for a sync; every token records its
-version.
+version. The heartbeat has a thread of its own too (:class:`rollouters.heartbeat.Heartbeat`):
+a worker busy with a long batch is alive, only a stopped or dead process falls silent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, BufferStopped, connect_buffer
 from buffers.protocol import DATA_EXHAUSTED, DONE
+from rollouters.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     from asyncrl.weights.receiver import WeightReceiver
@@ -82,19 +84,23 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     receiver_client = connect_buffer(cfg, address, stop)  # clients are per thread
     receiver = make_weight_receiver(engine, receiver_client, member,
                                     host=broadcast_host(cfg, address))
+    beat_client = connect_buffer(cfg, address, stop)
+    beat = Heartbeat(beat_client, member, {"engine_version": engine.version}, HEARTBEAT_S)
     endpoint = start_endpoint(cfg.monitor, "rollout", member, index)
     try:
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
+        beat.start()
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
-        _loop(cfg, index, member, engine, producer, client, stop, endpoint, receiver)
+        _loop(cfg, index, member, engine, producer, client, stop, endpoint, receiver, beat)
     finally:
+        beat.stop()
         producer.close()
         if endpoint is not None:
             endpoint.close()
         receiver.stop()
-        receiver_client.close()
-        client.close()
+        for each in (receiver_client, beat_client, client):
+            each.close()
         engine.close()
         logger.info("%s stopped", member)
 
@@ -128,17 +134,17 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
 
 def _loop(cfg: Config, index: int, member: str, engine, producer, client: BufferClient,
           stop: threading.Event, endpoint: MetricsEndpoint | None,
-          receiver: WeightReceiver) -> None:
+          receiver: WeightReceiver, beat: Heartbeat) -> None:
     stats, tokens = WorkerStats(), RateMeter()
     next_beat, last = 0.0, {"state": STOPPED}
     while not stop.is_set():
         if time.monotonic() >= next_beat:
             info = {**_info(engine, stats, tokens), **producer.metrics()}
-            state = client.heartbeat(member, "rollout", info)
+            beat.update(info)  # the heartbeat thread sends it
             if endpoint is not None:  # producer metrics are namespaced already
                 endpoint.publish({k if "/" in k else f"rollout/{k}": v for k, v in info.items()})
             next_beat = time.monotonic() + HEARTBEAT_S
-            if state.get("run_status") == DONE:
+            if beat.reply.get("run_status") == DONE:
                 break
         grant = client.acquire(member, cfg.rollout.groups_per_batch, engine.version)
         if grant.run_status == DONE:
@@ -166,6 +172,7 @@ def _loop(cfg: Config, index: int, member: str, engine, producer, client: Buffer
             # the learner ends the run once every worker's share ran out
             last.update(exit=DATA_EXHAUSTED, shard=[index, cfg.rollout.workers])
             break
+    beat.stop()  # no heartbeat may follow the last one, which says the worker stopped
     client.heartbeat(member, "rollout",
                      {**_info(engine, stats, tokens), **producer.metrics(), **last})
 

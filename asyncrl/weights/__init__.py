@@ -4,6 +4,8 @@ rollout engine receives it.
 - :mod:`~asyncrl.weights.broadcaster`: :class:`WeightBroadcaster` (rank 0), the announcement
   format, membership epochs, eviction; ``engine_weights`` and ``broadcast_align`` (what an
   engine kind needs of the plan).
+- :mod:`~asyncrl.weights.membership`: whom the broadcaster sends to, and whom it gives up on
+  (departed or frozen members), with the reasons.
 - :mod:`~asyncrl.weights.receiver`: :class:`WeightReceiver`, one thread per engine.
 - :mod:`~asyncrl.weights.publisher`: :class:`WeightPublisher`, the broadcast and the version
   publish off the learner's critical path.

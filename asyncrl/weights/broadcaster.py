@@ -16,7 +16,7 @@ be a member, or ``sim``), built with the announced ``transport_opts``; it is reu
 members and the options stay the same. When they change, the new epoch starts with a
 handshake on the control plane so that nobody blocks on a dead peer: receivers write
 ``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
-one departs: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
+one is lost: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
 ``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
 receiver acks with ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store
 make an ack from an earlier group, or an earlier learner, count for nothing).
@@ -28,14 +28,27 @@ every byte; a changed plan rebuilds them.
 
 A member that does not join or ack in time is evicted (and the group dropped, so the next
 attempt rebuilds it without that member); a failed collective drops the group and the next
-attempt's handshake finds who is gone. Nobody waits for a member that has *departed*: one the
-control plane no longer reports alive (silent past ``buffer.heartbeat_timeout_s``: a SIGKILLed
-engine, whose supervisor may have restarted it under a new name already) or that said it
-stopped. Its departure ends the wait at once: it is evicted and the next attempt goes on
-without it, so a killed engine costs the heartbeat timeout, not ``timeout_s``; a member alive
-but slow is still waited for up to ``timeout_s``. An evicted member is left out until it
-heartbeats again after its eviction. :class:`~asyncrl.weights.receiver.WeightReceiver` (the
-rollout side) lives in :mod:`asyncrl.weights.receiver`.
+attempt's handshake finds who is gone. Nobody waits for a member that is *lost*
+(:mod:`asyncrl.weights.membership`): one that *departed*, that the control plane no longer
+reports alive (silent past ``buffer.heartbeat_timeout_s``: a SIGKILLed engine, whose
+supervisor may have restarted it under a new name already) or that said it stopped; or one
+gone *silent*, listed alive but not heard from for half of ``weights.timeout_s`` (a
+SIGSTOPped engine: alive, but it will neither join, ack nor take its part in a collective).
+Every wait (joins, acks, and each bucket that takes long to go out) asks the control plane
+who is lost once a second; a lost member is evicted at once, named with the reason in a
+warning (``weights: evicted rollout-1-42: no heartbeat for 2.6 s during version 7
+(frozen?)``), and the others get the version without it: those that acked it already count
+as delivered, the rest get it in a new epoch at once. A frozen engine therefore costs the
+others half of ``weights.timeout_s`` and one resend, not the group's timeout twice over;
+a live engine that is only slow is still waited for up to ``timeout_s``. An evicted member
+is left out until it heartbeats again after its eviction (a SIGCONTinued one rejoins at the
+next update); :meth:`WeightBroadcaster.evictions` says who is out and why.
+
+A group abandoned while a bucket is still in flight (a frozen peer holds it until the group's
+timeout) is released by the transport without waiting for it, and its staging buffers are
+dropped with it: a bucket still pending must not be repacked under its feet.
+:class:`~asyncrl.weights.receiver.WeightReceiver` (the rollout side) lives in
+:mod:`asyncrl.weights.receiver`.
 """
 
 from __future__ import annotations
@@ -50,8 +63,9 @@ from typing import Any
 import torch
 
 from asyncrl.config.schema import WeightsConfig
-from asyncrl.control_plane import STOPPED, ControlPlane
+from asyncrl.control_plane import ControlPlane
 from asyncrl.engine_kinds import engine_kind
+from asyncrl.weights.membership import Membership
 from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
 from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
@@ -69,14 +83,7 @@ __all__ = ["WeightBroadcaster", "broadcast_align", "engine_weights"]
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # a lost peer: the 1st attempt fails, the 2nd finds who, the 3rd delivers
-ROLLOUT_ROLE = "rollout"
-
-
-def _present(entry: Mapping[str, Any] | None) -> bool:
-    """Is this control-plane member entry a rollout engine that may still take weights: alive
-    (heard from within the heartbeat timeout) and not stopped?"""
-    return (entry is not None and entry.get("role") == ROLLOUT_ROLE and bool(entry.get("alive"))
-            and entry.get("info", {}).get("state") != STOPPED)
+WATCH_S = 1.0  # a wait asks the control plane who is lost this often
 
 
 @dataclass
@@ -129,8 +136,8 @@ class WeightBroadcaster:
         self._epoch = 0
         self._token = uuid.uuid4().hex[:8]  # group names unique to this broadcaster
         self._group: _Group | None = None
-        self._evicted_at: dict[str, float] = {}  # member → time.monotonic() of its eviction
-        self._evicted_now: list[str] = []  # evicted during the running sync: not retried in it
+        self._membership = Membership(cfg.timeout_s)
+        self._version = -1  # the version being synced (named in eviction reasons)
         self._closed = False
 
     # --- membership ------------------------------------------------------------------------
@@ -140,53 +147,50 @@ class WeightBroadcaster:
         their eviction (and, during a sync, minus those it evicted: they get the next sync,
         not a retry)."""
         now = time.monotonic()  # before the request: a silent member can never look fresh
-        out = []
-        for name, entry in self._control.status().get("members", {}).items():
-            if not _present(entry):
-                continue
-            if name in self._evicted_now:
-                continue
-            evicted_at = self._evicted_at.get(name)
-            if evicted_at is not None and entry["last_seen_s_ago"] >= now - evicted_at:
-                continue
-            self._evicted_at.pop(name, None)
-            out.append(name)
-        return sorted(out)
+        return self._membership.roster(self._listed(), now)
+
+    def evictions(self) -> dict[str, str]:
+        """Members evicted and not heard from since, each with the reason (safe to call from
+        any thread: the learner puts it in its heartbeat, where the monitor shows it)."""
+        return self._membership.notes
 
     def needs_sync(self) -> bool:
         """Did membership change since the last delivery (an engine joined, left or died)?"""
         current = self._group.members if self._group is not None else ()
         return tuple(self.members()) != current
 
-    def _departed(self, members: list[str]) -> list[str]:
-        """Those of ``members`` the control plane no longer reports present (dead or
-        stopped): a join or an ack from them will never come."""
-        listed = self._control.status().get("members", {})
-        return [name for name in members if not _present(listed.get(name))]
+    def _listed(self) -> dict[str, Any]:
+        return self._control.status().get("members", {})
+
+    def _lost(self, members: list[str]) -> dict[str, str]:
+        """Those of ``members`` that departed or went silent, with the reason: a join, an ack
+        or a collective's part from them will not come."""
+        return self._membership.lost(self._listed(), members, self._version)
 
     def _await(self, key_of: Callable[[str], str], members: list[str],
-               accept: Callable[[dict[str, Any]], bool]) -> tuple[list[str], list[str]]:
+               accept: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, str], list[str]]:
         """Wait up to ``timeout_s`` for every member's key to pass ``accept``, but only while
-        none of those still missing has departed (then this attempt cannot succeed as
-        planned). Returns ``(departed, late)``: the members that departed, and the others
-        still missing when the wait ended."""
+        none of those still missing is lost (then this attempt cannot succeed as planned).
+        Returns ``(lost, missing)``: the lost members with the reason, and the others still
+        missing when the wait ended (late, if nobody was lost)."""
         by_key = {key_of(name): name for name in members}
-        departed: list[str] = []
+        lost: dict[str, str] = {}
 
         def gone(keys: list[str]) -> list[str]:
-            departed.extend(self._departed([by_key[key] for key in keys]))
-            return departed
+            lost.update(self._lost([by_key[key] for key in keys]))
+            return list(lost)
 
         missing = [by_key[key] for key in await_keys(
             self._control, list(by_key), accept, time.monotonic() + self._cfg.timeout_s,
-            gone=gone)]
-        return departed, [name for name in missing if name not in departed]
+            poll_s=WATCH_S, gone=gone)]
+        return lost, [name for name in missing if name not in lost]
 
-    def _evict(self, members: list[str], why: str) -> None:
-        for name in members:
-            logger.warning("weights: evicting %s (%s)", name, why)
-            self._evicted_at[name] = time.monotonic()
-            self._evicted_now.append(name)
+    def _evict(self, why: Mapping[str, str]) -> None:
+        """Evict each member of ``why`` (member → reason, logged) and drop the group."""
+        now = time.monotonic()
+        for name, reason in why.items():
+            logger.warning("weights: evicted %s: %s", name, reason)
+            self._membership.evict(name, reason, now)
         self._drop()
 
     def _drop(self) -> None:
@@ -201,6 +205,7 @@ class WeightBroadcaster:
 
         Raises only if the control plane itself fails; lost or slow engines are evicted."""
         start = time.monotonic()
+        self._version = version
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
                             int(self._cfg.alone_mb * 2**20))
@@ -210,9 +215,8 @@ class WeightBroadcaster:
             self._transport_opts = opts
         try:
             delivered, attempts = self._deliver(plan, state_dict, version)
-            evicted = len(self._evicted_now)
         finally:
-            self._evicted_now = []
+            evicted = self._membership.sync_ended()
         return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
                 "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
@@ -224,7 +228,7 @@ class WeightBroadcaster:
                  version: int) -> tuple[list[str], int]:
         """Attempts until one reaches every (remaining) member: (members reached, attempts)."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            members = self.members()
+            members = self._roster()
             if not members:
                 self._drop()
                 return [], attempt - 1
@@ -241,9 +245,21 @@ class WeightBroadcaster:
                      version, MAX_ATTEMPTS)
         return [], MAX_ATTEMPTS
 
+    def _roster(self) -> list[str]:
+        """The members to send to now. Those already lost are evicted first: an engine that
+        froze between two updates is out before anyone waits for it."""
+        now = time.monotonic()  # before the request: a silent member can never look fresh
+        listed = self._listed()
+        members = self._membership.roster(listed, now)
+        lost = self._membership.lost(listed, members, self._version)
+        if lost:
+            self._evict(lost)
+        return [name for name in members if name not in lost]
+
     def _attempt(self, plan: BucketPlan, state: Mapping[str, torch.Tensor], version: int,
                  members: list[str]) -> list[str]:
-        """One try over ``members``: the members that acked (empty when someone was evicted)."""
+        """One try over ``members``: the members that have the version (empty when someone
+        was lost before the others acked: they get it in the next attempt, at once)."""
         fresh = self._group is None or self._group.members != tuple(members)
         if fresh:
             self._drop()
@@ -253,39 +269,63 @@ class WeightBroadcaster:
             return []
         assert self._group is not None
         started = time.monotonic()
-        self._send(self._group.transport, plan, state)
+        lost = self._send(self._group.transport, plan, state, members)
+        if lost:  # a bucket is held up by them: the others cannot have it all
+            self._evict(lost)
+            return []
         sent = time.monotonic()
-        departed, late = self._wait_acks(members, version)
+        lost, missing = self._wait_acks(members, version)
         self._phases = {"timing/weight_send": sent - started,
                         "timing/weight_ack": time.monotonic() - sent}
-        if departed:  # the others are re-sent this version in the next attempt's epoch
-            self._evict(departed, "gone before its ack: dead or stopped on the control plane")
-            return []
-        if late:
-            self._evict(late, f"no ack within {self._cfg.timeout_s:.1f}s")
-            return []
-        return members
+        if not lost and missing:  # the wait ran its course: they are late
+            lost = {name: f"no ack of version {version} within {self._cfg.timeout_s:.1f} s"
+                    for name in missing}
+            missing = []
+        if lost:
+            self._evict(lost)
+        return [] if missing else [name for name in members if name not in lost]
 
     def _send(self, transport: WeightTransport, plan: BucketPlan,
-              state: Mapping[str, torch.Tensor]) -> None:
-        """Broadcast every bucket, packing bucket i+1 while bucket i is on the wire.
+              state: Mapping[str, torch.Tensor], members: list[str]) -> dict[str, str]:
+        """Broadcast every bucket, packing bucket i+1 while bucket i is on the wire; returns
+        the members found lost while a bucket was held up (empty: every bucket went out).
 
         Double buffering: bucket i is packed into staging slot i % 2, whose previous user,
-        bucket i-2, was waited for before bucket i-1 went out. A failed ``wait`` raises with
-        later broadcasts still pending; the caller drops (aborts) the group, which ends them.
+        bucket i-2, was waited for before bucket i-1 went out. A send that does not finish
+        (a failed ``wait`` raises, a lost member ends it) leaves broadcasts pending that still
+        read their staging slots: the staging buffers are let go with the group, and the
+        next send packs into new ones.
         """
         if not plan.bucket_nbytes:
-            return
+            return {}
         staging = self._staging_for(plan, state)
-        pending: Pending | None = None
-        for index in range(len(plan.bucket_nbytes)):
-            out = staging.slot(index) if staging.holds(index) else None
-            work = transport.send(pack_bucket(plan, index, state, out))
-            if pending is not None:
-                pending.wait()
-            pending = work
-        if pending is not None:
-            pending.wait()
+        finished = False
+        try:
+            pending: Pending | None = None
+            for index in range(len(plan.bucket_nbytes)):
+                out = staging.slot(index) if staging.holds(index) else None
+                work = transport.send(pack_bucket(plan, index, state, out))
+                if pending is not None:
+                    lost = self._watch(pending, members)
+                    if lost:
+                        return lost
+                pending = work
+            lost = self._watch(work, members)
+            finished = not lost
+            return lost
+        finally:
+            if not finished:
+                self._staging = None
+
+    def _watch(self, pending: Pending, members: list[str]) -> dict[str, str]:
+        """Wait for one bucket to go out; while it has not, ask every :data:`WATCH_S` who is
+        lost, since a frozen member holds it up until the group's timeout. Returns those
+        (the bucket still pending), or nothing once it went out; raises as ``wait`` does."""
+        while not pending.wait(WATCH_S):
+            lost = self._lost(members)
+            if lost:
+                return lost
+        return {}
 
     def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> BucketBuffers:
         device = next(iter(state.values())).device
@@ -306,21 +346,19 @@ class WeightBroadcaster:
 
     def _rendezvous(self, members: list[str]) -> bool:
         """Wait for every member's join, then say go (and create the group) or no-go.
-        No-go evicts who departed (the others that had not joined yet get the next
+        No-go evicts who was lost (the others that had not joined yet get the next
         attempt's full wait) or, failing that, who did not join in time."""
         epoch = self._epoch
 
         def joined(value: dict[str, Any]) -> bool:
             return value.get("epoch") == epoch and value.get("store") == self.address
 
-        departed, late = self._await(join_key, members, joined)
+        lost, late = self._await(join_key, members, joined)
         self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
-                                          "go": not departed and not late})
-        if departed:
-            self._evict(departed, "gone while joining: dead or stopped on the control plane")
-            return False
-        if late:
-            self._evict(late, f"did not join within {self._cfg.timeout_s:.1f}s")
+                                          "go": not lost and not late})
+        if lost or late:
+            self._evict(lost or {name: f"did not join epoch {epoch} within "
+                                       f"{self._cfg.timeout_s:.1f} s" for name in late})
             return False
         transport = self._transport_class(host=self._host, timeout_s=self._cfg.timeout_s,
                                           **self._transport_opts)
@@ -329,9 +367,10 @@ class WeightBroadcaster:
         logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
         return True
 
-    def _wait_acks(self, members: list[str], version: int) -> tuple[list[str], list[str]]:
-        """``(departed, late)``: members that departed before acking ``version`` in this
-        epoch, and those that did not ack it within ``timeout_s`` (see :meth:`_await`)."""
+    def _wait_acks(self, members: list[str],
+                   version: int) -> tuple[dict[str, str], list[str]]:
+        """``(lost, missing)``: members lost before acking ``version`` in this epoch, and the
+        others that had not acked it when the wait ended (see :meth:`_await`)."""
         epoch = self._epoch
 
         def acked(value: dict[str, Any]) -> bool:

@@ -4,18 +4,58 @@ The group lives beside the learners' world (a standalone process group over the 
 own ``TCPStore``), so rollout processes never join the learners' ``init_process_group``, and
 it stays out of torch's global registry (no default group needed, no name clashes, nothing to
 unregister).
+
+What a stopped (SIGSTOPped) peer does to a gloo group, measured with torch 2.13: a send to it
+waits for its receive to be posted, so rank 0's broadcast of every bucket that reaches it
+blocks until the group's timeout; the group's two worker threads are then both blocked, so
+the buckets after them reach nobody, and a peer that receives from the stopped one in the
+broadcast's binomial tree waits as long. ``abort()`` does not end those collectives, and the
+group's destructor waits for them (without holding the interpreter lock). Hence
+:meth:`GlooTransport.close` lets the group go on a thread of its own, and
+:meth:`GlooPending.wait` takes a timeout, so that both ends can give up on a frozen peer
+early (the broadcaster evicts it, the receivers follow the next announcement).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+# Groups being let go on threads of their own, with how long each may still take (its timeout).
+# The process waits for them at exit: a thread still inside a group's destructor when the
+# interpreter finalizes is killed there, and that aborts the process ("terminate called
+# without an active exception") instead of letting it exit with its own status.
+_releasing: dict[threading.Thread, float] = {}
+
+
+@atexit.register
+def _wait_for_releases() -> None:
+    for thread, timeout_s in list(_releasing.items()):
+        thread.join(timeout_s)
+
+
+class GlooPending:
+    """A posted broadcast; see :class:`asyncrl.weights.transport.Pending`. Completion is
+    signalled by the work's future, so a bounded wait costs no polling."""
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+        self._done = threading.Event()
+        work.get_future().add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        if timeout_s is not None and not self._done.wait(timeout_s):
+            return False
+        self.work.wait()  # raises if the broadcast failed
+        return True
 
 
 class GlooTransport:
@@ -46,27 +86,28 @@ class GlooTransport:
                                                          dist.PrefixStore(group, store)))
         self.group = dist.ProcessGroupGloo(keys, rank, world, opts)
 
-    def send(self, flat: torch.Tensor) -> dist.Work:
+    def send(self, flat: torch.Tensor) -> GlooPending:
         return self._broadcast(flat)
 
-    def receive(self, flat: torch.Tensor) -> dist.Work:
+    def receive(self, flat: torch.Tensor) -> GlooPending:
         return self._broadcast(flat)
 
-    def _broadcast(self, flat: torch.Tensor) -> dist.Work:
+    def _broadcast(self, flat: torch.Tensor) -> GlooPending:
         """Broadcast ``flat`` in place from rank 0, returning at once; ``wait()`` raises on the
         group's timeout or a lost peer."""
         assert self.group is not None, "connect first"
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        return self.group.broadcast([flat], opts)
+        return GlooPending(self.group.broadcast([flat], opts))
 
     def buffer_device(self) -> torch.device:
         return torch.device("cpu")
 
     def close(self) -> None:
-        """``abort`` closes the connections, so a live peer blocked in a collective of this
-        group fails at once instead of waiting out its timeout."""
+        """Drop the group on a thread of its own: its destructor waits for the collectives
+        still pending, which a frozen peer holds until the group's timeout. ``abort`` first,
+        for torch versions where it ends them at once (2.13 does not)."""
         group, self.group = self.group, None
         if group is None:
             return
@@ -74,3 +115,13 @@ class GlooTransport:
             group.abort()
         except RuntimeError as exc:  # already broken: the connections are gone either way
             logger.debug("abort of a broken weight group: %s", exc)
+        held = [group]  # the thread drops the last reference, so the destructor runs there
+        del group
+
+        def release() -> None:
+            held.clear()
+            _releasing.pop(threading.current_thread(), None)
+
+        thread = threading.Thread(target=release, name="weights-group-release", daemon=True)
+        _releasing[thread] = self._timeout.total_seconds()
+        thread.start()

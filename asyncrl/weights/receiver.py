@@ -7,6 +7,13 @@ to ``apply`` (the engine's ``load_weights``) and acks. Every wait is bounded, so
 learner or a broken group costs one timeout, after which the next announcement is served;
 ``stop`` is seen within a long-poll slice except during a transfer.
 
+A frozen peer (a SIGSTOPped engine: alive, but silent) holds up the group's broadcasts, and
+with them this end, until the group's timeout, while the broadcaster has evicted it and goes
+on without it in a new epoch. So a bucket that takes longer than :data:`WATCH_S` makes the
+receiver look for a newer announcement: one means the broadcaster gave up on this group (it
+evicted someone, or it closed), and the receiver leaves the group at once and serves that
+announcement, without applying anything of the abandoned update.
+
 Receive buffers are a pool reused across updates (one slot per bucket, rebuilt when the plan
 changes, dropped when the group is): fresh ones page-fault on every byte. All of an update's
 broadcasts are posted at once, so bucket *i+1* lands while bucket *i* is unpacked. ``apply`` is
@@ -50,6 +57,11 @@ from asyncrl.weights.transport import WeightTransport, make_transport
 logger = logging.getLogger(__name__)
 
 Apply = Callable[[dict[str, torch.Tensor], int], None]
+WATCH_S = 1.0  # a bucket this late makes the receiver check that its update is still on
+
+
+class Superseded(RuntimeError):
+    """A newer announcement came during a transfer: the broadcaster gave up on this group."""
 
 
 class WeightReceiver:
@@ -191,7 +203,9 @@ class WeightReceiver:
         works = [transport.receive(flat) for flat in buffers]
         named: dict[str, torch.Tensor] = {}
         for index, (work, flat) in enumerate(zip(works, buffers)):
-            work.wait()
+            while not work.wait(WATCH_S):
+                if self._control.get_key(ANNOUNCE_KEY, newer_than=self._seq) is not None:
+                    raise Superseded("a newer announcement came during the transfer")
             named.update(unpack_bucket(plan, index, flat))
         return named
 

@@ -25,8 +25,12 @@ class SimWork:
         self._done_at = done_at
         self._aborted = aborted
 
-    def wait(self, timeout: object = None) -> bool:
+    def wait(self, timeout_s: float | None = None) -> bool:
         remaining = self._done_at - time.monotonic()
+        if timeout_s is not None and timeout_s < remaining:
+            if self._aborted.wait(timeout_s):
+                raise RuntimeError("sim weight group aborted")
+            return False
         if remaining > 0 and self._aborted.wait(remaining):
             raise RuntimeError("sim weight group aborted")
         if self._aborted.is_set():

@@ -30,10 +30,13 @@ if TYPE_CHECKING:
 
 
 class Pending(Protocol):
-    """A bucket posted to the group: :meth:`wait` returns once it went out (rank 0) or
-    arrived (the others), and raises on the group's timeout or a lost peer."""
+    """A bucket posted to the group."""
 
-    def wait(self) -> object: ...
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """True once the bucket went out (rank 0) or arrived (the others); False if it still
+        has not after ``timeout_s`` seconds (None: no limit but the group's), so that the
+        caller can look around (who is lost? is the update still on?) and wait again.
+        Raises on the group's timeout or a lost peer."""
 
 
 class WeightTransport(Protocol):
@@ -58,9 +61,10 @@ class WeightTransport(Protocol):
         """Where receive buffers must live for this transport (NCCL would need CUDA)."""
 
     def close(self) -> None:
-        """Tear the group down without a barrier (peers may be dead): a bucket still pending
-        on a live peer fails at once instead of waiting out its timeout. Idempotent, and
-        safe before :meth:`connect` or after it failed."""
+        """Let go of the group without a barrier and without waiting for a bucket still
+        pending (a frozen peer holds it until the group's timeout). Such a bucket's buffer may
+        still be read (rank 0) or written (the others) until it fails: the caller must not
+        reuse it. Idempotent, and safe before :meth:`connect` or after it failed."""
 
 
 class TransportClass(Protocol):

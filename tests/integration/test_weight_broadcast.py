@@ -285,6 +285,63 @@ def test_an_engine_its_supervisor_reports_dead_is_let_go_at_once(tmp_path: Path)
         assert metrics["timing/weight_sync"] < 10.0, "not the heartbeat timeout (60 s)"
 
 
+class EvictionLog(logging.Handler):
+    """The broadcaster's warnings that evict an engine, each with when it was logged
+    (``time.monotonic``), read straight from its logger: the console line a user sees."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[tuple[float, str]] = []
+        self._logger = logging.getLogger("asyncrl.weights.broadcaster")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "evict" in record.getMessage():
+            self.lines.append((time.monotonic(), record.getMessage()))
+
+    def __enter__(self) -> EvictionLog:
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._logger.removeHandler(self)
+
+
+@pytest.mark.timeout(120)
+def test_frozen_engine_is_evicted_within_the_timeout_and_rejoins(tmp_path: Path) -> None:
+    """An engine SIGSTOPped between two updates is alive to the buffer (its heartbeat timeout
+    is 60 s) but takes no part in the next update. It is evicted, named as frozen, within
+    ``weights.timeout_s`` of the update's start; the two others get that version in the same
+    sync, one resend later, although one of them receives from the frozen engine in gloo's
+    broadcast tree (ranks 1 and 3). SIGCONTinued, it heartbeats again and rejoins at the next
+    update. Before the fix, the first attempt's collectives ran into the group's timeout,
+    naming nobody, and the retry waited another timeout for the frozen engine's join."""
+    victim, others = "engine-a", ["engine-b", "engine-c"]  # sorted: the victim is rank 1
+    resend_s = 3.0  # margin for the healthy engines: a new epoch's handshake and one resend
+    with LearnerSide(tmp_path, heartbeat_timeout_s=60.0, weights_timeout_s=TIMEOUT_S) as side, \
+            EvictionLog() as evictions:
+        broadcaster, model = side.synced_at_version_1([victim, *others])
+        frozen = side.procs[victim]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            metrics = sync_and_check(broadcaster, model, 2, others, tmp_path)
+            took = time.monotonic() - started
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        [(evicted_at, line)] = evictions.lines
+        assert evicted_at - started < TIMEOUT_S, \
+            f"{line!r} came {evicted_at - started:.1f} s after the update's start"
+        assert took < TIMEOUT_S + resend_s and metrics["weights/evicted"] == 1, metrics
+        assert line.startswith(f"weights: evicted {victim}: no heartbeat for ") and \
+            line.endswith(" s during version 2 (frozen?)"), line
+        assert list(broadcaster.evictions()) == [victim]
+
+        wait_for(lambda: broadcaster.members() == [victim, *others], 30.0, "its heartbeat")
+        assert broadcaster.evictions() == {}, "taken back once heard from"
+        metrics = sync_and_check(broadcaster, model, 3, [victim, *others], tmp_path)
+        assert metrics["weights/evicted"] == 0
+
+
 @pytest.mark.timeout(60)
 def test_receiver_thread_waits_stops_and_leaves(tmp_path: Path) -> None:
     """Both ends in one process: ``wait_for_version``, a prompt ``stop``, mixed dtypes, and a

@@ -70,6 +70,19 @@ def test_an_engine_ahead_of_the_published_version_shows_no_lag() -> None:
     assert cells[1:4] == ["yes", str(status["version"] + 1), "0"]
 
 
+def test_an_engine_the_weight_sync_evicted_is_marked_and_the_reason_shown() -> None:
+    """A frozen engine is still alive to the buffer; the learner's heartbeat says the weight
+    sync evicted it, and why."""
+    status, history = snapshot()
+    name = next(n for n, m in status["members"].items() if m["role"] == "rollout")
+    learner = next(m for m in status["members"].values() if m["role"] == "learner")
+    why = "no heartbeat for 2.6 s during version 7 (frozen?)"
+    learner["info"]["weights/evictions"] = {name: why}
+    text = screen(status, history)
+    assert row(text, name).strip("│ ").split()[1] == "evicted"
+    assert f"weights: evicted {name}: {why}" in text
+
+
 def test_staleness_histogram_bars_scale_with_counts() -> None:
     status, history = snapshot()
     text = screen(status, history)

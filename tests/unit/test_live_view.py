@@ -101,3 +101,21 @@ def test_up_prints_a_line_for_each_change_in_the_rollout_fleet() -> None:
     LineView(out).show(_status(1, **{"rollout-0-10": (True, {"state": "stopped",
                                                              "exit": "exit status 1"})}))
     assert out.getvalue().startswith("fleet: rollout-0-10 exit status 1: its role restarts")
+
+
+def test_up_names_an_engine_the_weight_sync_evicted_once() -> None:
+    """A frozen engine stays alive to the buffer, so no fleet line tells of it: the learner's
+    heartbeat does, and `asyncrl up`'s console prints it once."""
+    from asyncrl.monitor import LineView
+
+    out = io.StringIO()
+    view = LineView(out)
+    running = (True, {"state": "generating"})
+    status = _status(7, **{"rollout-0-10": running, "rollout-1-11": running})
+    view.show(status)
+    why = "no heartbeat for 2.6 s during version 7 (frozen?)"
+    status["members"]["learner-0"]["info"]["weights/evictions"] = {"rollout-1-11": why}
+    view.show(status)
+    view.show(status)
+    assert [line for line in out.getvalue().splitlines() if line.startswith("weights:")] == [
+        f"weights: evicted rollout-1-11: {why}"]

@@ -34,3 +34,21 @@ def test_the_other_ranks_hold_nothing_and_never_stop_the_run() -> None:
     assert role.ack(4, {}, lost) == {} and role.next_shares(4) is None
     assert role.publish(4, {}, {}, {}, {}, lost) is False
     assert role.reached is None and role.last_record == {}
+
+
+def test_rank_zero_heartbeats_say_which_engines_the_weight_sync_evicted() -> None:
+    """Every heartbeat of the learner carries its last record (``last_record``); it also says
+    which engines the broadcaster evicted and why, for the monitor, while the record written
+    to the metrics stays numbers only."""
+    from types import SimpleNamespace
+
+    from asyncrl.snapshot import EVICTIONS
+
+    notes: dict[str, str] = {}
+    role = object.__new__(RankZero)  # only what last_record reads: no buffer, no broadcaster
+    role.publisher = SimpleNamespace(broadcaster=SimpleNamespace(evictions=lambda: notes))
+    role._record = {"step": 7, "actor/loss": 0.5}
+    assert role.last_record == {"step": 7, "actor/loss": 0.5}
+    notes["rollout-1-42"] = "no heartbeat for 2.6 s during version 7 (frozen?)"
+    assert role.last_record == {"step": 7, "actor/loss": 0.5, EVICTIONS: notes}
+    assert EVICTIONS not in role._record

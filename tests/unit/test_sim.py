@@ -101,6 +101,7 @@ def test_sim_group_serialises_broadcasts_and_aborts() -> None:
         work.wait()
     assert 0.28 < time.monotonic() - start < 1.0  # three back to back on one wire
     pending = group.send(torch.zeros(1000 * 100))
+    assert pending.wait(0.01) is False, "a bounded wait gives up while it is on the wire"
     group.close()
     with pytest.raises(RuntimeError, match="aborted"):
         pending.wait()
