@@ -442,7 +442,7 @@ def test_adopting_engine_alternates_receive_pools() -> None:
     from rollouters.engines.torch_engine import TorchEngine
 
     torch.set_num_threads(1)
-    engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), EOS_ID, PAD_ID)
+    engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), (EOS_ID,), PAD_ID)
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
