@@ -222,6 +222,7 @@ class ZmqBroker:
 
     def _acquire(self, request: Request) -> Reply:
         args = request.args
+        self.state.require_member(arg_str(args, "producer"))
         granted = self.state.acquire(arg_str(args, "producer"),
                                      arg_int(args, "want", minimum=0),
                                      arg_int(args, "engine_version"))
@@ -238,6 +239,7 @@ class ZmqBroker:
         self._puts.admit_parked()
 
     def _release(self, request: Request) -> Reply:
+        self.state.require_member(arg_str(request.args, "producer"))
         self.state.release(arg_str(request.args, "producer"),
                            arg_int(request.args, "count", minimum=0))
         return Reply(True, {})

@@ -95,6 +95,7 @@ STOP_GRACE_S = 0.5  # once stopping: how long past its long poll a request still
 RETRYABLE = frozenset({"hello", "acquire", "get_batch", "ack", "renew", "publish_version",
                        "restore_progress", "heartbeat",
                        "set_key", "get_key", "get_keys", "status"})
+PRODUCER_COMMANDS = frozenset({"acquire", "put", "put_many", "release"})  # after the handshake
 DEFAULT_MAX_MESSAGE_BYTES = BufferConfig.model_fields["max_message_bytes"].default
 
 
@@ -251,29 +252,35 @@ class ZmqBufferClient:
     def _call(self, command: str, args: dict[str, Any], payload: Sequence[Any] = (),
               wait_s: float = 0.0) -> Reply:
         """Send and wait up to ``timeout_s + wait_s`` for the matching reply; a request that is
-        safe to repeat is re-sent (on a fresh socket) for up to ``reconnect_s``, and one the
-        broker refused for an unknown producer once more after the handshake."""
+        safe to repeat is re-sent (on a fresh socket) for up to ``reconnect_s``. A producer's
+        request goes after the handshake (:meth:`_register`), and once more after it if the
+        broker did not know the producer (it restarted unheard: nothing was done)."""
         give_up = time.monotonic() + self.reconnect_s
+        producer = args["producer"] if command in PRODUCER_COMMANDS else None
         registered_again = False
         while True:
             try:
                 self._forget_drops()
+                if producer is not None:
+                    self._register(producer)
                 request_id = self._send(command, args, payload)
                 return self._receive({request_id}, command, wait_s)[request_id]
             except NoReply as exc:
                 if command not in RETRYABLE or time.monotonic() >= give_up:
                     raise
                 logger.debug("%s; re-sending (is the broker restarting?)", exc)
-            except Unregistered:  # a restart the client had not heard of yet
-                if registered_again or "producer" not in args:
+            except Unregistered:
+                if producer is None or registered_again:
                     raise
                 registered_again = True
-                self._members.discard(args["producer"])
-                self._register(args["producer"])
+                self._members.discard(producer)
 
     def _register(self, producer: str) -> None:
         """The handshake, once per connection: the broker serves a producer's acquires,
-        puts and releases only once it is a member (a heartbeat makes it one too)."""
+        puts and releases only once it is a member (a heartbeat makes it one too). After a
+        dropped connection it is done again, and waits for the broker (re-sent, as a safe
+        request, for up to ``reconnect_s``) before the request behind it is sent: a put after
+        a broker restart goes to the new broker instead of being lost in doubt."""
         if producer not in self._members:
             self._call("hello", {"member": producer,
                                  "role": self._roles.get(producer, "producer")})
@@ -375,7 +382,6 @@ class ZmqBufferClient:
     # --- Buffer -------------------------------------------------------------------------------
 
     def acquire(self, producer: str, want: int, engine_version: int) -> Grant:
-        self._register(producer)
         body = self._call("acquire", {"producer": producer, "want": want,
                                       "engine_version": engine_version}).body
         return Grant(granted=body["granted"], version=body["version"],
@@ -388,7 +394,6 @@ class ZmqBufferClient:
     def put_frames(self, producer: str, frames: Sequence[Any], name: str = "") -> PutResult:
         """Put already-encoded frames as they are (forwarding, and tests of bad input); a
         group over ``max_message_bytes`` is refused here (see :meth:`_pack`)."""
-        self._register(producer)
         item = self._pack(producer, frames, name)
         body = self._call("put", _put_args(producer, self.timeout_s, [item]), [_frame(item)],
                           wait_s=PUT_MARGIN_S).body
@@ -431,9 +436,9 @@ class ZmqBufferClient:
         any call refused, for room within ``timeout_s`` or otherwise, or no answer) raises
         here as in :meth:`put_many` and sends nothing more, with this call's groups in doubt;
         the calls in flight raise from their own :meth:`receive_puts`."""
-        self._register(producer)
         pending = PendingPut([], {})
         self._forget_drops()  # a drop heard now lost the answers of the calls in flight
+        self._register(producer)
         packed = (self._pack(producer, encode_group_views(g), g.group_id) for g in groups)
         try:
             for chunk in _chunks(packed, min(PUT_CHUNK_BYTES, self.max_message_bytes)):
@@ -489,7 +494,6 @@ class ZmqBufferClient:
             self._puts.pop(request_id, None)
 
     def release(self, producer: str, count: int) -> None:
-        self._register(producer)
         self._call("release", {"producer": producer, "count": count})
 
     def get_batch(self, consumer: str, count: int, learner_version: int,

@@ -124,14 +124,13 @@ class BrokerState:
                                self.clock())
 
     def require_member(self, producer: str) -> None:
-        """Producers register first (``hello`` or a heartbeat: :class:`Members`); a request
-        of an unknown name changes nothing and creates no member."""
+        """Producers register first (``hello`` or a heartbeat: :class:`Members`); the broker
+        refuses an acquire, put or release of an unknown name before it changes anything."""
         if not self.members.known(producer):
             raise StateError("unregistered", f"{producer!r} is not a member of this broker "
                                              "(a producer says hello or heartbeats first)")
 
     def acquire(self, producer: str, want: int, engine_version: int) -> int:
-        self.require_member(producer)
         self.members.touch(producer)
         if self.run_status != RUNNING or not self.gate.engine_may_start(self.version,
                                                                         engine_version):
@@ -142,7 +141,6 @@ class BrokerState:
         return granted
 
     def release(self, producer: str, count: int) -> None:
-        self.require_member(producer)
         self.members.touch(producer)
         self._free_slots(producer, count)
 
