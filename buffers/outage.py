@@ -32,11 +32,12 @@ class OutageBoard:
         self._lock = threading.Lock()
         self._since: dict[str, float] = {}
 
-    def lost(self, address: str, why: str) -> None:
+    def lost(self, address: str, why: str, since: float | None = None) -> None:
+        """``address`` stopped answering (at ``since``, a ``time.monotonic()``; else now)."""
         with self._lock:
             if address in self._since:
                 return
-            self._since[address] = time.monotonic()
+            self._since[address] = time.monotonic() if since is None else since
         logger.warning("buffer: lost connection to %s (retrying): %s", address, why)
 
     def back(self, address: str) -> None:
@@ -56,18 +57,41 @@ BOARD = OutageBoard()
 
 class OutageWatch:
     """One client's reports: :meth:`failed` when a request found the buffer unreachable,
-    :meth:`answered` on every answer (a flag test until something failed)."""
+    :meth:`answered` on every answer (a flag test until something failed).
+
+    :meth:`suspect` notes a sign that is not yet an outage: a ZMQ connection that dropped,
+    a Redis connection that failed once (a pooled connection the server closed when it
+    restarted). If an answer (or, ZMQ, the connection's handshake) comes soon, nothing is
+    logged: the client met no outage, and a line then would be a spurious pair ("lost",
+    "reconnected after 0.0 s") per client after every restart. If the request fails, or
+    (:meth:`overdue`) waits past a grace, the outage counts from the sign."""
 
     def __init__(self, address: str, board: OutageBoard = BOARD) -> None:
         self.address = redacted(address)
         self._board = board
         self._failing = False
+        self._suspect: float | None = None
+
+    @property
+    def suspected(self) -> bool:
+        return self._suspect is not None and not self._failing
+
+    def suspect(self) -> None:
+        if self._suspect is None:
+            self._suspect = time.monotonic()
+
+    def overdue(self, grace_s: float, why: str) -> None:
+        """A suspect sign (a dropped connection) older than ``grace_s`` with no answer since
+        is an outage."""
+        if self.suspected and time.monotonic() - self._suspect >= grace_s:
+            self.failed(why)
 
     def failed(self, why: object) -> None:
         self._failing = True
-        self._board.lost(self.address, str(why))
+        self._board.lost(self.address, str(why), self._suspect)
 
     def answered(self) -> None:
+        self._suspect = None
         if self._failing:
             self._failing = False
             self._board.back(self.address)

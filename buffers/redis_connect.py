@@ -56,7 +56,9 @@ class ReconnectRetry(Retry):
     redis-py makes :class:`AuthenticationError` a :class:`ConnectionError`, and retrying a
     wrong password only delays the error. Nor once ``stop`` is set: a stopping role does not
     wait for a Redis that went away (the error is raised, see :class:`StopGuard`). Each failure
-    it retries and each success go to ``watch`` (the outage warnings)."""
+    it retries and each success go to ``watch`` (the outage warnings): a first failure is
+    only suspect (a pooled connection closed by a restart the client slept through), a
+    second one of the same request an outage."""
 
     def __init__(self, backoff: Any, retries: int,
                  supported_errors: tuple[type[Exception], ...] = (RedisConnectionError,),
@@ -87,8 +89,14 @@ class ReconnectRetry(Retry):
                 return False
             return is_retryable(error) if is_retryable is not None else True
 
+        failures = 0
+
         def failed(error: Exception, *count: int) -> Any:
-            if self._watch is not None:
+            nonlocal failures
+            failures += 1
+            if self._watch is not None and failures == 1:  # a stale pooled connection?
+                self._watch.suspect()
+            elif self._watch is not None:
                 self._watch.failed(error)
             return fail(error, *count)
 

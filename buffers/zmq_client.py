@@ -92,6 +92,7 @@ PUT_CHUNK_BYTES = 1 << 20  # put_many: groups per request up to about this many 
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
 STOP_POLL_S = 0.25  # with a stop event: how often a waiting request looks at it
 STOP_GRACE_S = 0.5  # once stopping: how long past its long poll a request still waits
+OUTAGE_GRACE_S = 1.0  # a dropped connection not back within this long is an outage (warned)
 RETRYABLE = frozenset({"hello", "acquire", "get_batch", "ack", "renew", "publish_version",
                        "restore_progress", "heartbeat",
                        "set_key", "get_key", "get_keys", "status"})
@@ -234,7 +235,8 @@ class ZmqBufferClient:
         socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self._curve is not None:
             apply_curve_client(socket, *self._curve)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED |
+                                            zmq.EVENT_HANDSHAKE_SUCCEEDED)
         socket.connect(self.address)
         return socket, monitor
 
@@ -286,18 +288,27 @@ class ZmqBufferClient:
                                  "role": self._roles.get(producer, "producer")})
             self._members.add(producer)
 
+    def _heard(self) -> bool:
+        """Read one event of the connection's monitor: True for a drop. A handshake (the
+        connection is up, again) tells the outage watch that the broker is reachable."""
+        if recv_monitor_message(self._link.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+        self._outage.answered()
+        return False
+
     def _forget_drops(self) -> None:
         """Drops heard before a request was sent: the DEALER reconnects by itself, so only a
         drop while a request waits means its reply is lost (an idle client whose broker was
         restarted would otherwise fail its next put, in doubt, at once). Batch requests sent
         ahead were waiting: a drop loses them, so they are marked to be sent again."""
         while self._link.monitor.poll(0):
-            recv_monitor_message(self._link.monitor)
+            if not self._heard():
+                continue
             if self._ahead:
                 self._generation += 1
             self._puts.clear()  # their replies are lost with the connection
             self._members.clear()  # a broker that restarted knows none of them
-            self._outage.failed("the connection dropped")
+            self._outage.suspect()  # an outage if not back within OUTAGE_GRACE_S
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
@@ -325,11 +336,14 @@ class ZmqBufferClient:
             remaining = deadline - time.monotonic()
             if self._stop is not None:
                 remaining = min(remaining, STOP_POLL_S)
+            if self._outage.suspected:
+                remaining = min(remaining, OUTAGE_GRACE_S)
             ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
             if self._link.socket not in ready:
-                if self._link.monitor in ready:
-                    recv_monitor_message(self._link.monitor)  # the only event asked for
-                    self._timed_out(command, "reply", "the connection dropped while waiting")
+                if self._link.monitor in ready and self._heard():
+                    self._timed_out(command, "reply", "the connection dropped while waiting",
+                                    dropped=True)
+                self._outage.overdue(OUTAGE_GRACE_S, "the connection dropped and is not back")
                 if self._stopping() and time.monotonic() >= stop_deadline:
                     self._timed_out(command, "reply")
                 if time.monotonic() < deadline:
@@ -364,9 +378,13 @@ class ZmqBufferClient:
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
 
-    def _timed_out(self, command: str, stage: str, why: str = "") -> NoReturn:
+    def _timed_out(self, command: str, stage: str, why: str = "",
+                   dropped: bool = False) -> NoReturn:
         """Give the request up: a fresh socket, so its late reply never answers another one.
-        Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent)."""
+        Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent).
+        An outage (:mod:`buffers.outage`) when no answer came in time; a ``dropped``
+        connection (a broker restarting) is one if it is not back within
+        :data:`OUTAGE_GRACE_S`."""
         self._link.close()
         self._link.socket, self._link.monitor = self._connect()
         self._generation += 1  # batch requests sent ahead went with the old socket
@@ -376,7 +394,10 @@ class ZmqBufferClient:
             raise BufferStopped(f"buffer broker {self.address}: stopped waiting for the "
                                 f"{stage} to {command!r}: stopping ({why or 'no answer'})")
         why = why or f"not within {self.timeout_s:.1f}s"
-        self._outage.failed(f"no {stage} for {command!r} ({why})")
+        if dropped:
+            self._outage.suspect()
+        else:
+            self._outage.failed(f"no {stage} for {command!r} ({why})")
         raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} ({why})")
 
     # --- Buffer -------------------------------------------------------------------------------
