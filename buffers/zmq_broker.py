@@ -8,6 +8,12 @@ puts while ``max_groups`` are held (backpressure). The rules live in
 :func:`~buffers.zmq_auth.bind_router`; this module only moves messages. Groups are received as
 ``zmq.Frame`` objects, kept as such and sent on with ``copy=False``: never copied in Python
 (:mod:`buffers.zmq_frames`: pyzmq's multipart calls without their Python layer).
+
+Who may do what: the commands that change the run need the run's token
+(:data:`~buffers.zmq_protocol.GUARDED`, :mod:`buffers.run_token`), a producer must have said
+``hello`` (or heartbeated) before it acquires, puts or releases, and a request's arguments
+over ``buffer.max_message_bytes`` are refused unread; each refusal is counted in
+``bad_requests`` and its first few logged.
 """
 
 from __future__ import annotations

@@ -49,7 +49,13 @@ that timed out.
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
 consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
-them per request.
+them per request, never more than ``buffer.max_message_bytes``. A group over that limit is
+refused here, before it is sent, and the broker told in its place (counted as ``oversized``).
+
+A producer's acquires, puts and releases go after its handshake (``hello``, once per
+connection, unless it heartbeated): the broker makes members of registered names only. The
+commands that change the run carry the run's token (:mod:`buffers.run_token`). An outage of
+the broker is one warning when it starts and one when it ends (:mod:`buffers.outage`).
 """
 
 from __future__ import annotations
