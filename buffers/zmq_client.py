@@ -264,12 +264,12 @@ class ZmqBufferClient:
         request goes after the handshake (:meth:`_register`), and once more after it if the
         broker did not know the producer (it restarted unheard: nothing was done)."""
         give_up = time.monotonic() + self.reconnect_s
-        producer = args["producer"] if command in PRODUCER_COMMANDS else None
+        producer = args.get("producer") if command in PRODUCER_COMMANDS else None
         registered_again = False
         while True:
             try:
                 self._forget_drops()
-                if producer is not None:
+                if isinstance(producer, str):
                     self._register(producer)
                 request_id = self._send(command, args, payload)
                 return self._receive({request_id}, command, wait_s)[request_id]
@@ -278,7 +278,7 @@ class ZmqBufferClient:
                     raise
                 logger.debug("%s; re-sending (is the broker restarting?)", exc)
             except Unregistered:
-                if producer is None or registered_again:
+                if not isinstance(producer, str) or registered_again:
                     raise
                 registered_again = True
                 self._members.discard(producer)
@@ -378,7 +378,7 @@ class ZmqBufferClient:
         if not reply.ok:
             error = Unregistered if reply.body.get("reason") == "unregistered" else BrokerError
             raise error(f"buffer broker {self.address} refused {command}: "
-                              f"{reply.body.get('error', reply.body)}")
+                        f"{reply.body.get('error', reply.body)}")
         return reply
 
     def _stopping(self) -> bool:
