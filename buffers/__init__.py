@@ -45,14 +45,19 @@ def _raised_from(exc: BaseException | None,
 def connect_buffer(cfg, address: str | None = None,
                    stop: threading.Event | None = None) -> BufferClient:
     """A client for the run described by the root config ``cfg`` (what every role opens);
-    ``stop``: the role's stop event (see :func:`make_buffer_client`)."""
+    ``stop``: the role's stop event (see :func:`make_buffer_client`). It carries the run's
+    token (:func:`~buffers.run_token.read_token`: from `up`, or the run directory)."""
+    from buffers.run_token import read_token
+
     return make_buffer_client(cfg.buffer, address, run_id=cfg.run.name,
-                              groups_per_step=cfg.learner.groups_per_step, stop=stop)
+                              groups_per_step=cfg.learner.groups_per_step, stop=stop,
+                              token=read_token(cfg.run_dir))
 
 
 def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
                        groups_per_step: int | None = None,
-                       stop: threading.Event | None = None) -> BufferClient:
+                       stop: threading.Event | None = None,
+                       token: str | None = None) -> BufferClient:
     """A client for the backend ``config.type`` names (a :class:`asyncrl.config.BufferConfig`;
     :func:`~buffers.backends.buffer_backend` is the factory that knows the names).
 
@@ -68,6 +73,10 @@ def make_buffer_client(config, address: str | None = None, *, run_id: str = "",
     :class:`~buffers.zmq_client.ZmqBufferClient` and
     :class:`~buffers.redis_stop.StopGuard`), so a role whose buffer is gone for good still
     stops promptly on a signal. A live one still answers: long polls run their course.
+
+    ``token``: the run's token (:mod:`buffers.run_token`), which a ZMQ broker asks of the
+    commands that change the run (Redis has its own AUTH and ignores it).
     """
     return buffer_backend(config).client(address, run_id=run_id,
-                                         groups_per_step=groups_per_step, stop=stop)
+                                         groups_per_step=groups_per_step, stop=stop,
+                                         token=token)

@@ -44,8 +44,9 @@ class BufferBackend(Protocol):
     """What `asyncrl buffer` tells a user whose backend has no broker process to run."""
 
     def client(self, address: str | None, *, run_id: str, groups_per_step: int | None,
-               stop: threading.Event | None) -> BufferClient:
-        """A client of this backend (see :func:`buffers.make_buffer_client`)."""
+               stop: threading.Event | None, token: str | None = None) -> BufferClient:
+        """A client of this backend (see :func:`buffers.make_buffer_client`); ``token``: the
+        run's (:mod:`buffers.run_token`), for a backend whose broker asks for it."""
 
     def dial_address(self, explicit: str | None, recorded: Path) -> str | None:
         """The broker address the roles dial: ``explicit`` (``--buffer``), else the one
@@ -74,10 +75,10 @@ class ZmqBackend:
     no_broker: ClassVar[str] = ""
 
     def client(self, address: str | None, *, run_id: str, groups_per_step: int | None,
-               stop: threading.Event | None) -> BufferClient:
+               stop: threading.Event | None, token: str | None = None) -> BufferClient:
         from buffers.zmq_client import ZmqBufferClient
 
-        return ZmqBufferClient.from_config(self.config, address, stop=stop)
+        return ZmqBufferClient.from_config(self.config, address, stop=stop, token=token)
 
     def dial_address(self, explicit: str | None, recorded: Path) -> str | None:
         if explicit:
@@ -114,9 +115,10 @@ class RedisBackend:
                                 "run; point the roles at buffer.redis.url")
 
     def client(self, address: str | None, *, run_id: str, groups_per_step: int | None,
-               stop: threading.Event | None) -> BufferClient:
+               stop: threading.Event | None, token: str | None = None) -> BufferClient:
         from buffers.redis_buffer import RedisBufferClient
 
+        # token: not used, Redis's own AUTH guards its commands (see buffers.run_token)
         if groups_per_step is None:
             raise ValueError("buffer.type = 'redis' needs groups_per_step "
                              "(learner.groups_per_step): every client applies the gate")

@@ -51,6 +51,24 @@ def pack_group(frames: Sequence[Any]) -> bytes:
     return b"".join(parts)
 
 
+def packed_size(frames: Sequence[Any]) -> int:
+    """The length of :func:`pack_group`'s output for ``frames``, without the copy: what the
+    ZMQ broker holds against ``buffer.max_message_bytes``, known before packing."""
+    lengths = [memoryview(f).nbytes for f in frames]
+    start = _COUNT.size + 4 * len(lengths)
+    return _offsets(start, lengths, True)[-1] + lengths[-1] if lengths else start
+
+
+def refused_oversized(nbytes: int, max_bytes: int, name: str = "") -> WireError:
+    """What a producer's client says of a group over ``buffer.max_message_bytes``, which it
+    refuses to send (a rejection counted as ``oversized``, as the buffer's own check)."""
+    what = f"group {name!r}" if name else "a group"
+    return WireError("oversized", f"{what} of {nbytes} bytes is over buffer.max_message_bytes "
+                                  f"= {max_bytes}: refused, not sent (raise "
+                                  "buffer.max_message_bytes, or make groups smaller: "
+                                  "rollout.group_size, rollout.max_new_tokens)")
+
+
 def unpack_group(packed: Any) -> list[memoryview]:
     """Zero-copy views of the frames of :func:`pack_group` output (bytes or ``zmq.Frame``);
     raises :class:`WireError` ``frames`` when the lengths do not add up. Reads the

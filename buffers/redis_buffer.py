@@ -91,7 +91,8 @@ from buffers.redis_entries import StagedPut, put_results, stage_put
 from buffers.redis_scripts import GROUP, LEGACY_KEY_NAMES, PAYLOAD_INFIX, PRELUDE, SCRIPTS, \
     RedisKeys
 from buffers.redis_status import assemble_status
-from buffers.redis_stop import StopGuard
+from buffers.outage import OutageWatch
+from buffers.redis_stop import StopGuard, no_answer
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,14 @@ def _request(method: F) -> F:
     @functools.wraps(method)
     def request(self: RedisBufferClient, *args: Any, **kwargs: Any) -> Any:
         with self._stop.answered(f"redis buffer {self.keys.namespace}: {method.__name__}"):
-            return method(self, *args, **kwargs)
+            try:
+                result = method(self, *args, **kwargs)
+            except Exception as exc:  # a cluster's failures are not retried by ReconnectRetry
+                if no_answer(exc) and not self._stop.stopping():
+                    self._outage.failed(exc)
+                raise
+        self._outage.answered()
+        return result
 
     return cast(F, request)
 
@@ -131,8 +139,9 @@ class RedisBufferClient:
         self.config = config
         self.gate = StalenessGate(config.max_staleness, groups_per_step)
         self._stop = StopGuard(stop)
+        self._outage = OutageWatch(config.redis.url)  # warnings: buffers.outage
         with self._stop.answered("redis buffer: connect"):
-            self._redis = self._stop.watch(connect(config, stop))
+            self._redis = self._stop.watch(connect(config, stop, self._outage))
         self._cluster = is_cluster(self._redis)
         self.keys = RedisKeys(run_namespace(config, run_id, self._cluster))
         self._all_keys = self.keys.all()
@@ -208,7 +217,7 @@ class RedisBufferClient:
         if window < 1:
             raise ValueError(f"window {window} must be >= 1")
         items = [stage_put(encode_group_views(group), self.config.max_message_bytes,
-                           self._rejections, producer) for group in groups]
+                           self._rejections, producer, group.group_id) for group in groups]
         return self._put_items(producer, items, window)
 
     def _put_items(self, producer: str, items: list[StagedPut],

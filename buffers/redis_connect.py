@@ -11,7 +11,9 @@ switching to a cluster is that one line too. Every key of a run must then live i
 ``{asyncrl:run}``, unless it carries one already.
 
 A client given the role's stop event does not retry a lost connection once it is set
-(:class:`ReconnectRetry`); the rest of what a stop means is :mod:`buffers.redis_stop`.
+(:class:`ReconnectRetry`); the rest of what a stop means is :mod:`buffers.redis_stop`. A client
+given an :class:`~buffers.outage.OutageWatch` reports the first retried failure of an outage and
+the first answer after it (one warning each, :mod:`buffers.outage`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from redis.retry import Retry
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import BufferConfig
+from buffers.outage import OutageWatch
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -52,17 +55,21 @@ class ReconnectRetry(Retry):
     """Retries a lost connection (a restarting ``redis-server``), never a refused login:
     redis-py makes :class:`AuthenticationError` a :class:`ConnectionError`, and retrying a
     wrong password only delays the error. Nor once ``stop`` is set: a stopping role does not
-    wait for a Redis that went away (the error is raised, see :class:`StopGuard`)."""
+    wait for a Redis that went away (the error is raised, see :class:`StopGuard`). Each failure
+    it retries and each success go to ``watch`` (the outage warnings): a first failure is
+    only suspect (a pooled connection closed by a restart the client slept through), a
+    second one of the same request an outage."""
 
     def __init__(self, backoff: Any, retries: int,
                  supported_errors: tuple[type[Exception], ...] = (RedisConnectionError,),
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, watch: OutageWatch | None = None) -> None:
         super().__init__(backoff, retries, supported_errors)
         self._stop = stop
+        self._watch = watch
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReconnectRetry:
         """redis-py gives every connection a deep copy: the copies share the stop event (an
-        event cannot be copied, and a copy would never be set)."""
+        event cannot be copied, and a copy would never be set) and the outage watch."""
         clone = copy.copy(self)
         clone._backoff = copy.deepcopy(self._backoff, memo)
         return clone
@@ -82,7 +89,21 @@ class ReconnectRetry(Retry):
                 return False
             return is_retryable(error) if is_retryable is not None else True
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        failures = 0
+
+        def failed(error: Exception, *count: int) -> Any:
+            nonlocal failures
+            failures += 1
+            if self._watch is not None and failures == 1:  # a stale pooled connection?
+                self._watch.suspect()
+            elif self._watch is not None:
+                self._watch.failed(error)
+            return fail(error, *count)
+
+        result = super().call_with_retry(do, failed, retryable, with_failure_count)
+        if self._watch is not None:
+            self._watch.answered()
+        return result
 
 
 def reconnect_retries(total_s: float) -> int:
@@ -94,10 +115,10 @@ def reconnect_retries(total_s: float) -> int:
     return max(1, retries)
 
 
-def connection_kwargs(config: BufferConfig,
-                      stop: threading.Event | None = None) -> dict[str, Any]:
+def connection_kwargs(config: BufferConfig, stop: threading.Event | None = None,
+                      watch: OutageWatch | None = None) -> dict[str, Any]:
     """Keyword arguments for ``redis.Redis.from_url(config.redis.url, ...)``; ``stop``: the
-    owner's stop event (no retries once it is set).
+    owner's stop event (no retries once it is set); ``watch``: told of retried failures.
 
     Only connection errors are retried: a command that reached Redis and failed is not
     repeated (a script's effects may already be applied). TLS options need a ``rediss://``
@@ -117,7 +138,8 @@ def connection_kwargs(config: BufferConfig,
         "socket_timeout": config.request_timeout_s,
         "socket_connect_timeout": min(config.request_timeout_s, CONNECT_TIMEOUT_CAP_S),
         "retry": ReconnectRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-                                reconnect_retries(config.request_timeout_s), stop=stop),
+                                reconnect_retries(config.request_timeout_s), stop=stop,
+                                watch=watch),
         "health_check_interval": max(1, math.ceil(config.heartbeat_timeout_s)),
         "decode_responses": False,
         **tls,
@@ -132,11 +154,13 @@ def connection_kwargs(config: BufferConfig,
 Client = redis.Redis | RedisCluster
 
 
-def connect(config: BufferConfig, stop: threading.Event | None = None) -> Client:
+def connect(config: BufferConfig, stop: threading.Event | None = None,
+            watch: OutageWatch | None = None) -> Client:
     """A client for ``config.redis.url``: the cluster client for a Redis Cluster node
     (``buffer.redis.cluster``; "auto" sends one ``INFO cluster`` to find out, and a unix socket is
-    never a cluster node). Nothing else is sent. ``stop``: see :func:`connection_kwargs`."""
-    kwargs = connection_kwargs(config, stop)
+    never a cluster node). Nothing else is sent. ``stop``, ``watch``: see
+    :func:`connection_kwargs`."""
+    kwargs = connection_kwargs(config, stop, watch)
     server = config.redis
     if server.cluster != "yes":
         client = redis.Redis.from_url(server.url, **kwargs)

@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncrl.wire import Rejections, TrajectoryGroup, WireError, decode_group, oversized
 from buffers.group_check import check_packed
-from buffers.packing import pack_group, unpack_group
+from buffers.packing import pack_group, refused_oversized, unpack_group
 from buffers.protocol import PutResult
 
 PACKING_SLACK = 4096  # packed length over the frames' own: lengths and alignment padding
@@ -35,14 +35,15 @@ class StagedPut:
 
 
 def stage_put(frames: Sequence[Any], max_message_bytes: int, rejections: Rejections,
-              producer: str) -> StagedPut:
+              producer: str, name: str = "") -> StagedPut:
     """Validate a group's frames as the producer's client. Oversized or malformed frames are
-    counted in ``rejections`` and sent as a bare reason, so that the script counts them too,
-    in order with the producer's other puts."""
+    counted in ``rejections`` (logged naming the group ``name`` and, oversized, the size and
+    ``buffer.max_message_bytes``) and sent as a bare reason, so that the script counts them
+    too, in order with the producer's other puts; an oversized payload is never sent."""
     try:  # frames may be memoryviews of the group's arrays: packed with one copy each
         size = sum(memoryview(f).nbytes for f in frames)
         if size > max_message_bytes:
-            raise oversized(size, max_message_bytes)
+            raise refused_oversized(size, max_message_bytes, name)
         payload = pack_group(frames)
         group = check_packed(payload)  # decode_group's rules, in one C pass where built
     except WireError as exc:

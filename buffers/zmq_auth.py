@@ -1,12 +1,17 @@
 """The broker socket's hardening: CURVE authentication (``buffer.zmq.auth = "curve"``), a message
 size bound, and the bind address.
 
-Size: ``ZMQ_MAXMSGSIZE`` is set a little above ``buffer.max_message_bytes``. libzmq checks it
-per frame, as the frame header arrives: a peer announcing a larger frame is disconnected
-before anything is allocated (its request is lost, so it times out; a DEALER reconnects by
-itself, and the broker keeps serving everybody). A group within the slack, or one spread over
-several frames, reaches the broker, which rejects it with the counted reason ``oversized``.
-So a hostile peer can make the broker hold at most one message of its frames at a time.
+Size: ``ZMQ_MAXMSGSIZE`` is set to twice ``buffer.max_message_bytes`` (plus 64 KiB; see
+:func:`socket_limit`). libzmq checks it per frame, as the frame header arrives: a peer
+announcing a larger frame is disconnected before anything is allocated, with no reply and no
+count anywhere (its request times out; a DEALER reconnects by itself, and the broker keeps
+serving everybody). Set just above the limit, as it was, a producer's group a little too large
+cost its worker "the connection dropped" in a crash loop and left the status blank; so the
+headroom is wide, and a group within it reaches the broker, which rejects it with the counted
+reason ``oversized`` (``rejected`` in the status) and a reply. Our clients never send one
+(:class:`~buffers.zmq_client.ZmqBufferClient` refuses it, naming the key and the size), so
+only a foreign peer meets the hard limit. A hostile peer can make the broker hold at most one
+message of its frames, each under twice the limit, at a time.
 
 Bind address: ``buffer.zmq.host`` (127.0.0.1 by default); binding elsewhere without CURVE is
 logged as a warning.
@@ -43,8 +48,9 @@ from asyncrl.config.schema import BufferConfig
 
 logger = logging.getLogger(__name__)
 
-FRAME_SLACK = 64 << 10  # MAXMSGSIZE above max_message_bytes: a group just over the limit
-# still reaches the broker, which then rejects it with a counted reason
+OVERSIZE_HEADROOM = 2  # MAXMSGSIZE is this many times max_message_bytes (plus FRAME_SLACK): a
+# group over the limit still reaches the broker, which rejects it with a counted reason
+FRAME_SLACK = 64 << 10
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVER = "server"
 CLIENT = "client"
@@ -111,12 +117,17 @@ def apply_curve_client(socket: zmq.Socket, keys_dir: str | Path, name: str = CLI
     socket.curve_serverkey = server_public
 
 
+def socket_limit(max_message_bytes: int) -> int:
+    """The largest frame the broker's socket receives (larger: the peer is disconnected)."""
+    return OVERSIZE_HEADROOM * max_message_bytes + FRAME_SLACK
+
+
 def bind_router(context: zmq.Context, config: BufferConfig
                 ) -> tuple[zmq.Socket, CurveServer | None, str]:
     """The broker's ROUTER, hardened and bound to ``tcp://host:port`` (port 0 picks a free
     one); returns it, its CURVE server (to stop on close) and the address clients dial."""
     socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes + FRAME_SLACK)
+    socket.setsockopt(zmq.MAXMSGSIZE, socket_limit(config.max_message_bytes))
     curve, zmq_cfg = None, config.zmq
     if zmq_cfg.auth == "curve":
         curve = CurveServer(context, zmq_cfg.curve_keys_dir)

@@ -8,10 +8,17 @@ puts while ``max_groups`` are held (backpressure). The rules live in
 :func:`~buffers.zmq_auth.bind_router`; this module only moves messages. Groups are received as
 ``zmq.Frame`` objects, kept as such and sent on with ``copy=False``: never copied in Python
 (:mod:`buffers.zmq_frames`: pyzmq's multipart calls without their Python layer).
+
+Who may do what: the commands that change the run need the run's token
+(:data:`~buffers.zmq_protocol.GUARDED`, :mod:`buffers.run_token`), a producer must have said
+``hello`` (or heartbeated) before it acquires, puts or releases, and a request's arguments
+over ``buffer.max_message_bytes`` are refused unread; each refusal is counted in
+``bad_requests`` and its first few logged.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections import Counter
@@ -24,10 +31,12 @@ import zmq
 from asyncrl.config.schema import BufferConfig
 from buffers import group_check
 from buffers.protocol import RUN_STATUS_KEY
+from buffers.run_token import TOKEN_ENV, TOKEN_FILE
 from buffers.zmq_auth import CurveServer, bind_router
 from buffers.zmq_control import batch_stats, status_of
 from buffers.zmq_frames import recv_frames, send_frames
 from buffers.zmq_protocol import (
+    TOKEN_ARG,
     ProtocolError,
     Reply,
     Request,
@@ -38,6 +47,7 @@ from buffers.zmq_protocol import (
     decode_request,
     encode_reply,
     error,
+    needs_token,
 )
 from buffers.zmq_replay import open_spill, snapshot_of, spill_file
 from buffers.zmq_state import BrokerState, QueuedGroup, StateError
@@ -47,9 +57,9 @@ from buffers.zmq_waits import Parked, Waits, park
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # upper bound on how late a stop event or a deadline is noticed
-COMMANDS = ("acquire", "put", "put_many", "release", "get_batch", "ack", "renew", "publish_version",
-            "restore_progress", "heartbeat", "set_key", "get_key", "get_keys", "status",
-            "shutdown")
+COMMANDS = ("hello", "acquire", "put", "put_many", "release", "get_batch", "ack", "renew",
+            "publish_version", "restore_progress", "heartbeat", "set_key", "get_key", "get_keys",
+            "status", "shutdown")
 TICK_S = 0.01  # member liveness, reclaim of unacked groups and fsync: at most this often
 DRAIN_MAX = 64  # requests handled per wake-up before the housekeeping runs again
 CLOSE_LINGER_MS = 500  # lets the last replies (shutdown, failed long polls) leave the socket
@@ -60,9 +70,16 @@ class ZmqBroker:
     """Serves :class:`~buffers.zmq_client.ZmqBufferClient` requests until stopped."""
 
     def __init__(self, config: BufferConfig, groups_per_step: int, run_id: str = "",
-                 run_dir: Path | None = None) -> None:
-        """``run_dir`` is where ``buffer.zmq.spill_path = "auto"`` journals (none: memory only)."""
+                 run_dir: Path | None = None, token: str | None = None) -> None:
+        """``run_dir`` is where ``buffer.zmq.spill_path = "auto"`` journals (none: memory only).
+        ``token``: the run's token (:mod:`buffers.run_token`), without which the commands that
+        change the run are refused; every broker a launcher or `asyncrl buffer` starts has
+        one. None (a broker inside a test or a benchmark) checks none."""
         self.config = config
+        self._token = token
+        if token is None:
+            logger.info("no run token: the commands that change the run are served to anyone "
+                        "(a broker in a test or benchmark; the roles' brokers have one)")
         self.spill = spill_file(config.zmq.spill_path, run_dir)
         journal, recovered = open_spill(self.spill) if self.spill else (None, None)
         if self.spill:
@@ -147,10 +164,12 @@ class ZmqBroker:
 
     def _handle(self, frames: list[Any]) -> None:
         try:
-            request = decode_request(frames)
+            request = decode_request(frames, self.config.max_message_bytes)
             handler = self._handlers.get(request.command)
             if handler is None:
                 raise ProtocolError("command", f"unknown command {request.command!r}")
+            if needs_token(request.command, request.args):
+                self._check_token(request)
             reply = handler(request)
         except (ProtocolError, StateError) as exc:
             reply = self._reject(exc.reason, str(exc))
@@ -159,6 +178,17 @@ class ZmqBroker:
             reply = self._reject("internal", repr(exc))
         if reply is not None and len(frames) >= 2:
             self._send(frames[0].bytes, frames[1].bytes, reply)
+
+    def _check_token(self, request: Request) -> None:
+        """A command that changes the run carries the run's token (:mod:`buffers.run_token`),
+        whatever ``buffer.zmq.auth`` says; refused (counted as ``token``, logged) otherwise."""
+        given = request.args.get(TOKEN_ARG)
+        if self._token is None or (isinstance(given, str) and
+                                   hmac.compare_digest(given.encode(), self._token.encode())):
+            return
+        what = "without the run token" if given is None else "with a wrong run token"
+        raise ProtocolError("token", f"{request.command!r} {what} refused (a client reads it "
+                                     f"from ${TOKEN_ENV} or the run directory's {TOKEN_FILE})")
 
     def _reject(self, reason: str, detail: str) -> Reply:
         self.bad_requests[reason] += 1
@@ -189,8 +219,16 @@ class ZmqBroker:
             self._answer(p, error("shutdown", detail))
         self._waits.clear()
 
+    def _hello(self, request: Request) -> Reply:
+        """The handshake: a producer becomes a member before it acquires or puts (its client
+        sends this once per connection, unless it heartbeated)."""
+        args = request.args
+        self.state.members.register(arg_str(args, "member"), arg_str(args, "role", ""))
+        return Reply(True, {"version": self.state.version, "run_status": self.state.run_status})
+
     def _acquire(self, request: Request) -> Reply:
         args = request.args
+        self.state.require_member(arg_str(args, "producer"))
         granted = self.state.acquire(arg_str(args, "producer"),
                                      arg_int(args, "want", minimum=0),
                                      arg_int(args, "engine_version"))
@@ -207,6 +245,7 @@ class ZmqBroker:
         self._puts.admit_parked()
 
     def _release(self, request: Request) -> Reply:
+        self.state.require_member(arg_str(request.args, "producer"))
         self.state.release(arg_str(request.args, "producer"),
                            arg_int(request.args, "count", minimum=0))
         return Reply(True, {})
@@ -317,14 +356,14 @@ class ZmqBroker:
         return Reply(True, {})
 
 
-def start_broker_thread(config: BufferConfig, groups_per_step: int, run_id: str = ""
-                        ) -> tuple[str, Callable[[], None]]:
+def start_broker_thread(config: BufferConfig, groups_per_step: int, run_id: str = "",
+                        token: str | None = None) -> tuple[str, Callable[[], None]]:
     """Bind a broker and serve it on a daemon thread; returns (address, stop-and-join).
 
     The socket is bound here and handed to the thread (thread start is a memory barrier, which
     is what ZMQ asks for when a socket changes threads), so the address is ready on return.
     """
-    broker = ZmqBroker(config, groups_per_step, run_id)
+    broker = ZmqBroker(config, groups_per_step, run_id, token=token)
     address = broker.bind()
     stop = threading.Event()
     thread = threading.Thread(target=broker.serve, args=(stop,), name="zmq-broker", daemon=True)

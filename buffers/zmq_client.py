@@ -49,7 +49,13 @@ that timed out.
 A group travels as one packed frame
 (:func:`~buffers.packing.pack_group`): one copy when the producer packs it, none after (the
 consumer's arrays are views of the received frame); ``put_many`` sends about a megabyte of
-them per request.
+them per request, never more than ``buffer.max_message_bytes``. A group over that limit is
+refused here, before it is sent, and the broker told in its place (counted as ``oversized``).
+
+A producer's acquires, puts and releases go after its handshake (``hello``, once per
+connection, unless it heartbeated): the broker makes members of registered names only. The
+commands that change the run carry the run's token (:mod:`buffers.run_token`). An outage of
+the broker is one warning when it starts and one when it ends (:mod:`buffers.outage`).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -66,16 +72,21 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.wire import TrajectoryGroup, decode_group, encode_group_views
+from asyncrl.wire import Rejections, TrajectoryGroup, decode_group, encode_group_views
 from buffers import BufferStopped
+from buffers.outage import OutageWatch
+from buffers.packing import packed_size, refused_oversized
 from buffers.protocol import Batch, Grant, PutResult
 from buffers.zmq_auth import apply_curve_client
 from buffers.zmq_frames import recv_frames, send_frames
 from buffers.zmq_protocol import (
+    REFUSED_ARG,
+    TOKEN_ARG,
     BrokerError,
     Reply,
     decode_reply,
     encode_request,
+    needs_token,
     pack_group,
     unpack_group,
 )
@@ -87,13 +98,21 @@ PUT_CHUNK_BYTES = 1 << 20  # put_many: groups per request up to about this many 
 PUT_MARGIN_S = 1.0  # a full broker answers a put at timeout_s; we wait this much longer
 STOP_POLL_S = 0.25  # with a stop event: how often a waiting request looks at it
 STOP_GRACE_S = 0.5  # once stopping: how long past its long poll a request still waits
-RETRYABLE = frozenset({"acquire", "get_batch", "ack", "renew", "publish_version",
+OUTAGE_GRACE_S = 1.0  # a dropped connection not back within this long is an outage (warned)
+RETRYABLE = frozenset({"hello", "acquire", "get_batch", "ack", "renew", "publish_version",
                        "restore_progress", "heartbeat",
                        "set_key", "get_key", "get_keys", "status"})
+PRODUCER_COMMANDS = frozenset({"acquire", "put", "put_many", "release"})  # after the handshake
+DEFAULT_MAX_MESSAGE_BYTES = BufferConfig.model_fields["max_message_bytes"].default
 
 
 class NoReply(TimeoutError):
     """The broker did not answer in time (it is down, restarting or unreachable)."""
+
+
+class Unregistered(BrokerError):
+    """The broker does not know the producer (it restarted and lost its members): nothing of
+    the request was done, so it is sent again after the handshake."""
 
 
 @dataclass(eq=False)
@@ -158,13 +177,18 @@ class ZmqBufferClient:
     def __init__(self, address: str, timeout_s: float = 30.0,
                  context: zmq.Context | None = None, curve_keys_dir: str | None = None,
                  curve_name: str = "client", reconnect_s: float = 0.0,
-                 stop: threading.Event | None = None, put_window: int = PUT_WINDOW) -> None:
+                 stop: threading.Event | None = None, put_window: int = PUT_WINDOW,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 token: str | None = None) -> None:
         """``curve_keys_dir``: CURVE keys (see :mod:`buffers.zmq_auth`) for a broker with
         ``buffer.zmq.auth = "curve"``; the client key pair is ``<curve_name>.key_secret``.
         ``reconnect_s``: how long to keep re-sending a safe request that got no reply.
         ``stop``: the owner's stop event; once set, requests stop waiting for a broker that
         does not answer (see the module docstring). ``put_window``: at most this many put
-        requests (about a megabyte each) in flight, over all :meth:`send_put_many` calls."""
+        requests (about a megabyte each) in flight, over all :meth:`send_put_many` calls.
+        ``max_message_bytes``: a group larger than this (packed) is refused here, not sent
+        (the broker's ``buffer.max_message_bytes``). ``token``: the run's token
+        (:mod:`buffers.run_token`), sent with the commands that change the run."""
         if put_window < 1:
             raise ValueError(f"put_window {put_window} must be >= 1")
         self.address = address
@@ -188,18 +212,27 @@ class ZmqBufferClient:
         # when a connection drops (their calls are then in doubt: puts are never re-sent)
         self._puts: dict[bytes, PendingPut] = {}
         self.put_window = put_window
+        self.max_message_bytes = max_message_bytes
+        self._token = token
+        self._rejections = Rejections()  # groups refused here, logged as the broker logs its
+        self._members: set[str] = set()  # producers registered on this connection
+        self._roles: dict[str, str] = {}  # their roles, as last heartbeated
+        self._outage = OutageWatch(address)
 
     @classmethod
     def from_config(cls, config: BufferConfig, address: str | None = None,
-                    stop: threading.Event | None = None) -> ZmqBufferClient:
-        """The client a :class:`BufferConfig` describes (address, timeout, CURVE keys)."""
+                    stop: threading.Event | None = None,
+                    token: str | None = None) -> ZmqBufferClient:
+        """The client a :class:`BufferConfig` describes (address, timeout, CURVE keys, size
+        limit); ``token``: the run's (:mod:`buffers.run_token`)."""
         zmq_cfg = config.zmq
         keys = zmq_cfg.curve_keys_dir if zmq_cfg.auth == "curve" else None
         if zmq_cfg.auth == "curve" and not keys:
             raise ValueError("buffer.zmq.auth = \"curve\" needs buffer.zmq.curve_keys_dir")
         return cls(address or f"tcp://{zmq_cfg.host}:{zmq_cfg.port}",
                    timeout_s=config.request_timeout_s, curve_keys_dir=keys,
-                   reconnect_s=zmq_cfg.reconnect_s, stop=stop)
+                   reconnect_s=zmq_cfg.reconnect_s, stop=stop,
+                   max_message_bytes=config.max_message_bytes, token=token)
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER to the broker, and a monitor that hears when its connection drops."""
@@ -208,7 +241,8 @@ class ZmqBufferClient:
         socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self._curve is not None:
             apply_curve_client(socket, *self._curve)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED |
+                                            zmq.EVENT_HANDSHAKE_SUCCEEDED)
         socket.connect(self.address)
         return socket, monitor
 
@@ -226,17 +260,47 @@ class ZmqBufferClient:
     def _call(self, command: str, args: dict[str, Any], payload: Sequence[Any] = (),
               wait_s: float = 0.0) -> Reply:
         """Send and wait up to ``timeout_s + wait_s`` for the matching reply; a request that is
-        safe to repeat is re-sent (on a fresh socket) for up to ``reconnect_s``."""
+        safe to repeat is re-sent (on a fresh socket) for up to ``reconnect_s``. A producer's
+        request goes after the handshake (:meth:`_register`), and once more after it if the
+        broker did not know the producer (it restarted unheard: nothing was done)."""
         give_up = time.monotonic() + self.reconnect_s
+        producer = args.get("producer") if command in PRODUCER_COMMANDS else None
+        registered_again = False
         while True:
             try:
                 self._forget_drops()
+                if isinstance(producer, str):
+                    self._register(producer)
                 request_id = self._send(command, args, payload)
                 return self._receive({request_id}, command, wait_s)[request_id]
             except NoReply as exc:
                 if command not in RETRYABLE or time.monotonic() >= give_up:
                     raise
-                logger.warning("%s; re-sending (is the broker restarting?)", exc)
+                logger.debug("%s; re-sending (is the broker restarting?)", exc)
+            except Unregistered:
+                if not isinstance(producer, str) or registered_again:
+                    raise
+                registered_again = True
+                self._members.discard(producer)
+
+    def _register(self, producer: str) -> None:
+        """The handshake, once per connection: the broker serves a producer's acquires,
+        puts and releases only once it is a member (a heartbeat makes it one too). After a
+        dropped connection it is done again, and waits for the broker (re-sent, as a safe
+        request, for up to ``reconnect_s``) before the request behind it is sent: a put after
+        a broker restart goes to the new broker instead of being lost in doubt."""
+        if producer not in self._members:
+            self._call("hello", {"member": producer,
+                                 "role": self._roles.get(producer, "producer")})
+            self._members.add(producer)
+
+    def _heard(self) -> bool:
+        """Read one event of the connection's monitor: True for a drop. A handshake (the
+        connection is up, again) tells the outage watch that the broker is reachable."""
+        if recv_monitor_message(self._link.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+        self._outage.answered()
+        return False
 
     def _forget_drops(self) -> None:
         """Drops heard before a request was sent: the DEALER reconnects by itself, so only a
@@ -244,14 +308,19 @@ class ZmqBufferClient:
         restarted would otherwise fail its next put, in doubt, at once). Batch requests sent
         ahead were waiting: a drop loses them, so they are marked to be sent again."""
         while self._link.monitor.poll(0):
-            recv_monitor_message(self._link.monitor)
+            if not self._heard():
+                continue
             if self._ahead:
                 self._generation += 1
             self._puts.clear()  # their replies are lost with the connection
+            self._members.clear()  # a broker that restarted knows none of them
+            self._outage.suspect()  # an outage if not back within OUTAGE_GRACE_S
 
     def _send(self, command: str, args: dict[str, Any], payload: Sequence[Any] = ()) -> bytes:
         self._next_id += 1
         request_id = self._next_id.to_bytes(8, "little")
+        if self._token is not None and needs_token(command, args):
+            args = {**args, TOKEN_ARG: self._token}
         try:
             send_frames(self._link.socket, encode_request(request_id, command, args, payload))
         except zmq.Again:
@@ -273,17 +342,21 @@ class ZmqBufferClient:
             remaining = deadline - time.monotonic()
             if self._stop is not None:
                 remaining = min(remaining, STOP_POLL_S)
+            if self._outage.suspected:
+                remaining = min(remaining, OUTAGE_GRACE_S)
             ready = dict(poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
             if self._link.socket not in ready:
-                if self._link.monitor in ready:
-                    recv_monitor_message(self._link.monitor)  # the only event asked for
-                    self._timed_out(command, "reply", "the connection dropped while waiting")
+                if self._link.monitor in ready and self._heard():
+                    self._timed_out(command, "reply", "the connection dropped while waiting",
+                                    dropped=True)
+                self._outage.overdue(OUTAGE_GRACE_S, "the connection dropped and is not back")
                 if self._stopping() and time.monotonic() >= stop_deadline:
                     self._timed_out(command, "reply")
                 if time.monotonic() < deadline:
                     continue
                 self._timed_out(command, "reply")
             reply_id, reply = decode_reply(recv_frames(self._link.socket))
+            self._outage.answered()
             if reply_id not in request_ids:
                 if reply_id in self._ahead:
                     self._early[reply_id] = reply  # a batch sent ahead: kept for its receive
@@ -303,25 +376,35 @@ class ZmqBufferClient:
             raise TimeoutError(f"buffer broker {self.address}: {command} waited for room: "
                                f"{reply.body.get('error')}")
         if not reply.ok:
-            raise BrokerError(f"buffer broker {self.address} refused {command}: "
-                              f"{reply.body.get('error', reply.body)}")
+            error = Unregistered if reply.body.get("reason") == "unregistered" else BrokerError
+            raise error(f"buffer broker {self.address} refused {command}: "
+                        f"{reply.body.get('error', reply.body)}")
         return reply
 
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
 
-    def _timed_out(self, command: str, stage: str, why: str = "") -> NoReturn:
+    def _timed_out(self, command: str, stage: str, why: str = "",
+                   dropped: bool = False) -> NoReturn:
         """Give the request up: a fresh socket, so its late reply never answers another one.
-        Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent)."""
+        Once stopping, whatever the cause, :class:`~buffers.BufferStopped` (never re-sent).
+        An outage (:mod:`buffers.outage`) when no answer came in time; a ``dropped``
+        connection (a broker restarting) is one if it is not back within
+        :data:`OUTAGE_GRACE_S`."""
         self._link.close()
         self._link.socket, self._link.monitor = self._connect()
         self._generation += 1  # batch requests sent ahead went with the old socket
         self._puts.clear()  # and puts in flight: in doubt
+        self._members.clear()  # the broker may have restarted meanwhile
         if self._stopping():
             raise BufferStopped(f"buffer broker {self.address}: stopped waiting for the "
                                 f"{stage} to {command!r}: stopping ({why or 'no answer'})")
-        raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} "
-                      f"({why or f'not within {self.timeout_s:.1f}s'})")
+        why = why or f"not within {self.timeout_s:.1f}s"
+        if dropped:
+            self._outage.suspect()
+        else:
+            self._outage.failed(f"no {stage} for {command!r} ({why})")
+        raise NoReply(f"buffer broker {self.address}: no {stage} for {command!r} ({why})")
 
     # --- Buffer -------------------------------------------------------------------------------
 
@@ -333,13 +416,27 @@ class ZmqBufferClient:
 
     def put(self, producer: str, group: TrajectoryGroup) -> PutResult:
         """Hand a group in; waits while the buffer is full (TimeoutError after the timeout)."""
-        return self.put_frames(producer, encode_group_views(group))
+        return self.put_frames(producer, encode_group_views(group), group.group_id)
 
-    def put_frames(self, producer: str, frames: Sequence[Any]) -> PutResult:
-        """Put already-encoded frames as they are (forwarding, and tests of bad input)."""
-        body = self._call("put", {"producer": producer, "timeout_s": self.timeout_s},
-                          [pack_group(frames)], wait_s=PUT_MARGIN_S).body
+    def put_frames(self, producer: str, frames: Sequence[Any], name: str = "") -> PutResult:
+        """Put already-encoded frames as they are (forwarding, and tests of bad input); a
+        group over ``max_message_bytes`` is refused here (see :meth:`_pack`)."""
+        item = self._pack(producer, frames, name)
+        body = self._call("put", _put_args(producer, self.timeout_s, [item]), [_frame(item)],
+                          wait_s=PUT_MARGIN_S).body
         return PutResult(accepted=body["accepted"], reason=body["reason"])
+
+    def _pack(self, producer: str, frames: Sequence[Any], name: str) -> bytes | int:
+        """The group packed, or, over ``max_message_bytes``, its packed size: such a group
+        is refused here, logged naming the key and the size, and never sent (the broker's
+        socket would drop the connection of a frame well over the limit: the producer saw
+        "the connection dropped" and crash-looped). The request still tells the broker, which
+        counts it as ``oversized`` and frees its slot, and answers it in its place."""
+        size = packed_size(frames)
+        if size <= self.max_message_bytes:
+            return pack_group(frames)
+        self._rejections.add(refused_oversized(size, self.max_message_bytes, name), producer)
+        return size
 
     def put_many(self, producer: str, groups: Sequence[TrajectoryGroup]) -> list[PutResult]:
         """:meth:`Buffer.put_many <buffers.protocol.Buffer.put_many>`: groups go in
@@ -366,11 +463,12 @@ class ZmqBufferClient:
         any call refused, for room within ``timeout_s`` or otherwise, or no answer) raises
         here as in :meth:`put_many` and sends nothing more, with this call's groups in doubt;
         the calls in flight raise from their own :meth:`receive_puts`."""
-        args = {"producer": producer, "timeout_s": self.timeout_s}
         pending = PendingPut([], {})
         self._forget_drops()  # a drop heard now lost the answers of the calls in flight
+        self._register(producer)
+        packed = (self._pack(producer, encode_group_views(g), g.group_id) for g in groups)
         try:
-            for chunk in _packed_chunks(groups, PUT_CHUNK_BYTES):
+            for chunk in _chunks(packed, min(PUT_CHUNK_BYTES, self.max_message_bytes)):
                 while len(self._puts) >= self.put_window:
                     oldest = next(iter(self._puts))
                     owner = self._puts.pop(oldest)
@@ -378,7 +476,8 @@ class ZmqBufferClient:
                     owner.replies.update(reply)  # the answer is its own call's
                     if not reply[oldest].ok:  # none after a refused one: FIFO per producer
                         self._checked("put_many", reply[oldest])
-                request_id = self._send("put_many", args, chunk)
+                request_id = self._send("put_many", _put_args(producer, self.timeout_s, chunk),
+                                        [_frame(item) for item in chunk])
                 pending.sent.append((request_id, len(chunk)))
                 self._puts[request_id] = pending
         except BaseException:
@@ -536,7 +635,11 @@ class ZmqBufferClient:
                                                    "consumed": consumed}).body["version"])
 
     def heartbeat(self, member: str, role: str, info: dict[str, Any]) -> dict[str, Any]:
-        return self._call("heartbeat", {"member": member, "role": role, "info": info}).body
+        """Also the handshake: the member is registered (see :meth:`_register`)."""
+        body = self._call("heartbeat", {"member": member, "role": role, "info": info}).body
+        self._members.add(member)
+        self._roles[member] = role
+        return body
 
     def set_key(self, key: str, value: dict[str, Any]) -> int:
         return int(self._call("set_key", {"key": key, "value": value}).body["seq"])
@@ -559,16 +662,35 @@ class ZmqBufferClient:
         self._call("shutdown", {})
 
 
-def _packed_chunks(groups: Sequence[TrajectoryGroup], chunk_bytes: int) -> Iterator[list[bytes]]:
-    """The groups packed (one frame each), in order, in lists of about ``chunk_bytes`` (at
-    least one group): each list is one request, packed only when it is about to be sent."""
-    chunk: list[bytes] = []
+def _put_args(producer: str, timeout_s: float, items: Sequence[bytes | int]
+              ) -> dict[str, Any]:
+    """A put's arguments; the groups refused as oversized (:meth:`ZmqBufferClient._pack`)
+    named by their index and size."""
+    args: dict[str, Any] = {"producer": producer, "timeout_s": timeout_s}
+    refused = [[i, item] for i, item in enumerate(items) if isinstance(item, int)]
+    if refused:
+        args[REFUSED_ARG] = refused
+    return args
+
+
+def _frame(item: bytes | int) -> bytes:
+    """A packed group's frame; an empty placeholder for a group refused as oversized."""
+    return b"" if isinstance(item, int) else item
+
+
+def _chunks(items: Iterable[bytes | int], chunk_bytes: int) -> Iterator[list[bytes | int]]:
+    """Packed groups (refused ones as their size) in order, in lists whose frames add up to
+    at most ``chunk_bytes`` (a group larger than that alone): each list is one request, so
+    one request stays within ``buffer.max_message_bytes`` too. ``items`` is consumed lazily:
+    a group is packed only when its request is about to be sent."""
+    chunk: list[bytes | int] = []
     size = 0
-    for group in groups:
-        chunk.append(pack_group(encode_group_views(group)))
-        size += len(chunk[-1])
-        if size >= chunk_bytes:
+    for item in items:
+        nbytes = len(_frame(item))
+        if chunk and size + nbytes > chunk_bytes:
             yield chunk
             chunk, size = [], 0
+        chunk.append(item)
+        size += nbytes
     if chunk:
         yield chunk

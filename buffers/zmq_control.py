@@ -30,19 +30,34 @@ class Member:
 
 
 class Members:
-    """Who was seen when; a member silent past ``timeout_s`` is dead until seen again."""
+    """Who was seen when; a member silent past ``timeout_s`` is dead until seen again.
+
+    A name becomes a member only through the handshake (:meth:`register`: a ``hello`` or a
+    heartbeat); any other request (a put, an ack) only marks a member seen. A put from any
+    process that reached the port created a member of its producer name before, so garbage
+    puts filled the status with phantom producers."""
 
     def __init__(self, timeout_s: float, clock: Callable[[], float]) -> None:
         self.timeout_s = timeout_s
         self.clock = clock
         self.by_name: dict[str, Member] = {}
 
+    def known(self, name: str) -> bool:
+        return name in self.by_name
+
+    def register(self, name: str, role: str = "") -> None:
+        """The handshake: ``name`` is a member (of ``role``, else "producer"), seen now."""
+        if name not in self.by_name:
+            self.by_name[name] = Member(role=role or "producer", last_seen=0.0)
+        self.touch(name, role)
+
     def touch(self, name: str, role: str = "") -> None:
-        """``name`` was seen now (any heartbeat, acquire, put, release or ack)."""
+        """A member was seen now (any heartbeat, acquire, put, release or ack); a name that
+        never registered stays unknown."""
         entry = self.by_name.get(name)
         if entry is None:
-            entry = self.by_name[name] = Member(role=role or "producer", last_seen=0.0)
-        elif role:
+            return
+        if role:
             entry.role = role
         if not entry.alive:
             logger.info("member %s is back", name)
@@ -50,7 +65,7 @@ class Members:
         entry.alive = True
 
     def heartbeat(self, name: str, role: str, info: dict[str, Any]) -> None:
-        self.touch(name, role)
+        self.register(name, role)
         self.by_name[name].info = info
 
     def reap(self, in_flight: Counter[str]) -> None:

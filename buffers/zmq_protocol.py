@@ -31,11 +31,20 @@ import orjson
 from asyncrl.wire import WireError, oversized
 from buffers.group_check import GroupFacts, check_packed
 from buffers.packing import pack_group, unpack_group
+from buffers.protocol import RUN_STATUS_KEY
 
 __all__ = ["pack_group", "unpack_group"]  # re-exported: the packed frame is this protocol's
 
 OK = b"ok"
 ERR = b"err"
+GUARDED = frozenset({"shutdown", "publish_version", "restore_progress"})
+"""Commands that change the run, which the broker serves only with the run's token
+(:mod:`buffers.run_token`): stopping the broker, moving the learner's version (it never goes
+back, so a forged one would stall the run for good), taking progress over. A ``set_key`` of
+the run's status (done, running again) is guarded too (:func:`needs_token`). ZMQ has no reset
+command: a fresh run is a fresh broker, its spill file set aside."""
+TOKEN_ARG = "token"
+REFUSED_ARG = "oversized"  # a put's groups its client refused to send (:func:`arg_refusals`)
 
 
 class ProtocolError(ValueError):
@@ -87,13 +96,18 @@ def _loads_object(frame: bytes, what: str) -> dict[str, Any]:
     return value
 
 
-def decode_request(frames: Sequence[bytes]) -> Request:
-    """Parse what the ROUTER received; raises :class:`ProtocolError` when malformed.
+def decode_request(frames: Sequence[bytes], max_args_bytes: int | None = None) -> Request:
+    """Parse what the ROUTER received; raises :class:`ProtocolError` when malformed, or
+    ``oversized`` when its arguments are over ``max_args_bytes`` (not parsed then).
 
     Callers can still answer a malformed request if it has at least identity and request id.
     """
     if len(frames) < 4:
         raise ProtocolError("frames", f"expected at least 4 frames, got {len(frames)}")
+    args_bytes = memoryview(frames[3]).nbytes
+    if max_args_bytes is not None and args_bytes > max_args_bytes:
+        raise ProtocolError("oversized", f"request arguments of {args_bytes} bytes > "
+                                         f"buffer.max_message_bytes {max_args_bytes}")
     identity, request_id, command, args = (_bytes(f) for f in frames[:4])
     try:
         name = command.decode("ascii")
@@ -132,6 +146,11 @@ def check_put(payload: Sequence[Any], max_bytes: int) -> GroupFacts:
     raise WireError("frames", f"a put carries 1 packed group, not {len(payload)}")
 
 
+def needs_token(command: str, args: dict[str, Any]) -> bool:
+    """Whether the broker serves this request only with the run's token (:data:`GUARDED`)."""
+    return command in GUARDED or (command == "set_key" and args.get("key") == RUN_STATUS_KEY)
+
+
 def error(reason: str, detail: str) -> Reply:
     return Reply(ok=False, body={"reason": reason, "error": detail})
 
@@ -167,6 +186,21 @@ def arg_float(args: dict[str, Any], name: str, default: float | None = None) -> 
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError("args", f"{name!r} must be a number, got {value!r}")
     return float(value)
+
+
+def arg_refusals(args: dict[str, Any], count: int) -> dict[int, int]:
+    """A put's groups that its client refused to send, over ``max_message_bytes``: payload
+    index → the group's packed size (the frame at that index is an empty placeholder)."""
+    value = args.get(REFUSED_ARG, [])
+    refused: dict[int, int] = {}
+    for item in value if isinstance(value, list) else [value]:  # not a list: refused below
+        if not (isinstance(item, list) and len(item) == 2 and
+                all(isinstance(v, int) and not isinstance(v, bool) for v in item) and
+                0 <= item[0] < count and item[1] >= 0):
+            raise ProtocolError("args", f"{REFUSED_ARG!r} must be [index, bytes] pairs, each "
+                                        f"index one of the {count} payload frames")
+        refused[item[0]] = item[1]
+    return refused
 
 
 def arg_dict(args: dict[str, Any], name: str) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from buffers.zmq_protocol import Reply, Request, arg_str
-from buffers.zmq_state import BrokerState
+from buffers.zmq_protocol import Reply, Request, arg_refusals, arg_str
+from buffers.zmq_state import BrokerState, QueuedGroup
 from buffers.zmq_waits import Parked, PutJob, Waits, park
 
 
@@ -34,18 +34,28 @@ class PutDesk:
         """A ``put`` (its payload must be exactly one packed group, or ``frames``) or a
         ``put_many``; the reply now, or None when it waits for room."""
         producer = arg_str(request.args, "producer")
+        self._state.require_member(producer)
         self._state.members.touch(producer)  # once per request, not once per group
-        if single:
-            items = [self._state.check(producer, request.payload)]
-        else:
-            items = [self._state.check(producer, [frame]) for frame in request.payload]
-        job = PutJob(producer, items, single)
+        job = PutJob(producer, self._checked(producer, request, single), single)
         if not self._waits.puts and self._advance(job):
             return _reply(job)
         parked = park(request, producer, self._state.clock(), default_timeout_s=self._timeout_s)
         parked.job = job
         self._waits.add_put(parked)
         return None
+
+    def _checked(self, producer: str, request: Request, single: bool
+                 ) -> list[QueuedGroup | str]:
+        """Each group checked (or its rejection reason), in order. A group its client
+        refused to send (over ``max_message_bytes``) is counted as its check would be."""
+        refused = arg_refusals(request.args, len(request.payload))
+        if single:  # exactly one group (check_put refuses any other count)
+            one = len(request.payload) == 1 and 0 in refused
+            return [self._state.refuse_oversized(producer, refused[0]) if one
+                    else self._state.check(producer, request.payload)]
+        return [self._state.refuse_oversized(producer, refused[i]) if i in refused
+                else self._state.check(producer, [frame])
+                for i, frame in enumerate(request.payload)]
 
     def admit_parked(self) -> None:
         """Accept waiting puts in arrival order while there is room (FIFO per producer)."""

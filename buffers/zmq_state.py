@@ -22,7 +22,7 @@ from typing import Any
 
 from asyncrl.config.schema import BufferConfig
 from asyncrl.staleness import StalenessGate, staleness
-from asyncrl.wire import Rejections, WireError
+from asyncrl.wire import Rejections, WireError, oversized
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
 from buffers.zmq_protocol import check_put
@@ -123,6 +123,13 @@ class BrokerState:
         self.gate_clock.update(self.run_status == RUNNING and self.allowance() == 0,
                                self.clock())
 
+    def require_member(self, producer: str) -> None:
+        """Producers register first (``hello`` or a heartbeat: :class:`Members`); the broker
+        refuses an acquire, put or release of an unknown name before it changes anything."""
+        if not self.members.known(producer):
+            raise StateError("unregistered", f"{producer!r} is not a member of this broker "
+                                             "(a producer says hello or heartbeats first)")
+
     def acquire(self, producer: str, want: int, engine_version: int) -> int:
         self.members.touch(producer)
         if self.run_status != RUNNING or not self.gate.engine_may_start(self.version,
@@ -153,6 +160,12 @@ class BrokerState:
             return self.reject(producer, exc)
         return QueuedGroup(list(payload), group.min_version, group.nbytes)
 
+    def refuse_oversized(self, producer: str, nbytes: int) -> str:
+        """A group the producer's client refused to send, over ``max_message_bytes``
+        (:class:`~buffers.zmq_client.ZmqBufferClient`): counted as the broker's own check
+        would count it, and its slot used up."""
+        return self.reject(producer, oversized(nbytes, self.config.max_message_bytes))
+
     def accept(self, producer: str, group: QueuedGroup) -> str:
         """Enqueue a checked group (journaled first); returns "" or the rejection reason.
         The caller marks the producer seen, once per request (not once per group)."""
@@ -172,7 +185,7 @@ class BrokerState:
         return ""
 
     def reject(self, producer: str, exc: WireError) -> str:
-        self.release(producer, 1)  # the slot is used up
+        self._free_slots(producer, 1)  # the slot is used up (the caller marked it seen)
         self.rejections.add(exc, producer)
         self._journal_state()
         return exc.reason

@@ -29,6 +29,7 @@ from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_di
 from asyncrl.launch.signals import LauncherSignals
 from asyncrl.monitor import make_view
 from buffers.backends import buffer_backend
+from buffers.run_token import TOKEN_ENV, ensure_token
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +128,11 @@ class LocalLauncher:
         return self.roles[-1]
 
     def _spawn(self, role: str, log: IO[bytes], args: tuple[str, ...]) -> subprocess.Popen:
+        """Start a role with the run's token in its environment (:mod:`buffers.run_token`)."""
         cmd = [sys.executable, "-m", "asyncrl.cli", role, *args]
+        env = {**os.environ, TOKEN_ENV: ensure_token(self.cfg.run_dir)}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_die_with_parent, env=env)
         logger.info("started %s (pid %d), log %s", role, proc.pid, log.name)
         return proc
 

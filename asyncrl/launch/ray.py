@@ -40,6 +40,7 @@ from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_di
 from asyncrl.launch.signals import LauncherSignals
 from asyncrl.monitor import make_view
 from buffers.backends import buffer_backend
+from buffers.run_token import TOKEN_ENV, ensure_token
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +73,11 @@ class RoleActor:
         return free_port()
 
     def bind_buffer(self, cfg: Config) -> str:
+        from buffers.run_token import ensure_token
         from buffers.zmq_broker import ZmqBroker
 
         self.broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name,
-                                run_dir=cfg.run_dir)
+                                run_dir=cfg.run_dir, token=ensure_token(cfg.run_dir))
         address = self.broker.bind()
         if cfg.buffer.zmq.host in ("0.0.0.0", "*", ""):  # bound everywhere: dial this node's IP
             address = f"tcp://{self.node_ip()}:{address.rsplit(':', 1)[1]}"
@@ -205,6 +207,7 @@ class RayLauncher:
         for key in ("HF_HUB_OFFLINE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
             if key in os.environ:
                 env[key] = os.environ[key]
+        env[TOKEN_ENV] = ensure_token(self.cfg.run_dir)  # actors may not see the run dir
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True,
                                   "include_dashboard": False, "configure_logging": False}
         if self.cfg.launcher.address:

@@ -82,12 +82,13 @@ def die_with_parent() -> None:
 
 def serve_buffer(cfg: Config, address_file: Path | None) -> int:
     from buffers.malloc_tuning import keep_large_buffers
+    from buffers.run_token import ensure_token
     from buffers.zmq_broker import ZmqBroker
 
     keep_large_buffers()  # the broker forwards every group: no mmap per message
     stop = stop_on_signals()
     broker = ZmqBroker(cfg.buffer, cfg.learner.groups_per_step, run_id=cfg.run.name,
-                       run_dir=cfg.run_dir)
+                       run_dir=cfg.run_dir, token=ensure_token(cfg.run_dir))
     address = broker.bind()
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")

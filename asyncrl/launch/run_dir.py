@@ -45,7 +45,8 @@ def run_dir_note(cfg: Config) -> str:
 
 
 def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
-    """Create ``runs/<name>/`` with the resolved config that every role is started from.
+    """Create ``runs/<name>/`` with the resolved config that every role is started from,
+    and the run's token (:mod:`buffers.run_token`; kept when a run is resumed or restarted).
 
     A new run keeps an earlier run's metrics, checkpoints, buffer spill file, data positions
     and initial model, renamed, never appended to, resumed from, replayed or reused (its
@@ -56,7 +57,10 @@ def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
     read on from where the last one stopped (a third run of a one-epoch dataset found it
     exhausted and waited for ever), and trained the last run's initial model whatever
     ``model.tiny`` or ``run.seed`` now said."""
+    from buffers.run_token import ensure_token
+
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_token(cfg.run_dir)
     archived = ("metrics.jsonl", "eval.json", cfg.checkpoint.dir, SPILL_NAME,
                 DATA_POSITION_DIR, INIT_MODEL_DIRNAME)
     for name in () if resuming else archived:
@@ -72,13 +76,16 @@ def write_run_dir(cfg: Config, resuming: bool = False) -> Path:
 
 def status_client(cfg: Config, address: str | None):
     """The launcher's own buffer client for the progress view. The view must never hold up
-    restarts or shutdown: a short timeout and no reconnect retries."""
+    restarts or shutdown: a short timeout and no reconnect retries. It carries the run's
+    token: :func:`reopen_run` marks the run running with it."""
     from buffers import make_buffer_client
+    from buffers.run_token import read_token
 
     config = cfg.buffer.with_fields("zmq", reconnect_s=0.0).with_fields(
         request_timeout_s=min(5.0, cfg.buffer.request_timeout_s))
     return make_buffer_client(config, address, run_id=cfg.run.name,
-                              groups_per_step=cfg.learner.groups_per_step)
+                              groups_per_step=cfg.learner.groups_per_step,
+                              token=read_token(cfg.run_dir))
 
 
 def reopen_run(cfg: Config, address: str | None) -> bool:

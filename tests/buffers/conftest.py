@@ -9,7 +9,9 @@
   node. A cluster takes ~2 s to form, so one serves a whole session, each deployment in a
   namespace of its own (same hash tag, so the same slot).
 - :class:`BrokerProcess`: the ZMQ broker as ``python -m asyncrl.cli buffer`` on a fixed port
-  with a ``buffer.zmq.spill_path``, so it can be killed and started again at the same address.
+  with a ``buffer.zmq.spill_path``, so it can be killed and started again at the same address;
+  its run's token comes in ``ASYNCRL_RUN_TOKEN``, as `asyncrl up` gives it, and the
+  deployment's clients carry it.
 - ``backend``: parametrized over "zmq", "redis" and "redis-cluster";
   ``backend.start(**config)`` returns a :class:`Deployment` that makes clients through the
   real factory and restarts its server.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +40,7 @@ from asyncrl.config.load import to_toml
 from asyncrl.config.schema import (BufferConfig, Config, LearnerConfig, RedisBufferConfig,
                                    RunConfig, ZmqBufferConfig)
 from buffers import BufferClient, make_buffer_client
+from buffers.run_token import TOKEN_ENV
 from tests.buffers import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +194,8 @@ class BrokerProcess(ServerProcess):
         self.directory = directory
         self.config_path = directory / "buffer.toml"
         self.address_file = directory / "buffer.addr"
-        cfg = Config(run=RunConfig(name=RUN_ID), buffer=config,
+        self.token = secrets.token_hex(16)
+        cfg = Config(run=RunConfig(name=RUN_ID, output_dir=directory), buffer=config,
                      learner=LearnerConfig(groups_per_step=groups_per_step))
         self.config_path.write_text(to_toml(cfg))
         self.proc: subprocess.Popen | None = None
@@ -201,7 +206,7 @@ class BrokerProcess(ServerProcess):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl.cli", "buffer", str(self.config_path),
              "--address-file", str(self.address_file)], stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=child_env(), cwd=ROOT)
+            stdin=subprocess.DEVNULL, env={**child_env(), TOKEN_ENV: self.token}, cwd=ROOT)
         log.close()
 
         def ready() -> bool:
@@ -224,11 +229,16 @@ class Deployment:
     clients: list[BufferClient] = field(default_factory=list)
     owns_server: bool = True  # False: a shared server outlives this deployment
 
+    @property
+    def token(self) -> str | None:
+        """The run's token its clients carry (a ZMQ broker's; Redis has none)."""
+        return getattr(self.server, "token", None)
+
     def client(self, **overrides: Any) -> BufferClient:
         """A client through the real factory; ``overrides`` change client-side config."""
         config = self.config.model_copy(update=overrides)
         client = make_buffer_client(config, self.address, run_id=RUN_ID,
-                                    groups_per_step=self.groups_per_step)
+                                    groups_per_step=self.groups_per_step, token=self.token)
         self.clients.append(client)
         return client
 
@@ -244,7 +254,8 @@ class Deployment:
     def spec(self) -> str:
         """JSON that lets a subprocess open the same kind of client."""
         return json.dumps({"config": self.config.model_dump(mode="json"), "address": self.address,
-                           "run_id": RUN_ID, "groups_per_step": self.groups_per_step})
+                           "run_id": RUN_ID, "groups_per_step": self.groups_per_step,
+                           "token": self.token})
 
     def close(self) -> None:
         for client in self.clients:

@@ -33,7 +33,8 @@ def _write_atomically(path: Path, text: str) -> None:
 def main(argv: list[str]) -> int:
     spec, out_dir, count, batches = json.loads(argv[0]), Path(argv[1]), int(argv[2]), int(argv[3])
     client = make_buffer_client(BufferConfig(**spec["config"]), spec["address"],
-                                run_id=spec["run_id"], groups_per_step=spec["groups_per_step"])
+                                run_id=spec["run_id"], groups_per_step=spec["groups_per_step"],
+                                token=spec["token"])
     with (out_dir / "acked").open("a") as acked:
         for _ in range(batches):
             batch = client.get_batch("learner", count, 0, TAKE_TIMEOUT_S)

@@ -13,6 +13,7 @@ import pytest
 from asyncrl.config.schema import Config, LearnerConfig, RunConfig
 from asyncrl.launch.run_dir import reopen_run
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
+from buffers.run_token import token_path
 from tests.buffers.conftest import RUN_ID
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,6 +29,9 @@ def test_a_resumed_run_its_buffer_marked_done_runs_again(backend, tmp_path: Path
     deployment.restart(kill=True)
     cfg = Config(run=RunConfig(name=RUN_ID, output_dir=tmp_path),
                  learner=LearnerConfig(groups_per_step=GPS), buffer=deployment.config)
+    if deployment.token:  # `up` wrote it with the run directory, and gave it to the broker
+        token_path(cfg.run_dir).parent.mkdir(parents=True)
+        token_path(cfg.run_dir).write_text(deployment.token)
     assert reopen_run(cfg, deployment.address)
 
     client = deployment.client()

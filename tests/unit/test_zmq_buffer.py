@@ -325,8 +325,10 @@ def test_put_into_a_full_buffer_times_out_and_is_not_accepted(broker, client):
 @pytest.mark.parametrize("read", ["status", "get_keys"])
 def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
     """A broker restart at the same address: a read sent while it was down (the status, or
-    the weight-sync acks the learner's publisher polls) is answered by the new broker; a put is
-    never re-sent (it fails, in doubt, at once)."""
+    the weight-sync acks the learner's publisher polls) is answered by the new broker. A put
+    is never re-sent (``tests/buffers/test_zmq_put_ahead.py``: in doubt at once); one made
+    after the drop was heard is not sent before the producer's handshake with the new broker,
+    so it is accepted there instead of lost."""
     from asyncrl.net import free_port
 
     config = BufferConfig(zmq=ZmqBufferConfig(port=free_port()))
@@ -335,11 +337,8 @@ def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
     with ZmqBufferClient(address, timeout_s=0.3, reconnect_s=20) as c:
         c.publish_version(3)
         c.set_key("weights/ack/e", {"ok": True})
+        c.heartbeat("w", "rollout", {})
         stop()
-        start = time.monotonic()
-        with pytest.raises(TimeoutError):
-            c.put("w", make_group("lost"))
-        assert time.monotonic() - start < 2
         timer = threading.Timer(1.0, lambda: restarted.append(
             start_broker_thread(config, groups_per_step=1)[1]))
         timer.start()
@@ -348,6 +347,7 @@ def test_safe_requests_are_resent_until_a_restarted_broker_answers(read):
                 assert c.status()["version"] == 0
             else:
                 assert c.get_keys(["weights/ack/e"]) == {}
+            assert c.put("w", make_group("after")).accepted
         finally:
             timer.join()
             for stop_new in restarted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
 from asyncrl.wire import encode_group
+from buffers.run_token import TOKEN_ENV, read_token
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
 from buffers.zmq_protocol import pack_group
@@ -102,8 +104,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def broker_process(tmp_path) -> Iterator:
-    """``start()`` runs ``asyncrl buffer`` as a subprocess on one fixed port and spill file."""
+def broker_process(tmp_path, monkeypatch) -> Iterator:
+    """``start()`` runs ``asyncrl buffer`` as a subprocess on one fixed port and spill file,
+    with the run's token in its environment, as `asyncrl up` starts it (``read_token`` then
+    gives the test's clients the same)."""
+    monkeypatch.setenv(TOKEN_ENV, secrets.token_hex(16))
     port, procs = _free_port(), []
     config = tmp_path / "buffer.toml"
     config.write_text(f"[buffer]\nport = {port}\nmax_staleness = 1\nreclaim_idle_s = 1.0\n"
@@ -130,7 +135,7 @@ def broker_process(tmp_path) -> Iterator:
 
 def test_sigkilled_broker_process_loses_nothing_acknowledged(broker_process):
     address, first = broker_process()
-    with ZmqBufferClient(address, timeout_s=5) as c:
+    with ZmqBufferClient(address, timeout_s=5, token=read_token(Path())) as c:
         unacked, key_seq = _fill_and_half_consume(c)
         assert c.status()["depth"] == 4  # every request was answered: all is in the spill
     first.send_signal(signal.SIGKILL)
