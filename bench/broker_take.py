@@ -50,7 +50,7 @@ class Filler:
 
 def take_us(queued: int, rounds: int) -> float:
     """Mean µs of one ``take`` of :data:`BATCH` with ``queued`` groups held."""
-    state = BrokerState(BufferConfig(max_groups=10**6, max_staleness=10**6), groups_per_step=8)
+    state = BrokerState(BufferConfig(max_groups=10**6, max_staleness=1000), groups_per_step=8)
     filler = Filler(state)
     filler.put(queued)
     spent = 0.0
