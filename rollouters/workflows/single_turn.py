@@ -62,7 +62,16 @@ class SingleTurnWorkflow:
     def prompt_tokens(self, sample: Sample) -> list[int]:
         """The prompt's ids: chat messages (verl's layout) through the chat template, with
         ``workflow.system_prompt`` first unless they bring their own system message; a text
-        prompt as a user message, or as it is with ``workflow.chat_template = false``."""
+        prompt as a user message, or as it is with ``workflow.chat_template = false``. A
+        prompt the tokenizer cannot encode is refused naming the sample (its row)."""
+        try:
+            return self._prompt_tokens(sample)
+        except ValueError as exc:
+            if str(exc).startswith("sample "):
+                raise
+            raise ValueError(f"sample {sample.sample_id} (data row id): {exc}") from None
+
+    def _prompt_tokens(self, sample: Sample) -> list[int]:
         if sample.messages is not None:
             if self.chat is None:
                 raise ValueError(f"sample {sample.sample_id}: its prompt is a list of chat "

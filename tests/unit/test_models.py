@@ -142,3 +142,16 @@ def test_characters_outside_the_vocabulary_are_refused_not_padded() -> None:
     assert encode_strict(tokenizer, "1+2") == tokenizer.encode("1+2", add_special_tokens=False)
     with pytest.raises(ValueError, match=r"'-x' cannot be encoded .*model.tiny.extra_tokens"):
         encode_strict(tokenizer, "1-2x")
+
+
+def test_a_prompt_the_tiny_tokenizer_cannot_encode_names_its_sample() -> None:
+    from rollouters.tasks.sample import Sample
+    from rollouters.workflows.chat import ChatFormat
+    from rollouters.workflows.single_turn import SingleTurnWorkflow
+
+    tokenizer = build_char_tokenizer()
+    for chat in (None, ChatFormat(tokenizer)):
+        workflow = SingleTurnWorkflow(tokenizer, reward=None, chat=chat)
+        with pytest.raises(ValueError, match=r"sample row-7 \(data row id\): 'ab' cannot be "
+                                             r"encoded"):
+            workflow.prompt_tokens(Sample("row-7", "12ab"))
