@@ -101,7 +101,9 @@ def encode_strict(tokenizer: PreTrainedTokenizerBase, text: str,
     unk = tokenizer.unk_token_id
     if unk is None or unk not in ids or tokenizer.unk_token in text:
         return ids
-    unknown = sorted({c for c in text if tokenizer.encode(c, add_special_tokens=False) == [unk]})
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    unknown = sorted({text[start:end] for token, (start, end)
+                      in zip(encoded["input_ids"], encoded["offset_mapping"]) if token == unk})
     raise ValueError(f"{''.join(unknown)!r} cannot be encoded by the model's tokenizer (each "
                      f"would become {tokenizer.unk_token}); with the tiny model, add what the "
                      "data needs to model.tiny.extra_tokens")
