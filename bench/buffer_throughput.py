@@ -73,6 +73,10 @@ from asyncrl.wire import TrajectoryGroup, encode_group  # noqa: E402
 logger = logging.getLogger("bench.buffer_throughput")
 WARMUP_S = 0.5
 START_TIMEOUT_S = 60.0
+# The gate's room is (V + max_staleness + 1) x groups_per_step, and the benchmark's consumer
+# never publishes a version: with max_staleness at its bound (1000) a large groups_per_step
+# keeps the gate out of the measure, which max_groups bounds alone.
+GATE_OPEN = 10**6
 HWM = 64  # raw ZMQ high-water marks, in messages: bounded like max_groups
 FIELDS = (b"header", b"tokens", b"logprobs", b"loss_mask", b"versions")
 
@@ -155,13 +159,14 @@ def _zmq_backend_client(address: str) -> Any:
 def _redis_backend_client(spec: Spec, namespace: str) -> Any:
     from buffers import make_buffer_client
 
-    return make_buffer_client(_redis_config(spec, namespace), run_id="bench", groups_per_step=1)
+    return make_buffer_client(_redis_config(spec, namespace), run_id="bench",
+                              groups_per_step=GATE_OPEN)
 
 
 def _redis_config(spec: Spec, namespace: str) -> BufferConfig:
     return BufferConfig(type="redis",
                         redis=RedisBufferConfig(url=spec.redis_url, namespace=namespace),
-                        max_staleness=10**9, max_groups=spec.max_groups, request_timeout_s=2.0)
+                        max_staleness=1000, max_groups=spec.max_groups, request_timeout_s=2.0)
 
 
 def _zmq_raw_producer(spec: Spec, address: str, packed: bool, index: int, stop: Any) -> None:
@@ -208,8 +213,8 @@ def _zmq_broker(spec: Spec, address_queue: Any, stop: Any) -> None:
 
     spill = f"{spec.spill_dir}/bench-{uuid.uuid4().hex[:8]}.spill" if spec.spill_dir else ""
     config = BufferConfig(zmq=ZmqBufferConfig(port=0, spill_path=spill, io_threads=spec.io_threads),
-                          max_staleness=10**9, max_groups=spec.max_groups, reclaim_idle_s=600.0)
-    broker = ZmqBroker(config, groups_per_step=1, run_id="")
+                          max_staleness=1000, max_groups=spec.max_groups, reclaim_idle_s=600.0)
+    broker = ZmqBroker(config, groups_per_step=GATE_OPEN, run_id="")
     address_queue.put(broker.bind())
     try:
         broker.serve(stop)

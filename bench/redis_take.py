@@ -39,7 +39,7 @@ def measure(url: str, queued: int, takes: int, slowlog: bool) -> tuple[float, fl
     """(median round trip of get_batch, median Redis-side duration of the take script) in ms."""
     namespace = f"bench-take-{uuid.uuid4().hex[:8]}"
     config = BufferConfig(type="redis", redis=RedisBufferConfig(url=url, namespace=namespace),
-                          max_staleness=10**6, max_groups=queued + BATCH * (takes + 1))
+                          max_staleness=1000, max_groups=queued + BATCH * (takes + 1))
     client = make_buffer_client(config, run_id="bench", groups_per_step=10**6)
     raw = redis.Redis.from_url(url)
     try:

@@ -147,7 +147,7 @@ def test_gate_arithmetic_end_to_end(backend):
 
 
 def test_max_groups_bounds_grants(backend):
-    c = backend.start(groups_per_step=8, max_groups=3).client()
+    c = backend.start(groups_per_step=3, max_groups=3, max_staleness=7).client()
     assert c.acquire("w", 10, 0).granted == 3
     c.put("w", make_group("a"))
     assert c.acquire("w", 10, 0).granted == 0  # depth 1 + in flight 2 = max_groups
@@ -215,7 +215,7 @@ def test_run_done_stops_grants_and_puts(backend):
 def test_puts_waiting_for_room_are_refused_once_the_run_is_done(backend):
     """Not left to wait out request_timeout_s: a TimeoutError there made the rollout role
     report failed workers at the end of a finished run."""
-    d = backend.start(groups_per_step=8, max_groups=2)
+    d = backend.start(groups_per_step=2, max_groups=2, max_staleness=11)
     c, one, many = d.client(), d.client(request_timeout_s=10.0), d.client(request_timeout_s=10.0)
     for i in range(2):
         assert c.put("w", make_group(f"g{i}")).accepted
@@ -357,7 +357,7 @@ def test_a_late_ack_after_redelivery_counts_each_group_once(backend):
 
 
 def test_backpressure_makes_producers_wait_and_never_trims(backend):
-    d = backend.start(groups_per_step=8, max_groups=3)
+    d = backend.start(groups_per_step=3, max_groups=3, max_staleness=7)
     producer, waiter, learner = d.client(), d.client(), d.client()
     for i in range(3):
         assert producer.put("w", make_group(f"g{i}")).accepted
@@ -374,7 +374,7 @@ def test_backpressure_makes_producers_wait_and_never_trims(backend):
 
 
 def test_a_put_into_a_full_buffer_times_out_and_keeps_the_data(backend):
-    d = backend.start(groups_per_step=8, max_groups=2)
+    d = backend.start(groups_per_step=2, max_groups=2, max_staleness=11)
     producer = d.client(request_timeout_s=0.5)
     producer.put("w", make_group("g0"))
     producer.put("w", make_group("g1"))
@@ -440,7 +440,7 @@ def test_put_many_mixed_groups_get_per_group_results_and_counted_rejections(back
 
 
 def test_put_many_waits_on_backpressure_in_order_and_never_trims(backend):
-    d = backend.start(groups_per_step=16, max_groups=3)
+    d = backend.start(groups_per_step=3, max_groups=3, max_staleness=15)
     producer, learner = d.client(), d.client()
     groups = [make_group(f"g{i}") for i in range(7)]
     with ThreadPoolExecutor(1) as pool:
@@ -455,7 +455,7 @@ def test_put_many_waits_on_backpressure_in_order_and_never_trims(backend):
 
 
 def test_put_many_into_a_full_buffer_raises_timeout_and_keeps_the_data(backend):
-    d = backend.start(groups_per_step=8, max_groups=2)
+    d = backend.start(groups_per_step=2, max_groups=2, max_staleness=11)
     producer = d.client(request_timeout_s=0.5)
     with pytest.raises(TimeoutError):
         producer.put_many("w", [make_group(f"g{i}") for i in range(3)])

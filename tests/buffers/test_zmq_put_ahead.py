@@ -24,7 +24,7 @@ def test_the_window_over_all_calls_holds_a_producer_at_a_full_buffer(zmq):
     """Room for one group; a producer with up to 8 calls in flight but a window of 2 requests:
     the first call is answered, the next two park at the broker, and the fourth waits in the
     client until a consumer makes room; then every group goes in, in order."""
-    d = zmq.start(groups_per_step=8, max_groups=1)
+    d = zmq.start(groups_per_step=1, max_groups=1, max_staleness=23)
     producer = ZmqBufferClient(d.address, timeout_s=20.0, put_window=2)
     watcher, learner = d.client(), d.client()
     puts = PutAhead(producer, "w", depth=8)
@@ -50,7 +50,7 @@ def test_the_window_over_all_calls_holds_a_producer_at_a_full_buffer(zmq):
 
 
 def test_a_call_that_finds_no_room_gives_up_the_calls_behind_it(zmq):
-    d = zmq.start(groups_per_step=8, max_groups=1)
+    d = zmq.start(groups_per_step=1, max_groups=1, max_staleness=23)
     producer = d.client(request_timeout_s=0.5)
     puts = PutAhead(producer, "w", depth=3)
     assert puts.put_many([make_group("g0")]) == []
@@ -70,7 +70,7 @@ def test_a_call_in_flight_when_the_broker_dies_is_in_doubt_at_once(zmq):
     """Parked calls at a broker that is SIGKILLed: their answers are lost, so the producer
     hears it as soon as the connection drops (not after its 20 s timeout), in doubt; after the
     restart (which replays the accepted group) the same client puts again."""
-    d = zmq.start(groups_per_step=8, max_groups=1)
+    d = zmq.start(groups_per_step=1, max_groups=1, max_staleness=23)
     producer = d.client(request_timeout_s=20.0)
     watcher = d.client()
     puts = PutAhead(producer, "w", depth=4)
@@ -102,7 +102,7 @@ def test_nothing_is_sent_after_a_refused_request(zmq, monkeypatch):
     would be answered at once, an oversized group, and counted.) So nothing of a producer's
     can reach the buffer after a group of its that was refused (FIFO per producer)."""
     monkeypatch.setattr(zmq_client, "PUT_CHUNK_BYTES", 1)  # one group per request
-    d = zmq.start(groups_per_step=8, max_groups=1, max_message_bytes=2048)
+    d = zmq.start(groups_per_step=1, max_groups=1, max_staleness=23, max_message_bytes=2048)
     producer = ZmqBufferClient(d.address, timeout_s=0.5, put_window=1)
     learner = d.client()
     groups = [make_group("g0"), make_group("g1"), make_group("big", tokens=300)]

@@ -141,23 +141,29 @@ def test_ctrl_c_stops_every_actor_and_the_learner_saves(
 
 def test_a_role_config_error_is_not_restarted_and_exits_2(
         ray_cluster: str, tmp_path: Path, processes: Processes) -> None:
-    """As with the local launcher: a data file with one row cannot feed a second rollout
-    worker (a config error only that worker meets, at its start). It is not restarted: the
-    run stops at once with exit status 2 and the error, naming its key. The data path is
-    relative to the driver's directory, which is not the actors' (asyncrl.launch.actor_paths): the
-    worker must still find the file to find it one row short."""
-    data = tmp_path / "one_row.jsonl"
-    data.write_text((ROOT / "examples" / "agent" / "data.jsonl").read_text().splitlines()[0])
+    """As with the local launcher: a config error only the rollout worker meets, at its start
+    (``rollout.device = "cuda"`` on a machine without one: `up`'s start checks read files
+    and imports, not devices). It is not restarted: the run stops at once with exit status 2
+    and the error, naming its key. The data path is relative to the driver's directory, which
+    is not the actors' (asyncrl.launch.actor_paths): the worker must still find the file to
+    get as far as its engine. (A data file one row short, the earlier case here, is now
+    refused by the start checks before any actor starts.)"""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA: the error is 'no CUDA device'")
+    data = tmp_path / "rows.jsonl"
+    data.write_text((ROOT / "examples" / "agent" / "data.jsonl").read_text())
     relative = os.path.relpath(data, ROOT)  # `up` runs in ROOT
     up = processes.start("up", "up", str(ROOT / "examples" / "agent" / "single_turn.toml"),
-                         "--set", f"data.path={relative}", "--set", "rollout.workers=2",
+                         "--set", f"data.path={relative}", "--set", "rollout.device=cuda",
                          "--set", f"run.output_dir={tmp_path}", "--set", "run.name=raycfg",
                          "--set", "launcher.type=ray", "--set", f"launcher.address={ray_cluster}",
                          "--set", "launcher.restart_backoff_s=0.5")
     assert up.wait(timeout=300) == 2, processes.log("up")
     log = processes.log("up")
-    assert ("run stopped: rollout[1] stopped on a configuration error (not restarted): "
-            "data.path: no rows for worker 1 of 2 (1 rows)") in log, log[-3000:]
+    assert ("run stopped: rollout[0] stopped on a configuration error (not restarted): "
+            "rollout.device: 'cuda', but this process sees no CUDA device") in log, log[-3000:]
     assert f"data.path resolved to {data} for the actors" in log
     assert "restart 1/" not in log
     assert not re.search(r"^final held-out greedy eval", log, re.M)  # the driver's summary
