@@ -72,8 +72,11 @@ def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
 
     torch.set_num_threads(cfg.rollout.threads)
     model, version, model_dir = load_policy(cfg, checkpoint)
+    from asyncrl.devices import resolve_device
+
     special = special_tokens(model_dir)
     engine = TorchEngine(model, eos_ids=special.eos_ids, pad_id=special.pad_id,
-                         version=max(version, 0))
+                         version=max(version, 0),
+                         device=resolve_device(cfg.eval.device, 0, "eval.device"))
     return {"checkpoint": str(checkpoint), "version": version,
             **make_evaluator(cfg, model_dir)(engine)}

@@ -109,14 +109,17 @@ class EngineEvaluator:
     version's weights loaded into one CPU torch engine, scored by :func:`make_evaluator`."""
 
     def __init__(self, cfg: Config, model_dir: Path) -> None:
+        from asyncrl.devices import resolve_device
         from asyncrl.models import load_causal_lm
         from asyncrl.tokens import special_tokens
         from rollouters.engines.torch_engine import TorchEngine
 
         self._score = make_evaluator(cfg, model_dir)
         special = special_tokens(model_dir)
-        self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, "cpu"),
-                                   eos_ids=special.eos_ids, pad_id=special.pad_id)
+        device = resolve_device(cfg.eval.device, 0, "eval.device")
+        self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, str(device)),
+                                   eos_ids=special.eos_ids, pad_id=special.pad_id,
+                                   device=device)
 
     def evaluate(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
         self._engine.load_weights(state.items(), version=version)

@@ -17,7 +17,7 @@ SMOKE = ["model.path=", "model.dtype=float32", "model.tiny.num_heads=2",
          "rollout.device=cpu", "learner.device=cpu", "learner.ranks=1", "rollout.workers=1",
          "rollout.group_size=4", "rollout.groups_per_batch=4", "rollout.max_new_tokens=4",
          "learner.groups_per_step=4", "learner.total_steps=2", "learner.micro_batch_tokens=0",
-         "learner.activation_checkpointing=false", "eval.every_steps=0",
+         "learner.activation_checkpointing=false", "eval.every_steps=0", "eval.device=cpu",
          "checkpoint.every_steps=0", "weights.host=127.0.0.1", "weights.timeout_s=60"]
 
 

@@ -656,6 +656,10 @@ class EvalConfig(Section):
                              description="Greedy held-out eval period; 0 = end only.")
     stop_at_accuracy: float | None = Field(None, gt=0, le=1,
                                            description="End the run once eval reaches this.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "cpu", description="Where learner rank 0 runs the greedy eval (a torch engine; also "
+                           "`asyncrl eval`): cpu keeps the GPUs for training; cuda for real "
+                           "models, on rank 0's GPU.")
 
 
 RAY_ADDRESS = r"^$|^auto$|^local$|^(ray://)?[^\s/:]+:[0-9]{1,5}$"

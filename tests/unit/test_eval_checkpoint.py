@@ -35,3 +35,20 @@ def test_learner_checkpoint_loads_for_evaluation(tiny_model_dir: Path, tmp_path:
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
     init = load_causal_lm(tiny_model_dir).state_dict()
     assert any(not torch.equal(init[n], state[n]) for n in expected)  # trained, not the init
+
+
+def test_eval_device_cuda_without_a_gpu_names_the_key(tmp_path: Path) -> None:
+    """``eval.device`` puts the learner's greedy eval on a GPU for real models; asked for on a
+    machine without one, the error names the key rather than failing deep in torch."""
+    import torch
+
+    from asyncrl.config import ConfigError, load_config
+    from asyncrl.models import prepare_model_dir
+    from rollouters.eval import EngineEvaluator
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "eval.device=cuda"])
+    model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
+    with pytest.raises(ConfigError, match="eval.device: 'cuda', but this process sees no CUDA"):
+        EngineEvaluator(cfg, model_dir)
