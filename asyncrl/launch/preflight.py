@@ -188,7 +188,7 @@ def model_path_error(model: ModelConfig) -> str | None:
 
 def plugin_errors(cfg: Config) -> list[str]:
     """Import every plugin the config names, as the roles will: ``workflow.path``,
-    ``workflow.env`` and a custom ``reward.path``."""
+    ``workflow.env`` and a ``reward.path`` of user code (custom, verl)."""
     if cfg.workflow.type == "digits":
         return []
     from asyncrl.plugins import load_callable
@@ -200,8 +200,10 @@ def plugin_errors(cfg: Config) -> list[str]:
         from rollouters.workflows.factory import env_class  # built-in names, then import paths
 
         checks.append(lambda: env_class(cfg))
-    if cfg.reward.type in ("custom", "verl") and cfg.reward.path:
-        checks.append(lambda: load_callable(cfg.reward.path, "reward.path"))
+    from rollouters.rewards import user_path  # the reward types that run user code by path
+
+    if user_path(cfg.reward):
+        checks.append(lambda: load_callable(user_path(cfg.reward), "reward.path"))
     errors = []
     with _importable_from_cwd():
         for check in checks:

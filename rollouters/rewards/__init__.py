@@ -20,13 +20,19 @@ if TYPE_CHECKING:
     from asyncrl.config.schema import RewardConfig
 
 __all__ = ["RewardError", "RewardFn", "RewardScorer", "exact_match", "extract_answer",
-           "make_reward", "math_equal"]
+           "make_reward", "math_equal", "user_path"]
 
 
 MATH_PATH = "rollouters.rewards.match:math_equal"
 MATH_PRELOAD = ("math_verify",)  # imported before a process takes calls: not a call's time
 VERL_DEFAULT_PATH = "rollouters.rewards.verl:default_compute_score"
 VERL_WRAP = "rollouters.rewards.verl:VerlReward"
+
+
+def user_path(cfg: RewardConfig) -> str:
+    """``reward.path`` when this reward type runs user code by it (``custom``, ``verl``), else
+    empty: what the start checks import, and what :func:`make_reward` loads."""
+    return cfg.path if cfg.type in ("custom", "verl") else ""
 
 
 def make_reward(cfg: RewardConfig) -> RewardScorer:
@@ -37,8 +43,7 @@ def make_reward(cfg: RewardConfig) -> RewardScorer:
     from rollouters.rewards.pool import ProcessPool
 
     fn: RewardFn
-    path = {"custom": cfg.path, "math": MATH_PATH,
-            "verl": cfg.path or VERL_DEFAULT_PATH}.get(cfg.type)
+    path = user_path(cfg) or {"math": MATH_PATH, "verl": VERL_DEFAULT_PATH}.get(cfg.type)
     wrap = VERL_WRAP if cfg.type == "verl" else ""  # verl's signature, adapted to ours
     if path is not None:
         fn = load_callable(path, "reward.path")

@@ -204,8 +204,7 @@ def _read_dataset(p: Path, split: str, key: str) -> Iterator[dict[str, Any]]:
             raise ConfigError(f"data.split: {split!r} is not a split of {p} "
                               f"(splits: {sorted(loaded)})")
         loaded = loaded[split]
-    for batch in loaded.iter(batch_size=PARQUET_BATCH_ROWS):
-        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+    yield from _dataset_rows(loaded)
 
 
 def _read_hub(name: str, split: str, key: str) -> Iterator[dict[str, Any]]:
@@ -219,6 +218,11 @@ def _read_hub(name: str, split: str, key: str) -> Iterator[dict[str, Any]]:
         raise ConfigError(f"{key}: {name!r} is no local file, and loading it as a hub dataset "
                           f"(split {split!r}, data.split) failed: {type(exc).__name__}: "
                           f"{str(exc)[:300]}") from None
+    yield from _dataset_rows(loaded)
+
+
+def _dataset_rows(loaded: Any) -> Iterator[dict[str, Any]]:
+    """A ``datasets.Dataset``'s rows as dicts, one batch in memory at a time."""
     for batch in loaded.iter(batch_size=PARQUET_BATCH_ROWS):
         yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
 
