@@ -44,11 +44,17 @@ class EngineKind:
     bucket_align: int | None = None
     """The alignment of tensors inside a bucket it can receive; None: the bucket plan's default
     (:data:`asyncrl.weights.plan.ALIGN`). SGLang's flattened buckets carry no padding: 1."""
+    records_routing: bool = False
+    """It can return the experts each token was routed to (``learner.routing_replay``)."""
+    routing_note: str = "does not record the experts it routes each token to"
+    """Why not, for the config error, where it does not."""
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("torch", merges_adapters=True),
-    EngineKind("vllm", table="vllm"),
+    EngineKind("torch", merges_adapters=True, records_routing=True),
+    EngineKind("vllm", table="vllm", routing_note=(
+        "is not supported by our vLLM path yet (vLLM 0.32 can return them: "
+        "enable_return_routed_experts and CompletionOutput.routed_experts, not wired up)")),
     EngineKind("vllm-server", needs_url=True),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
     EngineKind("sim", threads=True),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,8 @@ class PackedShares:
 def pack_shares(batch: TrainBatch, world: int) -> PackedShares:
     """Rank 0's half of :func:`scatter_batch` that involves no other rank: the token-balanced
     split, and each share's fields padded to the largest share and laid end to end."""
+    if batch.routing is not None:  # learner.routing_replay refuses several ranks
+        raise ValueError("the batch scatter does not carry routing (learner.routing_replay)")
     shares = split_batch(batch, world)
     header = torch.tensor([[s.num_samples, s.input_ids.shape[1]] for s in shares])
     layout = _layout(*(int(v) for v in header.max(dim=0).values))
@@ -124,8 +126,7 @@ _WIRE = {"input_ids": (torch.int64, True), "attention_mask": (torch.int64, True)
          "group_tokens": (torch.float32, False), "sample_mask": (torch.uint8, False)}
 _BOOL = ("loss_mask", "sample_mask")
 # Every field in that order, widest dtype first: each offset stays a multiple of its itemsize.
-_ORDER = sorted((f.name for f in fields(TrainBatch)),
-                key=lambda name: -_WIRE[name][0].itemsize)
+_ORDER = sorted(_WIRE, key=lambda name: -_WIRE[name][0].itemsize)
 
 
 def _layout(rows: int, width: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.limits import WEEK_S
 from asyncrl.config.resolve import selected_table
+from asyncrl.engine_kinds import engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -98,7 +99,26 @@ def _restart_backoff(cfg: Config) -> Iterator[str]:
                f"before the last restart, over a week ({WEEK_S:.0f} s)")
 
 
+def _routing_replay(cfg: Config) -> Iterator[str]:
+    """Routing replay needs an MoE model, an engine that records routing and (for now) one
+    learner rank: the batch's scatter to several ranks does not carry the routing."""
+    if not cfg.learner.routing_replay:
+        return
+    if not cfg.model.path and not cfg.model.tiny.num_experts:
+        yield ("learner.routing_replay = true needs an MoE model: model.tiny.num_experts = 0 "
+               "builds a dense one (no router to replay)")
+    kind = engine_kind(cfg.rollout.engine)
+    if not kind.records_routing:
+        yield (f"learner.routing_replay = true: rollout.engine = {kind.name!r} "
+               f"{kind.routing_note}")
+    world = cfg.learner.ranks * cfg.learner.nnodes
+    if world > 1:
+        yield (f"learner.routing_replay = true with learner.ranks x learner.nnodes = {world}: "
+               "not built yet for more than one learner rank (the batch scatter does not carry "
+               "the routing)")
+
+
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff)
+    _restart_backoff, _routing_replay)
 """Every cross-section rule, in the order their problems are reported."""

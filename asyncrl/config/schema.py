@@ -597,6 +597,12 @@ class LearnerConfig(Section):
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's "
                                            "activations in backward: less memory, ~1/3 more "
                                            "compute.")
+    routing_replay: bool = Field(False, description="MoE models: the engine records the "
+                                 "experts it routed each token to, they travel with the group, "
+                                 "and the learner's forward uses them instead of its own "
+                                 "router's choice (the router still trains on its logits). "
+                                 "Needs an engine that records them (rollout.engine = "
+                                 "\"torch\") and one learner rank.")
 
 
 class WeightsConfig(Section):

@@ -43,6 +43,7 @@ from learners.mismatch import (
 )
 from learners.packing import micro_batches, token_logprobs_and_entropy
 from learners.packing import token_logprobs as packed_or_padded_logprobs
+from learners.routing_replay import RoutingReplay
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class MicroSteps:
         self.cfg, self.device, self.model, self.runner = cfg, device, model, runner
         self.reference, self.reference_is_base = reference, reference_is_base
         self.rank = dist.get_rank()
+        # The policy's forwards (proximal and trained; not a reference model of its own)
+        # route as the engine did, micro-batch by micro-batch.
+        self.replay = RoutingReplay(model, cfg.packing) if cfg.routing_replay else None
 
     def global_units(self, batch: TrainBatch) -> Tensor:
         """The step's aggregation units over every rank's share (tokens, samples or groups)."""
@@ -113,6 +117,8 @@ class MicroSteps:
         plan = self.micro_batches(batch)
         for index, micro in enumerate(plan):
             self.runner.begin_micro(index == len(plan) - 1)
+            if self.replay is not None:  # through the backward: recomputation routes alike
+                self.replay.use(micro)
             proximal, ref = self.frozen_logprobs(micro)
             logprobs, entropy = token_logprobs_and_entropy(self.runner.policy(), micro,
                                                            self.cfg.packing)
@@ -122,6 +128,8 @@ class MicroSteps:
             loss_sum += micro_loss.detach()
             stats.append(micro_stats)
             mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))
+        if self.replay is not None:
+            self.replay.use(None)
         return loss_sum, stats, mismatch
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:

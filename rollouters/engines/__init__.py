@@ -59,7 +59,7 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
 
         return TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device),
                            eos_ids=special.eos_ids, pad_id=special.pad_id, device=device,
-                           seed=seed)
+                           seed=seed, record_routing=cfg.learner.routing_replay)
     raise ValueError(f"unknown rollout.engine {kind!r}")
 
 

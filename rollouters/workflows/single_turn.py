@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from asyncrl.moe_routing import ROUTING
 from asyncrl.wire.group import TrajectoryGroup
 from rollouters.engines.base import Completion, Engine
 from rollouters.rewards.base import RewardScorer
@@ -41,7 +42,7 @@ def generate_groups(engine: Engine, task: Task, prompts: list[Prompt], group_siz
 def _sample(task: Task, prompt: Prompt, completion: Completion) -> dict[str, Any]:
     """One sample's arrays over prompt + completion; only completion tokens are trained on."""
     n_prompt, n_new = len(prompt.tokens), len(completion.tokens)
-    return {
+    sample = {
         "tokens": [*prompt.tokens, *completion.tokens],
         "logprobs": [0.0] * n_prompt + list(completion.logprobs),
         "loss_mask": [0] * n_prompt + [1] * n_new,
@@ -49,6 +50,9 @@ def _sample(task: Task, prompt: Prompt, completion: Completion) -> dict[str, Any
         "reward": task.reward(prompt, completion.tokens),
         "finish_reason": completion.finish_reason,
     }
+    if completion.routing is not None:  # routing replay: prompt and completion, as the tokens
+        sample["extras"] = {ROUTING: completion.routing}
+    return sample
 
 
 class SingleTurnWorkflow:
