@@ -513,6 +513,12 @@ PyMODINIT_FUNC PyInit__groupscan(void) {
             return NULL;
         }
     }
+    /* buffers.group_check compares it with asyncrl.wire's: an extension built before extras
+     * existed (an install not redone after a pull) is not used. */
+    if (PyModule_AddIntConstant(module, "MAX_EXTRAS", MAX_EXTRAS) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
     Py_INCREF(GroupError);
     if (PyModule_AddObject(module, "GroupError", GroupError) < 0) {
         Py_DECREF(GroupError);

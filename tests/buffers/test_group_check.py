@@ -238,15 +238,17 @@ def test_a_zmq_frame_is_checked_without_a_copy() -> None:
     assert check_packed(zmq.Frame(packed)) == check_packed(packed)
 
 
-def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
-    """An install not redone after a pull keeps the old ``_groupscan`` (no ``check``): the
-    broker must fall back to the numpy path and say why, not fail every put."""
+@pytest.mark.parametrize("exported", ["scan", "check"])
+def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                              exported: str) -> None:
+    """An install not redone after a pull keeps the old ``_groupscan`` (no ``check``; or a
+    ``check`` from before extras, without ``MAX_EXTRAS``): the broker must fall back to the
+    numpy path and say why, not fail every put (or refuse every group with extras)."""
     import importlib.util
     import types
 
     old = types.ModuleType("buffers._groupscan")
-    old.scan = lambda packed: None  # what the previous source exported
+    setattr(old, exported, lambda *args: None)  # what a previous source exported
     monkeypatch.setitem(sys.modules, "buffers._groupscan", old)
     monkeypatch.setattr(buffers, "_groupscan", old, raising=False)
     spec = importlib.util.spec_from_file_location("group_check_copy", group_check.__file__)
