@@ -11,10 +11,13 @@ p99 and max, and the share of (token, layer) pairs whose expert set the learner'
 chose differently from the engine.
 
 On a CPU in fp32 both forwards are nearly the same arithmetic, so the mismatch is tiny either
-way; bf16 on both sides (or a bf16 engine against an fp32 learner) is where routing flips.
+way; a bf16 engine against an fp32 learner is where routing flips from numerics, and a learner
+some versions ahead of the engine (``--learner-model-dir``) where it flips from staleness.
 
     python bench/routing_replay.py                                  # fp32 and bf16 cases
-    python bench/routing_replay.py --model-dir runs/moe_quickstart/final --cases bf16/bf16
+    python bench/routing_replay.py --model-dir runs/moe_quickstart/final --cases bfloat16/float32
+    python bench/routing_replay.py --model-dir runs/moe_quickstart/checkpoints/step_50 \
+        --learner-model-dir runs/moe_quickstart/checkpoints/step_80 --cases float32/float32
 """
 
 from __future__ import annotations
@@ -65,6 +68,25 @@ def sample_batch(model_dir: Path, dtype: str, prompts: int, seed: int) -> TrainB
     return collate(groups, std_norm=True, pad_id=special.pad_id)
 
 
+def hf_dir(path: Path, tmp: Path) -> Path:
+    """``path`` itself when it is an HF model directory (``final/``); a learner checkpoint
+    (``checkpoints/step_V``) is loaded into its run's initial model (``asyncrl eval``'s way)
+    and saved under ``tmp``, with the run's tokenizer."""
+    if (path / "config.json").is_file():
+        return path
+    from asyncrl.eval_checkpoint import load_policy
+    from learners.backends.micro_steps import TOKENIZER_FILES
+
+    run_dir = path.parents[1]
+    model, _, init_dir = load_policy(load_config(run_dir / "config.toml"), path)
+    out = tmp / path.name
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (Path(init_dir) / name).is_file():
+            (out / name).write_bytes((Path(init_dir) / name).read_bytes())
+    return out
+
+
 def own_routing(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     recorder, steps = RoutingRecorder(model), []
     with torch.no_grad(), recorder.record(steps, batch.input_ids.shape):
@@ -73,10 +95,10 @@ def own_routing(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     return steps[0]
 
 
-def measure(model_dir: Path, engine_dtype: str, learner_dtype: str, prompts: int,
-            seed: int) -> dict[str, float | str]:
+def measure(model_dir: Path, learner_dir: Path, engine_dtype: str, learner_dtype: str,
+            prompts: int, seed: int) -> dict[str, float | str]:
     batch = sample_batch(model_dir, engine_dtype, prompts, seed)
-    model = load_causal_lm(model_dir, learner_dtype)
+    model = load_causal_lm(learner_dir, learner_dtype)
     mask = batch.loss_mask
     engine_logp = batch.behaviour_logprobs[mask]
     row = {"engine": engine_dtype, "learner": learner_dtype, "tokens": int(mask.sum())}
@@ -103,6 +125,9 @@ def measure(model_dir: Path, engine_dtype: str, learner_dtype: str, prompts: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, help="default: the moe quickstart's init model")
+    parser.add_argument("--learner-model-dir", type=Path,
+                        help="the learner's weights, when not the engine's: a later checkpoint "
+                             "of the same run stands for a stale sample")
     parser.add_argument("--cases", nargs="+",
                         default=["float32/float32", "bfloat16/bfloat16", "bfloat16/float32"],
                         help="engine dtype/learner dtype")
@@ -112,11 +137,14 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or prepare_model_dir(load_config(CONFIG).model, Path(tmp),
-                                                        seed=args.seed)
+        model_dir = (hf_dir(args.model_dir, Path(tmp)) if args.model_dir else
+                     prepare_model_dir(load_config(CONFIG).model, Path(tmp), seed=args.seed))
+        learner_dir = hf_dir(args.learner_model_dir, Path(tmp)) if args.learner_model_dir \
+            else model_dir
         for case in args.cases:
             engine_dtype, learner_dtype = case.split("/")
-            row = measure(model_dir, engine_dtype, learner_dtype, args.prompts, args.seed)
+            row = measure(model_dir, learner_dir, engine_dtype, learner_dtype, args.prompts,
+                          args.seed)
             print(json.dumps({k: round(v, 8) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
 
