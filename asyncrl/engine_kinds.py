@@ -53,8 +53,9 @@ class EngineKind:
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("torch", merges_adapters=True, records_routing=True),
     EngineKind("vllm", table="vllm", routing_note=(
-        "is not supported by our vLLM path yet (vLLM 0.32 can return them: "
-        "enable_return_routed_experts and CompletionOutput.routed_experts, not wired up)")),
+        "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
+        "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
+        "refused on the CPU install; not wired up for GPUs)")),
     EngineKind("vllm-server", needs_url=True),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
     EngineKind("sim", threads=True),
