@@ -125,11 +125,11 @@ class MicroSteps:
             micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
             self.runner.backward(micro_loss * scale)
+            if self.replay is not None:  # no other forward replays this micro-batch's routing
+                self.replay.use(None)
             loss_sum += micro_loss.detach()
             stats.append(micro_stats)
             mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))
-        if self.replay is not None:
-            self.replay.use(None)
         return loss_sum, stats, mismatch
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
