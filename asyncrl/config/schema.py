@@ -690,6 +690,12 @@ class LauncherConfig(Section):
                                                             "(the last at most a week).")
     healthy_after_s: Seconds = Field(60.0, gt=0, description="A process that ran this long before "
                                                            "crashing starts a fresh restart count.")
+    colocate: bool = Field(False, description="Hybrid mode: learner ranks and engines share "
+                           "the devices, time-sliced. Engines sleep (free their KV cache, weights "
+                           "to host) while the learner steps; the learner moves its parameters, "
+                           "gradients and optimizer state to host while engines generate. Needs "
+                           "an engine that can sleep (rollout.engine = 'torch') and "
+                           "learner.backend = 'fsdp2'.")
 
     def stop_grace_s(self, role: str) -> float:
         """How long ``role`` gets after a stop before it is killed: the learner saves."""
