@@ -146,7 +146,8 @@ class PhaseFollower:
         self._poll_s = poll_s
         self._seq = 0
         self._asleep = False
-        self._stop = stop or threading.Event()
+        self._stop = stop or threading.Event()   # the worker's: watched, never set here
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"colocate-{member}",
                                         daemon=True)
 
@@ -155,13 +156,13 @@ class PhaseFollower:
 
     def close(self, timeout: float = 5.0) -> None:
         """End the thread (it wakes an engine it left asleep on its way out)."""
-        self._stop.set()
+        self._closed.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not (self._stop.is_set() or self._closed.is_set()):
                 try:
                     got = self._control.get_key(PHASE_KEY, newer_than=self._seq,
                                                 timeout_s=self._poll_s)

@@ -128,8 +128,8 @@ def trainer_offload(trainer: Any) -> HostOffload:
 class Separate:
     """Not colocated: the learner keeps its device, the engines theirs. Nothing to do."""
 
-    def train_phase(self) -> dict[str, Any]:
-        return {}
+    def train_phase(self) -> None:
+        return None
 
     def rollout_phase(self) -> dict[str, Any]:
         return {}
@@ -155,25 +155,30 @@ class Colocated:
         """Before the first batch: the engines generate, so the learner's state leaves."""
         self.rollout_phase()
 
-    def train_phase(self) -> dict[str, Any]:
-        """Engines asleep, then this rank's state on the device; the handover's metrics."""
+    def train_phase(self) -> None:
+        """Engines asleep, then this rank's state on the device. Its metrics come with
+        :meth:`rollout_phase`'s."""
+        start = time.perf_counter()
         metrics = self.conductor.to_train() if self.conductor is not None else {}
         if self.world > 1:
             dist.barrier()   # no rank takes the device before rank 0 saw every engine asleep
         metrics["colocate/onload_s"] = self.offload.to_device()
         if self._beat is not None:
             self._beat(TRAINING)
-        self._handover = metrics
-        return metrics
+        self._handover = {**metrics, "colocate/handover_s": time.perf_counter() - start}
 
     def rollout_phase(self) -> dict[str, Any]:
         """This rank's state to host, then (rank 0) the engines may wake. Returns this step's
-        handover metrics (``colocate/*``)."""
+        handover metrics: ``colocate/handover_s`` (the learner's wall time in both moves),
+        ``colocate/sleep_s`` (its wait for the engines), ``onload_s``, ``offload_s``, the
+        slowest engine's own ``engine_sleep_s`` and ``wake_s``."""
+        start = time.perf_counter()
         offload_s = self.offload.to_host()
         if self.conductor is not None:
             self.conductor.to_rollout()
         metrics, self._handover = self._handover, {}
-        return {**metrics, "colocate/offload_s": offload_s}
+        handover = metrics.get("colocate/handover_s", 0.0) + time.perf_counter() - start
+        return {**metrics, "colocate/offload_s": offload_s, "colocate/handover_s": handover}
 
     def end(self) -> None:
         """After the last step: the state back on the device for the run's end (export, final
