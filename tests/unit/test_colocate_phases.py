@@ -1,0 +1,162 @@
+"""The colocated phases (``asyncrl.colocate``) over a real ZMQ broker with real torch engines:
+while the learner would step, every engine has released its weights and KV cache, and
+generation waits; once the learner lets go, the engines have them back and generate.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from asyncrl.colocate import PhaseConductor, PhaseFollower  # noqa: E402
+from asyncrl.config.schema import BufferConfig, TinyModelConfig, ZmqBufferConfig  # noqa: E402
+from asyncrl.control_plane import STOPPED  # noqa: E402
+from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model  # noqa: E402
+from buffers.zmq_broker import start_broker_thread  # noqa: E402
+from buffers.zmq_client import ZmqBufferClient  # noqa: E402
+from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
+
+torch.set_num_threads(1)
+PROMPTS = [[1, 5, 6, 7, 2], [1, 9, 2]]
+MEMBERS = ["rollout-0-1", "rollout-1-1"]
+
+
+@pytest.fixture
+def address() -> Iterator[str]:
+    addr, stop = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)), 2)
+    yield addr
+    stop()
+
+
+class Fleet:
+    """Two engines, each with its follower on a client of its own, and their phase reports."""
+
+    def __init__(self, address: str) -> None:
+        self.clients: list[ZmqBufferClient] = []
+        self.engines = [TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), i),
+                                    eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=i) for i in range(2)]
+        self.phases: dict[str, list[str]] = {m: [] for m in MEMBERS}
+        self.moved = threading.Condition()
+        self.followers = [PhaseFollower(self._client(address), member, engine,
+                                        on_phase=self._reporter(member))
+                          for member, engine in zip(MEMBERS, self.engines)]
+        beat = self._client(address)
+        for member in MEMBERS:
+            beat.heartbeat(member, "rollout", {})   # present: the conductor waits for them
+
+    def _client(self, address: str) -> ZmqBufferClient:
+        self.clients.append(ZmqBufferClient(address, timeout_s=5.0))
+        return self.clients[-1]
+
+    def _reporter(self, member: str):
+        def report(phase: str) -> None:
+            with self.moved:
+                self.phases[member].append(phase)
+                self.moved.notify_all()
+        return report
+
+    def wait_all(self, phase: str, count: int) -> None:
+        with self.moved:
+            assert self.moved.wait_for(lambda: all(
+                p.count(phase) >= count for p in self.phases.values()), 30)
+
+    def close(self) -> None:
+        for follower in self.followers:
+            follower.close()
+        for client in self.clients:
+            client.close()
+
+
+@pytest.fixture
+def fleet(address: str) -> Iterator[Fleet]:
+    fleet = Fleet(address)
+    for follower in fleet.followers:
+        follower.start()
+    yield fleet
+    fleet.close()
+
+
+def test_engines_hold_nothing_while_the_learner_steps(address: str, fleet: Fleet) -> None:
+    control = ZmqBufferClient(address, timeout_s=5.0)
+    conductor = PhaseConductor(control, timeout_s=30.0)
+    awake = [engine.memory() for engine in fleet.engines]
+    for step in range(1, 3):
+        metrics = conductor.to_train()
+        assert metrics["colocate/engines"] == 2 and metrics["colocate/not_asleep"] == 0
+        for engine in fleet.engines:   # what the learner's step may use is free
+            held = engine.memory()
+            assert engine.asleep and held["weights_bytes"] == 0 and held["kv_bytes"] == 0
+            assert held["host_bytes"] == awake[0]["weights_bytes"]
+        done = threading.Event()
+        blocked = threading.Thread(target=lambda: (fleet.engines[0].generate(
+            PROMPTS, n=2, temperature=1.0, max_new_tokens=3), done.set()))
+        blocked.start()
+        assert not done.wait(0.2)      # no generation on the learner's time
+        conductor.to_rollout()
+        fleet.wait_all("awake", step)
+        assert done.wait(30)           # ... and it goes on once the engines are back
+        blocked.join(30)
+        assert [engine.memory() for engine in fleet.engines] == awake
+    # the next train phase reads the engines' own wake times
+    assert conductor.to_train()["colocate/wake_s"] > 0
+    control.close()
+
+
+def test_a_sleep_request_waits_for_the_call_in_flight(address: str, fleet: Fleet) -> None:
+    engine = fleet.engines[0]
+    mid_call, may_go = threading.Event(), threading.Event()
+
+    def hold(step: int) -> None:
+        if step == 1:
+            mid_call.set()
+            may_go.wait(30)
+
+    engine.on_step = hold
+    call = threading.Thread(target=engine.generate, args=(PROMPTS, 2, 1.0, 4))
+    call.start()
+    assert mid_call.wait(30)
+    control = ZmqBufferClient(address, timeout_s=5.0)
+    result: dict = {}
+    conductor = PhaseConductor(control, timeout_s=30.0)
+    train = threading.Thread(target=lambda: result.update(conductor.to_train()))
+    train.start()
+    with fleet.moved:   # the other engine sleeps; this one is still generating
+        assert fleet.moved.wait_for(lambda: fleet.phases[MEMBERS[1]] == ["asleep"], 30)
+    assert engine.memory()["weights_bytes"] > 0   # its call in flight still has them
+    assert train.is_alive()
+    engine.on_step = None
+    may_go.set()
+    train.join(30)
+    call.join(30)
+    assert result["colocate/not_asleep"] == 0 and engine.memory()["weights_bytes"] == 0
+    conductor.to_rollout()
+    fleet.wait_all("awake", 1)
+    control.close()
+
+
+def test_an_engine_that_stops_is_not_waited_for(address: str, fleet: Fleet) -> None:
+    control = ZmqBufferClient(address, timeout_s=5.0)
+    control.heartbeat("rollout-9-1", "rollout", {})   # present, but nobody follows for it
+    conductor = PhaseConductor(control, timeout_s=60.0)
+    result: dict = {}
+    start = time.monotonic()
+    train = threading.Thread(target=lambda: result.update(conductor.to_train()))
+    train.start()
+    fleet.wait_all("asleep", 1)
+    control_2 = ZmqBufferClient(address, timeout_s=5.0)
+    control_2.heartbeat("rollout-9-1", "rollout", {"state": STOPPED})
+    train.join(30)
+    assert not train.is_alive() and time.monotonic() - start < 30
+    assert result["colocate/engines"] == 3 and result["colocate/not_asleep"] == 1
+    conductor.to_rollout()
+    fleet.wait_all("awake", 1)
+    control.close()
+    control_2.close()
