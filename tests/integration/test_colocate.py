@@ -2,8 +2,9 @@
 and the torch engines learns, synchronously (``max_staleness = 0``, on-policy exactly: the
 weights survive every trip to host memory and back) and one step off (``= 1``).
 
-Short runs (20 steps, about 40 s each here): the quickstart reaches its accuracy target in
-about 100 steps, so "learns" is the training reward of the last steps against the first.
+Short runs (20 steps; one learner rank, two engines, then one): the quickstart reaches its
+accuracy target in about 100 steps, so "learns" is the training reward of the last steps
+against the first.
 The learner's and the engines' moves are tested on their own in ``tests/unit``
 (``test_learner_offload``, ``test_colocate_phases``, ``test_engine_sleep``)."""
 
@@ -22,11 +23,12 @@ STEPS = 20
 WINDOW = 5  # steps averaged at each end of the run
 
 
-def _run(tmp_path: Path, processes: Processes, name: str, *sets: str) -> list[dict]:
+def _run(tmp_path: Path, processes: Processes, name: str, engines: int,
+         *sets: str) -> list[dict]:
     up = processes.start(name, "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", f"run.name={name}", "--set", "launcher.colocate=true",
                          "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0",
-                         *[arg for s in sets for arg in ("--set", s)])
+                         "--set", f"rollout.workers={engines}", *[arg for s in sets for arg in ("--set", s)])
     assert up.wait(timeout=300) == 0, processes.log(name)
     records = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
@@ -37,7 +39,7 @@ def _run(tmp_path: Path, processes: Processes, name: str, *sets: str) -> list[di
         for key in ("colocate/handover_s", "colocate/sleep_s", "colocate/onload_s",
                     "colocate/offload_s", "colocate/wake_s"):
             assert record[key] >= 0, (key, record)
-    assert records[-1]["colocate/engines"] == 2
+    assert records[-1]["colocate/engines"] == engines
     first = sum(r["critic/score/mean"] for r in records[:WINDOW]) / WINDOW
     last = sum(r["critic/score/mean"] for r in records[-WINDOW:]) / WINDOW
     assert last > 1.3 * first, (first, last)
@@ -46,13 +48,13 @@ def _run(tmp_path: Path, processes: Processes, name: str, *sets: str) -> list[di
 
 def test_colocated_synchronous_run_learns_on_policy(tmp_path: Path,
                                                     processes: Processes) -> None:
-    records = _run(tmp_path, processes, "sync", "buffer.max_staleness=0", "learner.ranks=2")
+    records = _run(tmp_path, processes, "sync", 2, "buffer.max_staleness=0")
     for record in records:
         assert record["staleness/max"] == 0, record
         assert record["mismatch/abs_logp"] < 1e-5, record
 
 
 def test_colocated_one_step_off_run_learns(tmp_path: Path, processes: Processes) -> None:
-    records = _run(tmp_path, processes, "one_off", "buffer.max_staleness=1")
+    records = _run(tmp_path, processes, "one_off", 1, "buffer.max_staleness=1")
     assert all(r["staleness/max"] <= 1 for r in records)
     assert any(r["staleness/max"] == 1 for r in records)   # the engines ran one step ahead
