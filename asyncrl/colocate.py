@@ -7,7 +7,8 @@ Learner rank 0 leads (:class:`PhaseConductor`); every rollout worker follows on 
 its own (:class:`PhaseFollower`). Two keys carry it::
 
     colocate/phase           rank 0 → engines  {"phase": "train" | "rollout", "n": int}
-    colocate/ack/<member>    engine → rank 0   {"phase", "n", "seconds"}: done, in that long
+    colocate/ack/<member>    engine → rank 0   {"phase", "n", "seconds", "memory"}: done, in
+                                               that long, holding this much (engine.memory())
 
 The learner may touch the device only once every engine acked the train phase: it waits for
 the acks of every present rollout member, bounded by ``weights.timeout_s`` and cut short by a
@@ -75,7 +76,9 @@ class PhaseConductor:
     def to_train(self) -> dict[str, float]:
         """Put every present engine to sleep; returns the handover's metrics: how long the
         learner waited (``colocate/sleep_s``), the slowest engine's own sleep and its wake at
-        the previous rollout phase, and how many engines missed the deadline."""
+        the previous rollout phase, how many engines missed the deadline, and the weight and
+        KV bytes the sleeping engines say they still hold on their devices
+        (``colocate/asleep_held_bytes``: 0 when every one let go of them)."""
         start = time.monotonic()
         members = self._members()
         wakes = self._acks(self._woken, ROLLOUT, self._n)  # the last rollout's, if in already
@@ -91,8 +94,13 @@ class PhaseConductor:
         if missing:
             logger.warning("colocate: %d engine(s) not asleep after %.1f s, training anyway: %s",
                            len(missing), time.monotonic() - start, missing)
-        sleeps = self._acks(members, TRAIN, n)
+        asleep = [value for _, value in self._control.get_keys(keys).values()
+                  if value.get("phase") == TRAIN and value.get("n") == n]
+        sleeps = [float(value.get("seconds", 0.0)) for value in asleep]
+        held = sum(value.get("memory", {}).get(part, 0) for value in asleep
+                   for part in ("weights_bytes", "kv_bytes"))
         return {"colocate/sleep_s": time.monotonic() - start,
+                "colocate/asleep_held_bytes": float(held),
                 "colocate/engine_sleep_s": max(sleeps, default=0.0),
                 "colocate/wake_s": max(wakes, default=0.0),
                 "colocate/engines": float(len(members)),
@@ -193,7 +201,9 @@ class PhaseFollower:
         seconds = time.monotonic() - start
         if self._on_phase is not None:
             self._on_phase("asleep" if self._asleep else "awake")
-        self._control.set_key(ack_key(self.member), {"phase": phase, "n": value.get("n"),
-                                                     "seconds": round(seconds, 6)})
+        held = getattr(self._engine, "memory", None)  # what it still holds, if it can say
+        self._control.set_key(ack_key(self.member), {
+            "phase": phase, "n": value.get("n"), "seconds": round(seconds, 6),
+            "memory": held() if held is not None else {}})
         logger.debug("colocate: %s %s in %.3f s", self.member,
                      "asleep" if self._asleep else "awake", seconds)

@@ -163,6 +163,7 @@ class Colocated:
         if self.world > 1:
             dist.barrier()   # no rank takes the device before rank 0 saw every engine asleep
         metrics["colocate/onload_s"] = self.offload.to_device()
+        metrics.update(self._allocated("in"))
         if self._beat is not None:
             self._beat(TRAINING)
         self._handover = {**metrics, "colocate/handover_s": time.perf_counter() - start}
@@ -174,11 +175,21 @@ class Colocated:
         slowest engine's own ``engine_sleep_s`` and ``wake_s``."""
         start = time.perf_counter()
         offload_s = self.offload.to_host()
+        out = self._allocated("out")
         if self.conductor is not None:
             self.conductor.to_rollout()
         metrics, self._handover = self._handover, {}
         handover = metrics.get("colocate/handover_s", 0.0) + time.perf_counter() - start
-        return {**metrics, "colocate/offload_s": offload_s, "colocate/handover_s": handover}
+        return {**metrics, **out, "colocate/offload_s": offload_s,
+                "colocate/handover_s": handover}
+
+    def _allocated(self, when: str) -> dict[str, float]:
+        """CUDA: what this process holds on its device now (``colocate/learner_gib_in`` after
+        the move in, ``_out`` after the move out). CPU: nothing (host and device are one)."""
+        device = self.offload.device
+        if device.type != "cuda":
+            return {}
+        return {f"colocate/learner_gib_{when}": torch.cuda.memory_allocated(device) / 2**30}
 
     def end(self) -> None:
         """After the last step: the state back on the device for the run's end (export, final

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from asyncrl.metrics import read_jsonl
 from tests.integration.conftest import QUICKSTART, Processes
 
@@ -35,6 +37,8 @@ def _run(tmp_path: Path, processes: Processes, name: str, engines: int,
     assert len(records) == STEPS
     for record in records:   # every step had its handover, and no engine missed the sleep
         assert record["colocate/not_asleep"] == 0, record
+        # the engines held no weights and no KV cache while the learner stepped
+        assert record["colocate/asleep_held_bytes"] == 0, record
         assert record["colocate/engines"] >= 1, record
         for key in ("colocate/handover_s", "colocate/sleep_s", "colocate/onload_s",
                     "colocate/offload_s", "colocate/wake_s"):
@@ -58,3 +62,16 @@ def test_colocated_one_step_off_run_learns(tmp_path: Path, processes: Processes)
     records = _run(tmp_path, processes, "one_off", 1, "buffer.max_staleness=1")
     assert all(r["staleness/max"] <= 1 for r in records)
     assert any(r["staleness/max"] == 1 for r in records)   # the engines ran one step ahead
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_colocated_cuda_run_learns_and_lets_go_of_the_device(tmp_path: Path,
+                                                             processes: Processes) -> None:
+    """The same on one GPU shared by the learner and both engines: after each step the
+    learner holds a fraction of what it held while training, and the engines nothing."""
+    records = _run(tmp_path, processes, "cuda", 2, "buffer.max_staleness=0",
+                   "learner.device=cuda", "rollout.device=cuda")
+    for record in records:
+        assert record["colocate/learner_gib_out"] < 0.5 * record["colocate/learner_gib_in"], \
+            record

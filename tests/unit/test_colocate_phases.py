@@ -91,6 +91,7 @@ def test_engines_hold_nothing_while_the_learner_steps(address: str, fleet: Fleet
     for step in range(1, 3):
         metrics = conductor.to_train()
         assert metrics["colocate/engines"] == 2 and metrics["colocate/not_asleep"] == 0
+        assert metrics["colocate/asleep_held_bytes"] == 0   # as the engines reported it
         for engine in fleet.engines:   # what the learner's step may use is free
             held = engine.memory()
             assert engine.asleep and held["weights_bytes"] == 0 and held["kv_bytes"] == 0
