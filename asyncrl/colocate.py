@@ -29,13 +29,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.control_plane import BufferStopped, ControlPlane
 from asyncrl.weights.membership import present
 from asyncrl.weights.rendezvous import await_keys
 
-__all__ = ["PHASE_KEY", "ROLLOUT", "TRAIN", "PhaseConductor", "PhaseFollower", "ack_key"]
+__all__ = ["PHASE_KEY", "ROLLOUT", "TRAIN", "PhaseConductor", "PhaseFollower", "Sleeper",
+           "ack_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,24 @@ def ack_key(member: str) -> str:
     return f"colocate/ack/{member}"
 
 
+@runtime_checkable
 class Sleeper(Protocol):
-    """What a follower needs of its engine (:class:`rollouters.engines.base.Sleeper`)."""
+    """An engine that can give its device memory back between generation phases: what
+    ``launcher.colocate`` needs of it (engine kinds that have it say so:
+    :attr:`~asyncrl.engine_kinds.EngineKind.sleeps`). An engine may also say what it holds
+    (``memory() -> {"weights_bytes", "kv_bytes", ...}``): the follower reports it."""
 
-    def sleep(self) -> None: ...
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`sleep` and :meth:`wake_up`."""
 
-    def wake_up(self) -> None: ...
+    def sleep(self) -> None:
+        """Finish the generate calls in flight, then free the KV cache and move the weights
+        to host memory; generate calls made meanwhile wait for :meth:`wake_up`. Weight
+        updates while asleep land in the host copy."""
+
+    def wake_up(self) -> None:
+        """Move the weights back to the device and let generation go on."""
 
 
 class PhaseConductor:

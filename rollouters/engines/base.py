@@ -8,6 +8,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.colocate import Sleeper  # the engines' side of launcher.colocate
+
+__all__ = ["Completion", "Engine", "Sleeper", "check_generate_args"]
+
 
 @dataclass
 class Completion:
@@ -48,21 +52,3 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (processes, threads, sockets); idempotent."""
 
-
-@runtime_checkable
-class Sleeper(Protocol):
-    """An engine that can give its device memory back between generation phases: what
-    ``launcher.colocate`` needs (:mod:`asyncrl.colocate`). Engine kinds that have it say so
-    (:attr:`~asyncrl.engine_kinds.EngineKind.sleeps`)."""
-
-    @property
-    def asleep(self) -> bool:
-        """Between :meth:`sleep` and :meth:`wake_up`."""
-
-    def sleep(self) -> None:
-        """Finish the generate calls in flight, then free the KV cache and move the weights
-        to host memory; generate calls made meanwhile wait for :meth:`wake_up`. Weight
-        updates while asleep land in the host copy."""
-
-    def wake_up(self) -> None:
-        """Move the weights back to the device and let generation go on."""
