@@ -76,6 +76,13 @@ class TinyModelConfig(Section):
                                     description="Whole-word tokens appended to the digit "
                                                 "vocabulary (e.g. [\"lookup(\", \")\"] for the "
                                                 "lookup agent env).")
+    num_experts: int = Field(0, ge=0, le=256, description="0: a dense Qwen2 model; N > 0: a "
+                                                         "Qwen3-MoE model with N experts in "
+                                                         "every layer.")
+    num_experts_per_tok: int = Field(2, ge=1, le=64, description="Experts each token is "
+                                                                "routed to (MoE only).")
+    moe_intermediate_size: int = Field(64, ge=8, le=65536, description="Each expert's MLP "
+                                                                      "width (MoE only).")
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyModelConfig:
@@ -94,6 +101,9 @@ class TinyModelConfig(Section):
             raise ValueError(f"{key}.hidden_size / {key}.num_heads = "
                              f"{self.hidden_size // self.num_heads} must be even (rotary "
                              "position embeddings rotate pairs of dimensions)")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{key}.num_experts_per_tok = {self.num_experts_per_tok} must not "
+                             f"exceed {key}.num_experts = {self.num_experts}")
         if any(not token.strip() for token in self.extra_tokens) or \
                 len(set(self.extra_tokens)) != len(self.extra_tokens):
             raise ValueError(f"{key}.extra_tokens must be distinct, non-blank tokens, got "
