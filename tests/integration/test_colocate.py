@@ -30,7 +30,8 @@ def _run(tmp_path: Path, processes: Processes, name: str, engines: int,
     up = processes.start(name, "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", f"run.name={name}", "--set", "launcher.colocate=true",
                          "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0",
-                         "--set", f"rollout.workers={engines}", *[arg for s in sets for arg in ("--set", s)])
+                         "--set", f"rollout.workers={engines}",
+                         *[arg for s in sets for arg in ("--set", s)])
     assert up.wait(timeout=300) == 0, processes.log(name)
     records = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
