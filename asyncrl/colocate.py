@@ -12,11 +12,12 @@ its own (:class:`PhaseFollower`). Two keys carry it::
 
 The learner may touch the device only once every engine acked the train phase: it waits for
 the acks of every present rollout member, bounded by ``weights.timeout_s`` and cut short by a
-member that departs or says it stopped (:func:`asyncrl.weights.membership.present`), so a dead
-engine never holds the run. The rollout phase is not waited for: the learner has moved its
-state out before it says so, and an engine that wakes late only generates late. The staleness
-gate is unchanged, so ``buffer.max_staleness = 0`` is the synchronous schedule and ``>= 1``
-lets the engines generate the next batch with the previous weights (one step off).
+member that departs, says it stopped or goes silent (judged as the weight sync judges it,
+:class:`asyncrl.weights.membership.Membership`), so a dead or frozen engine never holds the
+run. The rollout phase is not waited for: the learner has moved its state out before it says
+so, and an engine that wakes late only generates late. The staleness gate is unchanged, so
+``buffer.max_staleness = 0`` is the synchronous schedule and ``>= 1`` lets the engines
+generate the next batch with the previous weights (one step off).
 
 An engine asked to sleep first finishes the generate call in flight (its KV cache is freed
 when the call returns), so the handover costs at most one call. A follower that starts during
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.control_plane import BufferStopped, ControlPlane
-from asyncrl.weights.membership import present
+from asyncrl.weights.membership import Membership, present
 from asyncrl.weights.rendezvous import await_keys
 
 __all__ = ["PHASE_KEY", "ROLLOUT", "TRAIN", "PhaseConductor", "PhaseFollower", "Sleeper",
@@ -85,14 +86,17 @@ class PhaseConductor:
         self._n = 0
         self.phase = ROLLOUT
         self._woken: list[str] = []  # the members told to wake at the last rollout phase
+        self._membership = Membership(timeout_s)  # who is lost, as the weight sync sees it
+        self._version = 0
 
-    def to_train(self) -> dict[str, float]:
-        """Put every present engine to sleep; returns the handover's metrics: how long the
-        learner waited (``colocate/sleep_s``), the slowest engine's own sleep and its wake at
-        the previous rollout phase, how many engines missed the deadline, and the weight and
-        KV bytes the sleeping engines say they still hold on their devices
-        (``colocate/asleep_held_bytes``: 0 when every one let go of them)."""
+    def to_train(self, version: int = 0) -> dict[str, float]:
+        """Put every present engine to sleep for the step from ``version``; returns the
+        handover's metrics: how long the learner waited (``colocate/sleep_s``), the slowest
+        engine's own sleep and its wake at the previous rollout phase, how many engines
+        missed the deadline, and the weight and KV bytes the sleeping engines say they still
+        hold on their devices (``colocate/asleep_held_bytes``: 0 when all let go of them)."""
         start = time.monotonic()
+        self._version = version  # named in the reason an engine is not waited for
         members = self._members()
         wakes = self._acks(self._woken, ROLLOUT, self._n)  # the last rollout's, if in already
         self._say(TRAIN)
@@ -134,11 +138,17 @@ class PhaseConductor:
         return sorted(name for name, entry in listed.items() if present(entry))
 
     def _gone(self, keys: list[str]) -> list[str]:
-        """The keys still missing whose engine is no longer present (and a heartbeat)."""
+        """The keys still missing whose engine is lost: departed, stopped, or silent for half
+        of the timeout (frozen: it would never ack), as the weight sync judges it (and a
+        heartbeat of the learner)."""
         if self._beat is not None:
             self._beat()
-        alive = set(self._members())
-        return [key for key in keys if key.removeprefix(ack_key("")) not in alive]
+        names = [key.removeprefix(ack_key("")) for key in keys]
+        lost = self._membership.lost(self._control.status().get("members", {}), names,
+                                     self._version)
+        for name, why in lost.items():
+            logger.warning("colocate: not waiting for %s to sleep: %s", name, why)
+        return [ack_key(name) for name in lost]
 
     def _acks(self, members: list[str], phase: str, n: int) -> list[float]:
         """The seconds each of ``members`` reported for phase ``n`` (those that did)."""

@@ -128,7 +128,7 @@ def trainer_offload(trainer: Any) -> HostOffload:
 class Separate:
     """Not colocated: the learner keeps its device, the engines theirs. Nothing to do."""
 
-    def train_phase(self) -> None:
+    def train_phase(self, version: int) -> None:
         return None
 
     def rollout_phase(self) -> dict[str, Any]:
@@ -155,11 +155,11 @@ class Colocated:
         """Before the first batch: the engines generate, so the learner's state leaves."""
         self.rollout_phase()
 
-    def train_phase(self) -> None:
+    def train_phase(self, version: int) -> None:
         """Engines asleep, then this rank's state on the device. Its metrics come with
         :meth:`rollout_phase`'s."""
         start = time.perf_counter()
-        metrics = self.conductor.to_train() if self.conductor is not None else {}
+        metrics = self.conductor.to_train(version) if self.conductor is not None else {}
         if self.world > 1:
             dist.barrier()   # no rank takes the device before rank 0 saw every engine asleep
         metrics["colocate/onload_s"] = self.offload.to_device()

@@ -190,7 +190,7 @@ def _steps(ctx: RankContext, trainer, role: RankRole, stop: threading.Event, che
             return True
         if fetched is RAN_OUT:   # the end of the data is the end of training
             return False
-        phases.train_phase()   # colocated: engines asleep, the learner's state on the device
+        phases.train_phase(trainer.version)   # colocated: engines asleep, the state back in
         with timers("compute"), role.leased() as batch:   # renewed while it trains
             with timers("scatter"):   # part of compute: the balanced split and its transfer
                 share = scatter_batch(batch, ctx.rank, ctx.world, header)

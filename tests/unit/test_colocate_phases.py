@@ -161,3 +161,18 @@ def test_an_engine_that_stops_is_not_waited_for(address: str, fleet: Fleet) -> N
     fleet.wait_all("awake", 1)
     control.close()
     control_2.close()
+
+
+def test_a_frozen_engine_is_waited_for_half_the_timeout(address: str, fleet: Fleet) -> None:
+    """Listed alive but silent (SIGSTOPped): given up on as the weight sync gives up on it,
+    after half of ``weights.timeout_s``, not the whole of it."""
+    control = ZmqBufferClient(address, timeout_s=5.0)
+    control.heartbeat("rollout-9-1", "rollout", {})   # and then never again
+    conductor = PhaseConductor(control, timeout_s=8.0)
+    start = time.monotonic()
+    result = conductor.to_train()
+    assert 3.5 < time.monotonic() - start < 7.5
+    assert result["colocate/not_asleep"] == 1 and result["colocate/asleep_held_bytes"] == 0
+    conductor.to_rollout()
+    fleet.wait_all("awake", 1)
+    control.close()
