@@ -6,9 +6,13 @@ engines sleep (their KV cache freed, their weights in host memory) while the lea
 Learner rank 0 leads (:class:`PhaseConductor`); every rollout worker follows on a thread of
 its own (:class:`PhaseFollower`). Two keys carry it::
 
-    colocate/phase           rank 0 → engines  {"phase": "train" | "rollout", "n": int}
-    colocate/ack/<member>    engine → rank 0   {"phase", "n", "seconds", "memory"}: done, in
-                                               that long, holding this much (engine.memory())
+    colocate/phase           rank 0 → engines  {"phase": "train" | "rollout", "n": int,
+                                                "token": str}
+    colocate/ack/<member>    engine → rank 0   {"phase", "n", "token", "seconds", "memory"}:
+                                               done, in that long, holding this much
+
+``n`` counts the conductor's phases and ``token`` is its own: an ack left on the buffer by an
+earlier learner (engines outlive a learner's restart) never passes for a new one.
 
 The learner may touch the device only once every engine acked the train phase: it waits for
 the acks of every present rollout member, bounded by ``weights.timeout_s`` and cut short by a
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,6 +89,7 @@ class PhaseConductor:
         self._timeout_s = timeout_s
         self._beat = beat
         self._n = 0
+        self._token = uuid.uuid4().hex[:8]
         self.phase = ROLLOUT
         self._woken: list[str] = []  # the members told to wake at the last rollout phase
         self._membership = Membership(timeout_s)  # who is lost, as the weight sync sees it
@@ -104,7 +110,7 @@ class PhaseConductor:
         n = self._n
 
         def acked(value: dict[str, Any]) -> bool:
-            return value.get("phase") == TRAIN and value.get("n") == n
+            return self._answers(value, TRAIN, n)
 
         missing = await_keys(self._control, keys, acked, start + self._timeout_s,
                              poll_s=ACK_POLL_S, gone=self._gone)
@@ -112,7 +118,7 @@ class PhaseConductor:
             logger.warning("colocate: %d engine(s) not asleep after %.1f s, training anyway: %s",
                            len(missing), time.monotonic() - start, missing)
         asleep = [value for _, value in self._control.get_keys(keys).values()
-                  if value.get("phase") == TRAIN and value.get("n") == n]
+                  if self._answers(value, TRAIN, n)]
         sleeps = [float(value.get("seconds", 0.0)) for value in asleep]
         held = sum(value.get("memory", {}).get(part, 0) for value in asleep
                    for part in ("weights_bytes", "kv_bytes"))
@@ -131,7 +137,7 @@ class PhaseConductor:
     def _say(self, phase: str) -> None:
         self._n += 1
         self.phase = phase
-        self._control.set_key(PHASE_KEY, {"phase": phase, "n": self._n})
+        self._control.set_key(PHASE_KEY, {"phase": phase, "n": self._n, "token": self._token})
 
     def _members(self) -> list[str]:
         listed = self._control.status().get("members", {})
@@ -154,7 +160,12 @@ class PhaseConductor:
         """The seconds each of ``members`` reported for phase ``n`` (those that did)."""
         found = self._control.get_keys([ack_key(name) for name in members])
         return [float(value.get("seconds", 0.0)) for _, value in found.values()
-                if value.get("phase") == phase and value.get("n") == n]
+                if self._answers(value, phase, n)]
+
+    def _answers(self, ack: dict[str, Any], phase: str, n: int) -> bool:
+        """Is ``ack`` an answer to this conductor's phase ``n``?"""
+        return ack.get("phase") == phase and ack.get("n") == n \
+            and ack.get("token") == self._token
 
 
 class PhaseFollower:
@@ -226,7 +237,8 @@ class PhaseFollower:
             self._on_phase("asleep" if self._asleep else "awake")
         held = getattr(self._engine, "memory", None)  # what it still holds, if it can say
         self._control.set_key(ack_key(self.member), {
-            "phase": phase, "n": value.get("n"), "seconds": round(seconds, 6),
+            "phase": phase, "n": value.get("n"), "token": value.get("token"),
+            "seconds": round(seconds, 6),
             "memory": held() if held is not None else {}})
         logger.debug("colocate: %s %s in %.3f s", self.member,
                      "asleep" if self._asleep else "awake", seconds)

@@ -10,11 +10,11 @@ One step of :func:`_train` at version V, on every rank::
     publish     engine_state (collective: full weights or adapters), role.publish: rank 0
                 sends V + 1 to the engines and the buffer, writes the record, evaluates
     checkpoint  checkpointer.after_step: every checkpoint.every_steps (sharded DCP)
+    agree       end_of_step: one collective: stop? buffer lost? the next batch's shares?
 
 With ``launcher.colocate`` the learner shares its device with the engines: before train, the
 engines sleep and its state comes back from host memory; after the gather it goes back and the
 engines wake (:mod:`learners.colocate`). Otherwise those two calls do nothing.
-    agree       end_of_step: one collective: stop? buffer lost? the next batch's shares?
 
 Every rank runs the same step through one interface (:class:`~learners.rank_role.RankRole`):
 rank 0's (:mod:`learners.rank_zero`) reads the buffer and owns the weights, metrics and eval;

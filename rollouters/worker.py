@@ -201,4 +201,6 @@ def _info(engine, stats: WorkerStats, tokens: RateMeter) -> dict:
     return {"engine_version": engine.version, "groups": stats.groups,
             "rejected": stats.rejected, "gate_wait_s": round(stats.gate_wait_s, 3),
             "generate_s": round(stats.generate_s, 3), "tokens_per_s": round(tokens.rate(), 1),
-            "tokens": tokens.total}
+            "tokens": tokens.total,
+            # launcher.colocate: a sleeping engine says so (the loop may wait at the gate)
+            **({"phase": "asleep"} if getattr(engine, "asleep", False) else {})}

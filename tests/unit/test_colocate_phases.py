@@ -16,7 +16,7 @@ from collections.abc import Iterator  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from asyncrl.colocate import PhaseConductor, PhaseFollower  # noqa: E402
+from asyncrl.colocate import PhaseConductor, PhaseFollower, ack_key  # noqa: E402
 from asyncrl.config.schema import BufferConfig, TinyModelConfig, ZmqBufferConfig  # noqa: E402
 from asyncrl.control_plane import STOPPED  # noqa: E402
 from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model  # noqa: E402
@@ -175,4 +175,31 @@ def test_a_frozen_engine_is_waited_for_half_the_timeout(address: str, fleet: Fle
     assert result["colocate/not_asleep"] == 1 and result["colocate/asleep_held_bytes"] == 0
     conductor.to_rollout()
     fleet.wait_all("awake", 1)
+    control.close()
+
+
+def test_acks_left_by_an_earlier_learner_count_for_nothing(address: str, fleet: Fleet) -> None:
+    """Engines outlive a learner's restart, and so do their acks; the new learner's phase
+    numbers start again, and the old acks must not pass for answers to them."""
+    control = ZmqBufferClient(address, timeout_s=5.0)
+    old = PhaseConductor(control, timeout_s=30.0)
+    old.to_rollout()
+    old.to_train()                          # phase 2, acked by both engines
+    control.heartbeat("rollout-9-1", "rollout", {})   # an engine that died asleep: its ack
+    control.set_key(ack_key("rollout-9-1"),           # of phase 2 stays on the buffer
+                    control.get_key(ack_key(MEMBERS[0]))[1])
+    new = PhaseConductor(control, timeout_s=30.0)
+    new.to_rollout()
+    result: dict = {}
+    train = threading.Thread(target=lambda: result.update(new.to_train()))   # phase 2 again
+    train.start()
+    fleet.wait_all("asleep", 2)
+    assert train.is_alive()                 # the old ack is no answer: it waits for the ghost
+    ghost = ZmqBufferClient(address, timeout_s=5.0)   # clients are not thread-safe
+    ghost.heartbeat("rollout-9-1", "rollout", {"state": STOPPED})
+    ghost.close()
+    train.join(30)
+    assert result["colocate/not_asleep"] == 1 and result["colocate/engines"] == 3
+    new.to_rollout()
+    fleet.wait_all("awake", 3)
     control.close()
