@@ -29,11 +29,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from learners.lost import Lost
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +131,10 @@ def trainer_offload(trainer: Any) -> HostOffload:
 class Separate:
     """Not colocated: the learner keeps its device, the engines theirs. Nothing to do."""
 
-    def train_phase(self, version: int) -> None:
+    def train_phase(self, version: int, lost: Lost | None = None) -> None:
         return None
 
-    def rollout_phase(self) -> dict[str, Any]:
+    def rollout_phase(self, lost: Lost | None = None) -> dict[str, Any]:
         return {}
 
     def end(self) -> None:
@@ -168,7 +171,7 @@ class Colocated:
             self._beat(TRAINING)
         self._handover = {**metrics, "colocate/handover_s": time.perf_counter() - start}
 
-    def rollout_phase(self) -> dict[str, Any]:
+    def rollout_phase(self, lost: Lost | None = None) -> dict[str, Any]:
         """This rank's state to host, then (rank 0) the engines may wake. Returns this step's
         handover metrics: ``colocate/handover_s`` (the learner's wall time in both moves),
         ``colocate/sleep_s`` (its wait for the engines), ``onload_s``, ``offload_s``, the
@@ -177,11 +180,18 @@ class Colocated:
         offload_s = self.offload.to_host()
         out = self._allocated("out")
         if self.conductor is not None:
-            self.conductor.to_rollout()
+            self._ask(lost, self.conductor.to_rollout)
         metrics, self._handover = self._handover, {}
         handover = metrics.get("colocate/handover_s", 0.0) + time.perf_counter() - start
         return {**metrics, **out, "colocate/offload_s": offload_s,
                 "colocate/handover_s": handover}
+
+    @staticmethod
+    def _ask(lost: Lost | None, request: Callable[..., Any], *args: Any) -> Any:
+        """``request(*args)`` through ``lost`` (nothing once the buffer is lost)."""
+        if lost is None:
+            return request(*args)
+        return lost.call(request, *args, default={})
 
     def _allocated(self, when: str) -> dict[str, float]:
         """CUDA: what this process holds on its device now (``colocate/learner_gib_in`` after

@@ -190,7 +190,7 @@ def _steps(ctx: RankContext, trainer, role: RankRole, stop: threading.Event, che
             return True
         if fetched is RAN_OUT:   # the end of the data is the end of training
             return False
-        phases.train_phase(trainer.version)   # colocated: engines asleep, the state back in
+        phases.train_phase(trainer.version, lost)   # colocated: engines asleep, state back in
         with timers("compute"), role.leased() as batch:   # renewed while it trains
             with timers("scatter"):   # part of compute: the balanced split and its transfer
                 share = scatter_batch(batch, ctx.rank, ctx.world, header)
@@ -199,7 +199,7 @@ def _steps(ctx: RankContext, trainer, role: RankRole, stop: threading.Event, che
         stats = role.ack(trainer.version, metrics, lost)
         with timers("gather"):
             state = engine_state(trainer, cfg)  # full weights, or LoRA adapters alone
-        metrics.update(phases.rollout_phase())  # colocated: the state out, engines wake
+        metrics.update(phases.rollout_phase(lost))  # colocated: the state out, engines wake
         reached = role.publish(trainer.version, state, metrics, stats, timers.pop(), lost)
         checkpointer.after_step(trainer, counters(cfg, trainer.version, stats, role.reached))
         stopping, header, gone = end_of_step(ctx.world, role, trainer.version,
