@@ -47,7 +47,8 @@ TRAINING = "colocated: training, engines asleep"
 
 class HostOffload:
     """Moves ``modules`` (parameters, gradients, buffers) and ``optimizers``' state between
-    ``device`` and host memory. Pinned host memory on CUDA, so the moves back are DMAs."""
+    ``device`` and host memory. From CUDA, plain tensors go to pinned memory (their way back
+    is a DMA); DTensor shards move through ``DTensor.to``, into pageable memory."""
 
     def __init__(self, modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer],
                  device: torch.device) -> None:
@@ -108,11 +109,6 @@ def _mover(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         return tensor.to(device, copy=True)
 
     return move
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return getattr(tensor, "_local_tensor", tensor)
 
 
 def trainer_offload(trainer: Any) -> HostOffload:
