@@ -53,7 +53,8 @@ ACK_POLL_S = 0.5     # a wait for acks asks who is gone (and heartbeats) this of
 
 
 def ack_key(member: str) -> str:
-    """Engine → learner: ``{"phase", "n", "seconds"}``, this phase's move is done."""
+    """Engine → learner: ``{"phase", "n", "token", "seconds", "memory"}``, this phase's move
+    is done (see the module docstring)."""
     return f"colocate/ack/{member}"
 
 
@@ -171,7 +172,7 @@ class PhaseConductor:
 class PhaseFollower:
     """A rollout worker's side, on a daemon thread: sleeps and wakes ``engine`` as rank 0
     says, and acks each move with its duration. ``control`` must be a client of its own
-    (clients are not thread-safe); the caller closes it after :meth:`stop`. ``on_phase`` is
+    (clients are not thread-safe); the caller closes it after :meth:`close`. ``on_phase`` is
     told ``"asleep"`` or ``"awake"`` after each move (the worker's heartbeat shows it).
 
     ``stop``: the worker's stop event. Its engine blocks generation while asleep, so the
