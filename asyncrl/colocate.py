@@ -101,7 +101,8 @@ class PhaseConductor:
         handover's metrics: how long the learner waited (``colocate/sleep_s``), the slowest
         engine's own sleep and its wake at the previous rollout phase, how many engines
         missed the deadline, and the weight and KV bytes the sleeping engines say they still
-        hold on their devices (``colocate/asleep_held_bytes``: 0 when all let go of them)."""
+        hold on their devices (``colocate/asleep_held_bytes``: 0 when all let go of them;
+        on CUDA also ``colocate/engines_gib_asleep``, all their processes still allocate)."""
         start = time.monotonic()
         self._version = version  # named in the reason an engine is not waited for
         members = self._members()
@@ -123,8 +124,12 @@ class PhaseConductor:
         sleeps = [float(value.get("seconds", 0.0)) for value in asleep]
         held = sum(value.get("memory", {}).get(part, 0) for value in asleep
                    for part in ("weights_bytes", "kv_bytes"))
+        on_device = [value["memory"]["device_allocated_bytes"] for value in asleep
+                     if "device_allocated_bytes" in value.get("memory", {})]
         return {"colocate/sleep_s": time.monotonic() - start,
                 "colocate/asleep_held_bytes": float(held),
+                **({"colocate/engines_gib_asleep": sum(on_device) / 2**30} if on_device
+                   else {}),
                 "colocate/engine_sleep_s": max(sleeps, default=0.0),
                 "colocate/wake_s": max(wakes, default=0.0),
                 "colocate/engines": float(len(members)),

@@ -286,13 +286,17 @@ class TorchEngine:
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds: its parameters on the device (``weights_bytes``), their
         host copies while asleep (``host_bytes``), the KV caches of calls in flight
-        (``kv_bytes``)."""
+        (``kv_bytes``); on CUDA also everything the process has allocated on the device
+        (``device_allocated_bytes``)."""
         with self._lock:
             weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
             host = sum(h.untyped_storage().nbytes() for _, h in self._offloaded.values())
         kv = sum(t.untyped_storage().nbytes() for cache in list(self._caches)
                  for t in _cache_tensors(cache))
-        return {"weights_bytes": weights, "host_bytes": host, "kv_bytes": kv}
+        held = {"weights_bytes": weights, "host_bytes": host, "kv_bytes": kv}
+        if self.device.type == "cuda":   # all this process holds there (receive pools too)
+            held["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        return held
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -76,3 +76,4 @@ def test_colocated_cuda_run_learns_and_lets_go_of_the_device(tmp_path: Path,
     for record in records:
         assert record["colocate/learner_gib_out"] < 0.5 * record["colocate/learner_gib_in"], \
             record
+        assert "colocate/engines_gib_asleep" in record, record   # the engines' own figure
