@@ -154,17 +154,20 @@ class Colocated:
         """Before the first batch: the engines generate, so the learner's state leaves."""
         self.rollout_phase()
 
-    def train_phase(self, version: int) -> None:
+    def train_phase(self, version: int, lost: Lost | None = None) -> None:
         """Engines asleep, then this rank's state on the device. Its metrics come with
-        :meth:`rollout_phase`'s."""
+        :meth:`rollout_phase`'s. ``version``: the learner's, before the step. ``lost``: the
+        step's :class:`~learners.lost.Lost`; a buffer that stops answering costs no training
+        (the step goes on, and its end finds the buffer lost, as every request's does)."""
         start = time.perf_counter()
-        metrics = self.conductor.to_train(version) if self.conductor is not None else {}
+        metrics = self._ask(lost, self.conductor.to_train, version) \
+            if self.conductor is not None else {}
         if self.world > 1:
             dist.barrier()   # no rank takes the device before rank 0 saw every engine asleep
         metrics["colocate/onload_s"] = self.offload.to_device()
         metrics.update(self._allocated("in"))
         if self._beat is not None:
-            self._beat(TRAINING)
+            self._ask(lost, self._beat, TRAINING)
         self._handover = {**metrics, "colocate/handover_s": time.perf_counter() - start}
 
     def rollout_phase(self, lost: Lost | None = None) -> dict[str, Any]:
