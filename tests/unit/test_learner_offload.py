@@ -67,3 +67,31 @@ def test_offload_and_back_changes_no_step(tiny_model_dir: Path,  # noqa: F811
             [m["actor/grad_norm"] for m in plain["metrics"]]
         for name, tensor in plain["state"].items():
             assert torch.equal(moved["state"][name], tensor), name
+
+
+def test_the_loop_calls_both_kinds_of_phases_alike() -> None:
+    """``Separate`` (not colocated) and ``Colocated`` are called by the loop the same way; a
+    plain module's state goes out and back through them, the metrics named as recorded."""
+    import inspect
+
+    from learners.colocate import Colocated, HostOffload, Separate
+    from learners.lost import Lost
+
+    for name in ("train_phase", "rollout_phase", "end"):
+        assert inspect.signature(getattr(Separate, name)) == \
+            inspect.signature(getattr(Colocated, name)), name
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    phases = Colocated(HostOffload([model], [optimizer], torch.device("cpu")), None, 1)
+    phases.start()
+    held = [model.weight.data, optimizer.state[model.weight]["exp_avg"]]
+    phases.train_phase(1, Lost())
+    assert all(t.data_ptr() not in {h.data_ptr() for h in held}
+               for t in (model.weight.data, optimizer.state[model.weight]["exp_avg"]))
+    metrics = phases.rollout_phase(Lost())
+    assert {"colocate/onload_s", "colocate/offload_s", "colocate/handover_s"} <= set(metrics)
+    phases.end()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
