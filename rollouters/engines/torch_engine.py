@@ -4,6 +4,10 @@ Slow next to vLLM, but exact, dependency-free and CPU-friendly: the reference en
 and for the tiny-model runs. The lock is held per decode step, not per call, so a weight update
 lands between two steps of an in-flight batch; ``Completion.versions`` records, per token, the
 version whose forward pass produced it.
+
+For ``launcher.colocate`` the engine can sleep (:meth:`TorchEngine.sleep`): it lets the calls
+in flight finish, moves its weights to host memory and makes new calls wait until
+:meth:`TorchEngine.wake_up`, so the learner can have the device meanwhile.
 """
 
 from __future__ import annotations
@@ -189,7 +193,8 @@ class TorchEngine:
         parameter as it is (other dtype or device, not contiguous) and buffers are copied.
         All names and shapes are checked first, so a bad update changes nothing. LoRA
         adapters are merged, as by :meth:`load_weights` (the merge makes new tensors: nothing
-        of the receiver's buffers is kept).
+        of the receiver's buffers is kept). Asleep (:meth:`sleep`) nothing is adopted: the
+        tensors are copied into the host copies, and the device stays free until the wake.
         """
         adapters, items = split_adapters(weights.items())
         with self._lock, torch.no_grad():
