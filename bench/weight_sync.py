@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
 from asyncrl.weights.broadcaster import WeightBroadcaster
-from asyncrl.weights.gloo import GlooTransport
+from asyncrl.weights.group import GlooTransport
 from asyncrl.weights.plan import pack_bucket, plan_buckets
 from asyncrl.weights.receiver import WeightReceiver
 from asyncrl.weights.rendezvous import dial_store, serve_store

@@ -3,17 +3,22 @@
 One update, as seen on the control plane (``weights/announce``)::
 
     {"version": int, "epoch": int, "members": [member, ...],   # rank = index + 1
-     "store": "host:port", "group": str, "transport": "gloo", "transport_opts": {...},
-     "timeout_s": float,
+     "store": "host:port", "group": str, "transport": str, "transport_opts": {...},
+     "senders": int, "timeout_s": float,
      "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
      "buckets": [{"nbytes", "count"}, ...]}
 
 Members are the alive ``rollout`` members of the control plane that have not said they
 stopped, sorted. A *membership epoch* is one group over them (named ``group``, see
 :func:`asyncrl.weights.rendezvous.group_name`), carried by the transport ``transport`` names
-(:mod:`asyncrl.weights.transport`: ``gloo`` with SGLang's store layout so an SGLang server can
-be a member, or ``sim``), built with the announced ``transport_opts``; it is reused while the
-members and the options stay the same. When they change, the new epoch starts with a
+(:mod:`asyncrl.weights.transport`: ``gloo`` or ``nccl`` with SGLang's store layout so an
+SGLang server can be a member, ``ipc`` on a shared GPU, or ``sim``; ``auto`` is decided per
+epoch at the go, from the devices the joins report: ``weights/group`` then carries the
+``transports``, one per slice), built with the announced ``transport_opts``; it is reused
+while the members and the options stay the same. With ``senders`` M > 1, learner rank k
+serves the k-th slice of the members in a group of its own
+(:mod:`asyncrl.weights.fanout`): rank 0 still announces, decides the go and collects the
+acks. When they change, the new epoch starts with a
 handshake on the control plane so that nobody blocks on a dead peer: receivers write
 ``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
 one is lost: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
@@ -76,7 +81,16 @@ from asyncrl.weights.rendezvous import (
     join_key,
     serve_store,
 )
-from asyncrl.weights.transport import Pending, WeightTransport, transport_class
+from asyncrl.weights.slices import sender_name, slice_group, slices
+from asyncrl.weights.transport import (
+    Pending,
+    WeightTransport,
+    announced_opts,
+    choose_transport,
+    describe_device,
+    make_transport,
+    transport_kind,
+)
 
 __all__ = ["WeightBroadcaster", "broadcast_align", "engine_weights"]
 
@@ -121,13 +135,17 @@ class WeightBroadcaster:
     """
 
     def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
-                 align: int = ALIGN, sim_sync_s: float = 0.0):
+                 align: int = ALIGN, sim_sync_s: float = 0.0, senders: int = 1):
         self._control = control
+        self._senders = max(1, senders)  # learner ranks sending, each to its slice (fanout)
+        self._sender_names = {sender_name(k) for k in range(1, self._senders)}
         self._cfg = cfg
         self._host = host
         self._align = align
         self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
-        self._transport_class = transport_class(cfg.transport)  # raises for an unknown one
+        transport_kind(cfg.transport)  # raises for an unknown one
+        self._device: torch.device | None = None  # the learner's (its state's), per sync
+        self.transport = ""  # the last epoch's, as the handshake decided it
         self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
@@ -165,7 +183,8 @@ class WeightBroadcaster:
     def _lost(self, members: list[str]) -> dict[str, str]:
         """Those of ``members`` that departed or went silent, with the reason: a join, an ack
         or a collective's part from them will not come."""
-        return self._membership.lost(self._listed(), members, self._version)
+        engines = [name for name in members if name not in self._sender_names]
+        return self._membership.lost(self._listed(), engines, self._version)
 
     def _await(self, key_of: Callable[[str], str], members: list[str],
                accept: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, str], list[str]]:
@@ -209,7 +228,8 @@ class WeightBroadcaster:
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
                             int(self._cfg.alone_mb * 2**20))
-        opts = self._transport_class.announced_opts(plan.total_bytes, self._sim_sync_s)
+        self._device = next(iter(state_dict.values())).device if state_dict else None
+        opts = announced_opts(self._cfg.transport, plan.total_bytes, self._sim_sync_s)
         if opts != self._transport_opts:
             self._drop()  # a group's options (sim: its wire speed) are fixed at its creation
             self._transport_opts = opts
@@ -217,8 +237,11 @@ class WeightBroadcaster:
             delivered, attempts = self._deliver(plan, state_dict, version)
         finally:
             evicted = self._membership.sync_ended()
+        served = len(self._own_slice()) if delivered else 0
         return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
+                "weights/sent_engines": float(served),  # this rank's slice (fanout)
+                "weights/sent_bytes": float(plan.total_bytes * served),
                 "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
                 "weights/buckets": float(len(plan.bucket_nbytes)),
                 "weights/attempts": float(attempts), "weights/epoch": float(self._epoch),
@@ -342,30 +365,69 @@ class WeightBroadcaster:
             "version": version, "epoch": self._epoch, "members": members,
             "store": self.address, "group": group_name(self._token, self._epoch),
             "transport": self._cfg.transport, "transport_opts": self._transport_opts,
+            "senders": self._senders,
             "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
 
     def _rendezvous(self, members: list[str]) -> bool:
-        """Wait for every member's join, then say go (and create the group) or no-go.
+        """Wait for every member's join (and, with several senders, every other learner
+        rank's that has engines to serve), then say go (and create rank 0's group) or no-go.
         No-go evicts who was lost (the others that had not joined yet get the next
-        attempt's full wait) or, failing that, who did not join in time."""
+        attempt's full wait) or, failing that, who did not join in time; a learner rank that
+        did not join fails the attempt without evicting anyone."""
         epoch = self._epoch
 
         def joined(value: dict[str, Any]) -> bool:
             return value.get("epoch") == epoch and value.get("store") == self.address
 
-        lost, late = self._await(join_key, members, joined)
-        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
-                                          "go": not lost and not late})
-        if lost or late:
-            self._evict(lost or {name: f"did not join epoch {epoch} within "
-                                       f"{self._cfg.timeout_s:.1f} s" for name in late})
+        parts = slices(members, self._senders)
+        senders = [sender_name(k) for k in range(1, len(parts)) if parts[k]]
+        lost, late = self._await(join_key, members + senders, joined)
+        late_senders = [name for name in late if name in senders]
+        late = [name for name in late if name not in senders]
+        go = not lost and not late and not late_senders
+        transports = self._choose(parts) if go else []
+        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address, "go": go,
+                                          "transport": transports[0] if transports else "",
+                                          "transports": transports})
+        if late_senders and not lost and not late:
+            logger.error("weights: learner ranks %s did not join epoch %d within %.1f s",
+                         late_senders, epoch, self._cfg.timeout_s)
+        if not go:
+            if lost or late:
+                self._evict(lost or {name: f"did not join epoch {epoch} within "
+                                           f"{self._cfg.timeout_s:.1f} s" for name in late})
             return False
-        transport = self._transport_class(host=self._host, timeout_s=self._cfg.timeout_s,
-                                          **self._transport_opts)
-        transport.connect(self._store, group_name(self._token, epoch), 0, len(members) + 1)
+        transport = make_transport(transports[0], host=self._host,
+                                   timeout_s=self._cfg.timeout_s, device=self._device,
+                                   **self._transport_opts)
+        transport.connect(self._store, slice_group(group_name(self._token, epoch),
+                                                   self._senders, 0), 0, len(parts[0]) + 1)
         self._group = _Group(epoch, tuple(members), transport)
-        logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
+        self.transport = transports[0]
+        logger.info("weights: epoch %d with %d engines over %s (this rank serves %d): %s",
+                    epoch, len(members), transports, len(parts[0]), members)
         return True
+
+    def _own_slice(self) -> list[str]:
+        members = list(self._group.members) if self._group is not None else []
+        return slices(members, self._senders)[0]
+
+    def _choose(self, parts: list[list[str]]) -> list[str]:
+        """Each slice's transport (``weights.transport``, or for ``auto`` the one the devices
+        its sender and its engines reported call for: :func:`choose_transport`)."""
+        senders = [sender_name(k) for k in range(1, len(parts))]
+        names = [name for part in parts for name in part] + senders
+        joins = {key: value for key, (_, value) in
+                 self._control.get_keys([join_key(name) for name in names]).items()}
+
+        def device(name: str) -> str:
+            return str(joins.get(join_key(name), {}).get("device", "cpu"))
+
+        chosen = []
+        for index, part in enumerate(parts):
+            own = describe_device(self._device) if index == 0 else device(senders[index - 1])
+            chosen.append(choose_transport(self._cfg.transport, own, [device(m) for m in part]))
+        return chosen
 
     def _wait_acks(self, members: list[str],
                    version: int) -> tuple[dict[str, str], list[str]]:

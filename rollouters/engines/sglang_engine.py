@@ -27,7 +27,9 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.weights.plan import BucketPlan
-from asyncrl.weights.receiver import WeightReceiver
+from asyncrl.weights.receiver import WeightReceiver, agreed_transport
+from asyncrl.weights.slices import Seat
+from asyncrl.weights.transport import transport_kind
 from buffers.protocol import ControlPlane
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
@@ -287,7 +289,7 @@ class SglangWeightPeer(WeightReceiver):
     * its side of the group uses the store layout of SGLang's ``init_custom_process_group``
       (rendezvous at ``master_address:master_port``, which is our store; keys under
       ``PrefixStore(group_name)`` then torch's ``f"{group_name}/"`` and ``"cpu/"`` prefixes):
-      :meth:`asyncrl.weights.gloo.GlooTransport.connect` builds exactly that chain;
+      :meth:`asyncrl.weights.group.GroupTransport.connect` builds exactly that chain;
     * buckets are packed without padding (``align = 1``,
       :func:`asyncrl.weights.broadcaster.broadcast_align`), because SGLang's
       ``FlattenedTensorBucket`` concatenates the tensors' bytes back to back;
@@ -314,18 +316,21 @@ class SglangWeightPeer(WeightReceiver):
     def _applied(self, named: dict[str, torch.Tensor], version: int) -> None:
         self.engine.set_version(version)
 
-    def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
-        """The same handshake as :class:`WeightReceiver`, then the server joins the group."""
-        if not self._handshake(ann):
+    def _join(self, ann: dict[str, Any], place: Seat) -> bool:
+        """The same handshake as :class:`WeightReceiver`, then the server joins the group of
+        its slice (with one learner rank sending: the epoch's group)."""
+        decision = self._handshake(ann)
+        if decision is None:
             return False
         store, epoch = ann["store"], int(ann["epoch"])
         host, port = store.rsplit(":", 1)
-        self._group_name = ann["group"]
-        self.engine.init_weights_update_group(host, int(port), rank, world, ann["group"],
-                                              ann.get("transport", "gloo"))
+        self._group_name = place.group
+        backend = sglang_backend(agreed_transport(ann, decision, place.slice))
+        self.engine.init_weights_update_group(host, int(port), place.rank, place.world,
+                                              place.group, backend)
         self._group_id = (store, epoch)
-        logger.info("weights: SGLang %s joined %s as rank %d/%d", self.member, ann["group"],
-                    rank, world)
+        logger.info("weights: SGLang %s joined %s as rank %d/%d over %s", self.member,
+                    place.group, place.rank, place.world, backend)
         return True
 
     def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
@@ -355,6 +360,17 @@ class SglangWeightPeer(WeightReceiver):
             except SglangError as exc:
                 logger.warning("weights: SGLang %s could not drop %s: %s", self.member, name,
                                exc)
+
+
+def sglang_backend(transport: str) -> str:
+    """The ``backend`` of ``/init_weights_update_group`` for the epoch's transport: the
+    process-group backend it names (``gloo`` or ``nccl``). ``ipc`` goes through
+    ``/update_weights_from_tensor`` instead, and ``sim`` moves nothing: neither has one."""
+    backend = transport_kind(transport).torch_backend
+    if backend is None:
+        raise ValueError(f"weights.transport {transport!r}: an SGLang server joins a gloo or "
+                         "nccl group only")
+    return backend
 
 
 def sglang_requests(plan: BucketPlan) -> list[dict[str, list[Any]]]:
