@@ -172,6 +172,11 @@ class WeightReceiver:
         decision = self._handshake(ann)
         if decision is None:
             return False
+        self._connect(ann, decision, place)
+        return True
+
+    def _connect(self, ann: dict[str, Any], decision: dict[str, Any], place: Seat) -> None:
+        """This process's end of its slice's group, over the transport the go decided."""
         store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
         self._store = dial_store(store, timeout_s)
         name = agreed_transport(ann, decision, place.slice)
@@ -181,7 +186,6 @@ class WeightReceiver:
         self._transport, self._group_id = transport, (store, epoch)
         logger.info("weights: %s joined epoch %d as rank %d/%d of %s over %s", self.member,
                     epoch, place.rank, place.world, place.group, name)
-        return True
 
     def _handshake(self, ann: dict[str, Any]) -> dict[str, Any] | None:
         """Join → go through the control plane, before anyone creates the epoch's group; the
