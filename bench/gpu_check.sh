@@ -186,10 +186,11 @@ for row in report["learner_mfu"] or []:
     results.setdefault("learner_mfu", []).append(
         f"{row['layout']}: {row['tokens_per_s']:,.0f} tokens/s, {mfu}, "
         f"peak {row.get('peak_gib', float('nan')):.1f} GiB")
-if report["colocated_last_record"]:
+if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
     record = report["colocated_last_record"]
-    results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in
-                                                 ("step", "time_s") if k in record)]
+    keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
+            or "gib" in k.lower()]
+    results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in keys)]
 for s in steps:
     text = "; ".join(results.get(s["name"], [])) or s["detail"]
     lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | {text} |")

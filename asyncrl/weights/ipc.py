@@ -63,17 +63,21 @@ class IpcPending:
         self._end = end
         self._index = index
         self._flat = flat
-        self._deadline = time.monotonic() + end.timeout_s
+        self._posted = time.monotonic()
         self._done = False
 
     def wait(self, timeout_s: float | None = None) -> bool:
+        """Bounded like a group's collectives (:mod:`asyncrl.weights.watchdog`): it fails
+        once ``timeout_s`` passed since it was posted or since the group's last bucket
+        went through, whichever is later."""
         if self._done:
             return True
-        remaining = self._deadline - time.monotonic()
+        deadline = max(self._posted, self._end.progress_at) + self._end.timeout_s
+        remaining = deadline - time.monotonic()
         slice_s = remaining if timeout_s is None else min(timeout_s, remaining)
         keys = self._end.keys_for(self._index)
         if not self._end.arrived(keys, max(slice_s, 0.001)):
-            if time.monotonic() >= self._deadline:
+            if time.monotonic() >= deadline:
                 raise RuntimeError(f"weights ipc: bucket {self._index} not through within "
                                    f"{self._end.timeout_s:.1f} s (weights.timeout_s)")
             return False
@@ -96,6 +100,7 @@ class IpcTransport:
         self._store: dist.Store | None = None
         self.rank, self.world = 0, 1
         self._next = 0  # index of the next bucket posted on this group, the same on every end
+        self.progress_at = 0.0  # when a bucket of this group last went through
 
     @staticmethod
     def announced_opts(update_bytes: int, sim_sync_s: float) -> dict[str, Any]:
@@ -150,6 +155,7 @@ class IpcTransport:
         """Rank 0: every receiver has the bucket, forget its keys. A receiver: copy it out of
         rank 0's memory, device to device, and say done."""
         store = self._live()
+        self.progress_at = time.monotonic()
         if self.rank == 0:
             for key in [f"b{index}", *self.keys_for(index)]:
                 store.delete_key(key)

@@ -4,14 +4,16 @@ An NCCL collective whose peer froze or died does not raise: the host waits on a 
 that never fires, and NCCL's own timeout is enforced only by its watchdog, which by default
 takes the whole process down (TRL had to learn this, #6796, #6913). Gloo raises at its own
 timeout but keeps the group's threads blocked. So every collective a group posts is watched
-here: past ``timeout_s`` the group is aborted (NCCL: ``ncclCommAbort``, which ends the
-pending kernels) and every pending collective of it fails, and whoever waits on one gets a
-``RuntimeError`` at once. The broadcaster treats that as any failed collective: it drops the
+here: once a collective has been pending for ``timeout_s`` with none of the group's finishing
+meanwhile, the group is aborted (NCCL: ``ncclCommAbort``, which ends the pending kernels),
+every pending collective of it fails, and whoever waits on one gets a ``RuntimeError`` at
+once. The clock is progress, not age: a receiver posts all of an update's buckets at once,
+and a large update may take longer than ``timeout_s`` in all while every bucket is quick. The broadcaster treats that as any failed collective: it drops the
 group, the next attempt's handshake finds who is gone and evicts it, the next epoch rebuilds
 the group. The same code runs for gloo, so CPU tests exercise it.
 
 One thread per group, started with the first watch, waiting on a condition until the
-earliest deadline (no polling); it ends with the group.
+pending collectives' deadline (no polling); it ends with the group.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ logger = logging.getLogger(__name__)
 class Watched:
     """One posted collective as the watchdog sees it: settled once it finished or expired."""
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
+    def __init__(self, posted: float) -> None:
+        self.posted = posted
         self.settled = threading.Event()
         self.expired: str | None = None  # why it was given up, once it was
 
 
 class Watchdog:
-    """Gives up on a group's collectives ``timeout_s`` after they were posted: calls
-    ``abort`` once (from its own thread) and settles every pending collective as expired."""
+    """Gives up on a group whose oldest pending collective saw no progress (none of the
+    group's collectives finished) for ``timeout_s``: calls ``abort`` once (from its own
+    thread) and settles every pending collective as expired."""
 
     def __init__(self, timeout_s: float, abort: Callable[[], None], name: str) -> None:
         self._timeout_s = timeout_s
@@ -43,13 +46,14 @@ class Watchdog:
         self._name = name
         self._cv = threading.Condition()
         self._items: list[Watched] = []
+        self._progress_at = 0.0  # when a collective of the group last finished
         self._closed = False
         self._thread: threading.Thread | None = None
 
     def watch(self) -> Watched:
-        """A new collective, due within ``timeout_s``; the caller sets ``settled`` when it
-        finishes (and calls :meth:`poke`)."""
-        item = Watched(time.monotonic() + self._timeout_s)
+        """A new collective; the caller sets ``settled`` when it finishes (and calls
+        :meth:`poke`)."""
+        item = Watched(time.monotonic())
         with self._cv:
             if self._closed:
                 item.expired = f"weight group {self._name} already closed"
@@ -64,8 +68,9 @@ class Watchdog:
         return item
 
     def poke(self) -> None:
-        """A collective finished: let the thread drop it and look at the next deadline."""
+        """A collective finished: progress, so the clock of the ones still pending restarts."""
         with self._cv:
+            self._progress_at = time.monotonic()
             self._cv.notify()
 
     def close(self) -> None:
@@ -90,15 +95,16 @@ class Watchdog:
             item.settled.set()
 
     def _next_expired(self) -> list[Watched]:
-        """Wait until a collective is overdue (then every pending one fails with the group,
-        and the watchdog closes) or the watchdog is closed (empty)."""
+        """Wait until the pending collectives went ``timeout_s`` without progress (then every
+        one fails with the group, and the watchdog closes) or the watchdog is closed (empty)."""
         with self._cv:
             while not self._closed:
                 self._items = [item for item in self._items if not item.settled.is_set()]
                 if not self._items:
                     self._cv.wait()
                     continue
-                remaining = min(item.deadline for item in self._items) - time.monotonic()
+                since = max(min(item.posted for item in self._items), self._progress_at)
+                remaining = since + self._timeout_s - time.monotonic()
                 if remaining > 0:
                     self._cv.wait(remaining)
                     continue

@@ -114,6 +114,19 @@ def test_the_watchdog_aborts_once_and_fails_every_pending_collective() -> None:
     assert late.settled.is_set() and late.expired is not None
 
 
+def test_the_watchdog_counts_from_the_last_progress_not_from_the_post() -> None:
+    """A receiver posts every bucket of an update at once: a bucket still pending past
+    ``timeout_s`` after its post is fine while the ones before it keep finishing."""
+    aborted = threading.Event()
+    dog = Watchdog(1.5, aborted.set, "g")
+    first, second = dog.watch(), dog.watch()
+    assert not first.settled.wait(0.9)
+    first.settled.set()
+    dog.poke()  # progress at ~0.9 s: the second is now due at ~2.4 s, not 1.5 s
+    assert not second.settled.wait(0.9) and not aborted.is_set()
+    assert second.settled.wait(10) and second.expired is not None and aborted.is_set()
+
+
 def test_a_watchdog_closed_in_time_aborts_nothing() -> None:
     calls = []
     dog = Watchdog(60.0, lambda: calls.append(1), "g")
