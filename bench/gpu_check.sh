@@ -18,12 +18,16 @@
 # Writes DIR/gpu_check.json and DIR/gpu_check.md (one table), the steps' logs in DIR/logs and
 # their raw JSON beside them. DIR: --out, else $OUT (the device tool's), else ./gpu-check.
 #
-# Python: $PYTHON, else python3. The project's pure-Python dependencies that the machine
-# lacks (pydantic, pyzmq, orjson, pytest ...) come as wheels in ./wheels (carried), installed
-# with `pip install --no-index --target` into DIR/pydeps; nothing is downloaded.
+# Python: $PYTHON, else python3. The project's dependencies that the machine lacks come as
+# wheels in ./wheels (carried, a few MiB), installed with `pip install --no-index --no-deps
+# --target` into DIR/pydeps; nothing is downloaded there. Prepare them beforehand where a
+# registry is reachable, for the GPU machine's Python (3.12 so far), e.g.
+#   pip download --only-binary :all: --python-version 3.12 -d wheels pydantic pyzmq orjson \
+#       xxhash rich prometheus-client pytest
+# (with their dependencies: --no-deps is not passed to the download).
 #
 # Without CUDA it refuses (exit 2) unless --dry-run, which checks on any machine that every
-# piece imports and parses its arguments, and writes the same JSON and table (steps "dry").
+# piece imports and parses its arguments, and writes the same JSON and table (nothing measured).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +41,7 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR="$2"; shift 2 ;;
     --budget-s) BUDGET_S="$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "bench/gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

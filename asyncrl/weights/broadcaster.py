@@ -71,7 +71,15 @@ from asyncrl.config.schema import WeightsConfig
 from asyncrl.control_plane import ControlPlane
 from asyncrl.engine_kinds import engine_kind
 from asyncrl.weights.membership import Membership
-from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
+from asyncrl.weights.plan import (
+    ALIGN,
+    BucketBuffers,
+    BucketPlan,
+    new_staging,
+    plan_buckets,
+    stage,
+    staging_fits,
+)
 from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
     GROUP_KEY,
@@ -132,10 +140,15 @@ class WeightBroadcaster:
     membership epochs. ``align`` is the plan's tensor alignment in a bucket: 1 for SGLang
     peers, whose ``flattened_bucket`` receive expects the tensors' bytes back to back (see
     :func:`rollouters.engines.sglang_engine.sglang_requests`); :func:`broadcast_align` picks it.
+    ``device``: the learner's compute device, which ``weights.transport = "auto"`` compares
+    with the engines' (the gathered state may sit in host memory: FSDP2 offloads it there);
+    None: the device of the state each sync is given. ``senders``: learner ranks that send,
+    each to its slice of the engines (:mod:`asyncrl.weights.fanout`).
     """
 
     def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
-                 align: int = ALIGN, sim_sync_s: float = 0.0, senders: int = 1):
+                 align: int = ALIGN, sim_sync_s: float = 0.0, senders: int = 1,
+                 device: torch.device | None = None):
         self._control = control
         self._senders = max(1, senders)  # learner ranks sending, each to its slice (fanout)
         self._sender_names = {sender_name(k) for k in range(1, self._senders)}
@@ -144,7 +157,8 @@ class WeightBroadcaster:
         self._align = align
         self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
         transport_kind(cfg.transport)  # raises for an unknown one
-        self._device: torch.device | None = None  # the learner's (its state's), per sync
+        self._learner_device = device
+        self._device: torch.device | None = None  # the learner's, or its state's, per sync
         self.transport = ""  # the last epoch's, as the handshake decided it
         self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
@@ -228,7 +242,8 @@ class WeightBroadcaster:
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
                             int(self._cfg.alone_mb * 2**20))
-        self._device = next(iter(state_dict.values())).device if state_dict else None
+        state_device = next(iter(state_dict.values())).device if state_dict else None
+        self._device = self._learner_device or state_device
         opts = announced_opts(self._cfg.transport, plan.total_bytes, self._sim_sync_s)
         if opts != self._transport_opts:
             self._drop()  # a group's options (sim: its wire speed) are fixed at its creation
@@ -321,13 +336,13 @@ class WeightBroadcaster:
         """
         if not plan.bucket_nbytes:
             return {}
-        staging = self._staging_for(plan, state)
+        device = transport.buffer_device()
+        staging = self._staging_for(plan, state, device)
         finished = False
         try:
             pending: Pending | None = None
             for index in range(len(plan.bucket_nbytes)):
-                out = staging.slot(index) if staging.holds(index) else None
-                work = transport.send(pack_bucket(plan, index, state, out))
+                work = transport.send(stage(plan, index, state, staging, device))
                 if pending is not None:
                     lost = self._watch(pending, members)
                     if lost:
@@ -350,13 +365,13 @@ class WeightBroadcaster:
                 return lost
         return {}
 
-    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> BucketBuffers:
-        device = next(iter(state.values())).device
-        if self._staging is None or not self._staging.fits(plan, device):
+    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
+                     device: torch.device) -> BucketBuffers:
+        if not staging_fits(self._staging, plan, state, device):
             self._staging = None  # let the old buffers go before allocating the new ones
-            self._staging = BucketBuffers(plan, device, slots=2, skip_lone=True)
-            logger.info("weights: staging buffers for %d buckets: %.1f MB",
-                        len(plan.bucket_nbytes), self._staging.nbytes / 1e6)
+            self._staging = new_staging(plan, state, device)
+            logger.info("weights: staging buffers for %d buckets on %s: %.1f MB",
+                        len(plan.bucket_nbytes), device, self._staging.nbytes / 1e6)
         return self._staging
 
     def _announce(self, plan: BucketPlan, version: int, members: list[str]) -> None:

@@ -7,11 +7,12 @@ sending bandwidth grows with ``M``. This is a change of plan, not of format: the
 gains ``"senders": M``, and the rest (manifest, buckets, epochs, the join → go handshake,
 acks, eviction, timeouts) is what :mod:`asyncrl.weights.broadcaster` documents.
 
-- :func:`~asyncrl.weights.slices.slices`: engine ``i`` of the sorted members is served by learner rank ``i % M``, so
-  the slices differ by one engine at most and every party computes them alike.
-- :func:`~asyncrl.weights.slices.seat`: where one engine sits: the group of its slice (``<group>-s<k>``; with one
-  sender the epoch's group name itself, so an SGLang server meets exactly the group it met
-  before), its rank in it and the group's size.
+- :func:`~asyncrl.weights.slices.slices`: engine ``i`` of the sorted members is served by
+  learner rank ``i % M``, so the slices differ by one engine at most and every party
+  computes them alike.
+- :func:`~asyncrl.weights.slices.seat`: where one engine sits: the group of its slice
+  (``<group>-s<k>``; with one sender the epoch's group name itself, so an SGLang server
+  meets exactly the group it met before), its rank in it and the group's size.
 - :class:`SliceSender`: learner rank ``k >= 1``'s end. It follows the announcements like a
   receiver (it is one, in reverse), joins the handshake as ``learner-sender-<k>`` (rank 0
   waits for its join as for an engine's; a sender that does not join fails the attempt, it
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from asyncrl.control_plane import ControlPlane
-from asyncrl.weights.plan import BucketBuffers, BucketPlan, pack_bucket
+from asyncrl.weights.plan import BucketBuffers, BucketPlan, new_staging, stage, staging_fits
 from asyncrl.weights.receiver import WATCH_S, Superseded, WeightReceiver, agreed_transport
 from asyncrl.weights.rendezvous import ANNOUNCE_KEY, dial_store
 from asyncrl.weights.slices import sender_name, slice_group, slices
@@ -126,15 +127,14 @@ class SliceSender(WeightReceiver):
         slots, as rank 0 does); a newer announcement during a slow bucket ends the send."""
         transport = self._transport
         assert transport is not None
-        device = next(iter(state.values())).device
-        if self._staging is None or not self._staging.fits(plan, device):
+        device = transport.buffer_device()
+        if not staging_fits(self._staging, plan, state, device):
             self._staging = None
-            self._staging = BucketBuffers(plan, device, slots=2, skip_lone=True)
+            self._staging = new_staging(plan, state, device)
         pending: Pending | None = None
         try:
             for index in range(len(plan.bucket_nbytes)):
-                out = self._staging.slot(index) if self._staging.holds(index) else None
-                work = transport.send(pack_bucket(plan, index, state, out))
+                work = transport.send(stage(plan, index, state, self._staging, device))
                 if pending is not None:
                     self._watch(pending)
                 pending = work

@@ -8,9 +8,10 @@ here: once a collective has been pending for ``timeout_s`` with none of the grou
 meanwhile, the group is aborted (NCCL: ``ncclCommAbort``, which ends the pending kernels),
 every pending collective of it fails, and whoever waits on one gets a ``RuntimeError`` at
 once. The clock is progress, not age: a receiver posts all of an update's buckets at once,
-and a large update may take longer than ``timeout_s`` in all while every bucket is quick. The broadcaster treats that as any failed collective: it drops the
-group, the next attempt's handshake finds who is gone and evicts it, the next epoch rebuilds
-the group. The same code runs for gloo, so CPU tests exercise it.
+and a large update may take longer than ``timeout_s`` in all while every bucket is quick.
+The broadcaster treats a failed wait as any failed collective: it drops the group, the next
+attempt's handshake finds who is gone and evicts it, the next epoch rebuilds the group. The
+same code runs for gloo, so CPU tests exercise it.
 
 One thread per group, started with the first watch, waiting on a condition until the
 pending collectives' deadline (no polling); it ends with the group.

@@ -20,8 +20,9 @@ def test_one_request_per_bucket_the_last_flushes_and_sets_the_version() -> None:
     plan = plan_buckets(state, bucket_bytes=200, align=1)
     named: dict[str, torch.Tensor] = {}
     for index in range(len(plan.bucket_nbytes)):
+        names = {spec.name for spec in plan.in_bucket(index)}
         flat = torch.cat([t.contiguous().view(-1).view(torch.uint8)
-                          for n, t in state.items() if n in {s.name for s in plan.in_bucket(index)}])
+                          for n, t in state.items() if n in names])
         named.update(unpack_bucket(plan, index, flat))
     requests = tensor_requests(plan, named, version=7, tp_size=2)
     assert len(requests) == len(plan.bucket_nbytes) >= 2

@@ -111,7 +111,11 @@ def engine_child(address: str, out: str) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.timeout(180)
-def test_auto_moves_weights_by_ipc_to_an_engine_on_the_learners_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("held", ["cuda", "cpu"])
+def test_auto_moves_weights_by_ipc_to_an_engine_on_the_learners_gpu(tmp_path: Path,
+                                                                    held: str) -> None:
+    """The learner computes on the GPU; its gathered state is there, or in host memory
+    (FSDP2 offloads it), whence the staging slots carry every bucket to the GPU."""
     from safetensors.torch import load_file
 
     from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
@@ -125,16 +129,17 @@ def test_auto_moves_weights_by_ipc_to_an_engine_on_the_learners_gpu(tmp_path: Pa
     control = ZmqBufferClient(address, 10.0)
     out = str(tmp_path / "engine")
     proc = child(["engine", address, out])
-    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=1, timeout_s=TIMEOUT_S))
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=1, timeout_s=TIMEOUT_S),
+                                    device=torch.device("cuda", 0))
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not broadcaster.members() and time.monotonic() < deadline:
             control.get_key("test/none", 0, 0.5)  # a bounded wait for the child's heartbeat
         for version in (1, 2):
             torch.manual_seed(version)
-            state = {"a": torch.randn(1024, 1024, device="cuda"),
-                     "b": torch.randn(333, device="cuda").to(torch.bfloat16),
-                     "c": torch.randn(64, 3, device="cuda")}
+            state = {"a": torch.randn(1024, 1024, device=held),  # 4 MB: a bucket of its own
+                     "b": torch.randn(333, device=held).to(torch.bfloat16),
+                     "c": torch.randn(64, 3, device=held)}
             metrics = broadcaster.sync(state, version)
             assert metrics["weights/members"] == 1, metrics
             assert broadcaster.transport == "ipc"
