@@ -46,6 +46,19 @@ def test_the_factory_knows_every_transport_and_refuses_the_rest() -> None:
         make_transport("shm", host="127.0.0.1", timeout_s=1.0)
 
 
+def test_nccl_is_the_gloo_path_with_another_backend() -> None:
+    """NCCL between two processes needs two GPUs, which these machines never have: what CI
+    runs through gloo must be all of NCCL's path but the backend object and the device."""
+    from asyncrl.weights.group import GlooTransport, GroupTransport, NcclTransport
+
+    def own(cls: type) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("__")}
+
+    assert own(GlooTransport) == {"_backend"}
+    assert own(NcclTransport) == {"DEVICE_PREFIX", "_backend", "_buffer_device"}
+    assert {"connect", "send", "receive", "close", "buffer_device"} <= own(GroupTransport)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 @pytest.mark.parametrize("name", ["nccl", "ipc"])
 def test_a_cuda_transport_without_cuda_is_refused_naming_the_key(name: str) -> None:
