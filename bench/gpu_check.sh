@@ -8,7 +8,8 @@
 # Steps, each under its own `timeout` and all under --budget-s (default 450 s, so the whole
 # script stays under 8 minutes; a step that no longer fits is skipped and says so):
 #   env                   torch, CUDA, the GPU (nvidia-smi)
-#   gpu_tests             the gpu-marked tests of the weight transports (pytest, if present)
+#   gpu_tests             the gpu-marked tests of tests/unit and tests/integration (the ipc
+#                         transport's among them), if pytest is there
 #   ipc_transfer          bench/weight_sync.py --transport ipc, the Qwen2-0.5B shape in bf16,
 #                         1 and 2 engines on the learner's GPU: time and GB/s of the sync
 #                         against a raw cudaMemcpy (device-to-device copy_) of the same bytes
@@ -132,9 +133,9 @@ if [ "$DRY" = 1 ]; then
   has_pytest || record pytest missing 0 "no pytest here: carry its wheels for gpu_tests"
 else
   step env 60 "$PY" -c "$ENV_PY" "$OUT_DIR/env.json"
-  if has_pytest; then
-    step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-      tests/unit/test_weight_ipc.py tests/unit/test_mismatch.py
+  if has_pytest; then  # every gpu-marked test module of tests/unit and tests/integration
+    mapfile -t GPU_TESTS < <(grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py)
+    step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
   else
     record gpu_tests skipped 0 "pytest is not installed (carry its wheels in ./wheels)"
   fi
