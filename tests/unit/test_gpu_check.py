@@ -45,8 +45,7 @@ def test_the_dry_run_checks_every_piece_and_writes_the_report(tmp_path: Path) ->
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {step["name"]: step["status"] for step in report["steps"]}
     assert report["dry_run"] is True
-    assert [status[name] for name in ("env", "gpu_tests", "ipc_transfer", "learner_mfu")] \
-        == ["ok"] * 4
+    assert status["pieces"] == "ok" and report["env"]["torch"] == torch.__version__
     assert "colocated_quickstart" in status
     table = (tmp_path / "gpu_check.md").read_text()
-    assert table.startswith("# GPU check (dry run)") and "| ipc_transfer | ok |" in table
+    assert table.startswith("# GPU check (dry run)") and "| pieces | ok |" in table
