@@ -15,13 +15,13 @@ stopped, sorted. A *membership epoch* is one group over them (named ``group``, s
 SGLang server can be a member, ``ipc`` on a shared GPU, or ``sim``; ``auto`` is decided per
 epoch at the go, from the devices the joins report: ``weights/group`` then carries the
 ``transports``, one per slice), built with the announced ``transport_opts``; it is reused
-while the members and the options stay the same. With ``senders`` M > 1, learner rank k
-serves the k-th slice of the members in a group of its own
-(:mod:`asyncrl.weights.fanout`): rank 0 still announces, decides the go and collects the
-acks. When they change, the new epoch starts with a
-handshake on the control plane so that nobody blocks on a dead peer: receivers write
-``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
-one is lost: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
+while the members and the options stay the same. (With ``senders`` M > 1, learner rank k
+serves the k-th slice of the members in a group of its own, :mod:`asyncrl.weights.fanout`;
+rank 0 still announces, decides the go and collects the acks.) When the members or the
+options change, the new epoch starts with a handshake on the control plane so that nobody
+blocks on a dead peer: receivers write ``weights/join/<member>`` ``{"epoch", "store",
+"device"}``, the broadcaster waits for all of them (up to ``timeout_s``, less if one is lost:
+see below) and writes ``weights/group`` ``{"epoch", "store", "go", "transports"}``; only after
 ``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
 receiver acks with ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store
 make an ack from an earlier group, or an earlier learner, count for nothing).
@@ -162,6 +162,7 @@ class WeightBroadcaster:
         self.transport = ""  # the last epoch's, as the handshake decided it
         self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
+        self._slice: list[str] = []  # the members this rank sent the last attempt to
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
         self._store = serve_store(host, cfg.timeout_s)
         self.address = f"{host}:{self._store.port}"
@@ -252,7 +253,7 @@ class WeightBroadcaster:
             delivered, attempts = self._deliver(plan, state_dict, version)
         finally:
             evicted = self._membership.sync_ended()
-        served = len(self._own_slice()) if delivered else 0
+        served = len(set(self._slice) & set(delivered))
         return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
                 "weights/sent_engines": float(served),  # this rank's slice (fanout)
@@ -298,6 +299,7 @@ class WeightBroadcaster:
                  members: list[str]) -> list[str]:
         """One try over ``members``: the members that have the version (empty when someone
         was lost before the others acked: they get it in the next attempt, at once)."""
+        self._slice = slices(members, self._senders)[0]  # whom this rank sends to
         fresh = self._group is None or self._group.members != tuple(members)
         if fresh:
             self._drop()
@@ -422,10 +424,6 @@ class WeightBroadcaster:
         logger.info("weights: epoch %d with %d engines over %s (this rank serves %d): %s",
                     epoch, len(members), transports, len(parts[0]), members)
         return True
-
-    def _own_slice(self) -> list[str]:
-        members = list(self._group.members) if self._group is not None else []
-        return slices(members, self._senders)[0]
 
     def _choose(self, parts: list[list[str]]) -> list[str]:
         """Each slice's transport (``weights.transport``, or for ``auto`` the one the devices
