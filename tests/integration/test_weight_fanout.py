@@ -9,6 +9,8 @@ test, and threads keep it to a few seconds on two cores.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -80,6 +82,63 @@ def test_two_learner_ranks_deliver_to_four_engines_each_sending_half() -> None:
             assert sender.sent_engines == 2 * version
             assert sender.sent_bytes == 2 * total * version
         assert metrics["weights/epoch"] == 1, "one epoch: both ranks' groups are reused"
+        assert broadcaster.transport == "gloo", "auto, every end on the CPU"
+    finally:
+        broadcaster.close()
+        for receiver in (*receivers, sender):
+            receiver.stop()
+        for each in clients:
+            each.close()
+        stop_broker()
+
+
+@pytest.mark.timeout(120)
+def test_an_engine_lost_in_another_ranks_slice_is_evicted_and_the_rest_served() -> None:
+    """engine-3 (learner rank 1's slice) heartbeats once and never joins: it goes silent, is
+    evicted, and the next epoch re-slices the three others over both ranks; rank 1 follows."""
+    torch.set_num_threads(1)
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
+    clients: list[ZmqBufferClient] = []
+
+    def client() -> ZmqBufferClient:
+        clients.append(ZmqBufferClient(address, 10.0))
+        return clients[-1]
+
+    control, beats = client(), client()
+    got: dict[str, int] = {}
+    live = ENGINES[:3]
+    receivers = [WeightReceiver(client(), name,
+                                lambda named, version, name=name: got.__setitem__(name, version))
+                 for name in live]
+    sender = SliceSender(client(), rank=1)
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.001, timeout_s=4.0),
+                                    senders=2)
+    try:
+        beats.heartbeat(ENGINES[3], "rollout", {"engine_version": -1})  # and never again
+        for receiver in (*receivers, sender):
+            receiver.start()
+        state = {"w": torch.randn(256, 8)}
+        sender.offer(state, 1)
+        stop = threading.Event()
+
+        def beat() -> None:  # the live engines' heartbeats, as their workers send them
+            while not stop.wait(0.5):
+                for name in live:
+                    beats.heartbeat(name, "rollout", {"engine_version": got.get(name, -1)})
+
+        beating = threading.Thread(target=beat)
+        beating.start()
+        try:
+            metrics = broadcaster.sync(state, 1)
+        finally:
+            stop.set()
+            beating.join()
+        assert metrics["weights/members"] == 3 and metrics["weights/evicted"] == 1
+        assert got == {name: 1 for name in live}
+        assert set(broadcaster.evictions()) == {ENGINES[3]}
+        assert sender.sent_versions == [1] and sender.sent_engines == 1, \
+            "rank 1 serves engine-1 alone once engine-3 is out"
     finally:
         broadcaster.close()
         for receiver in (*receivers, sender):
