@@ -100,9 +100,10 @@ def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
     own = getattr(engine, "weight_receiver", None)
     if own is not None:
         return own(control, member)
+    device = getattr(engine, "weights_device", None)  # buckets land there over nccl or ipc
     adopt = getattr(engine, "adopt_weights", None)
     if adopt is not None:  # zero-copy commit: the engine keeps the received tensors
-        return WeightReceiver(control, member, adopt, host=host, adopt=True)
+        return WeightReceiver(control, member, adopt, host=host, adopt=True, device=device)
     return WeightReceiver(control, member,
                           lambda named, version: engine.load_weights(named.items(), version),
-                          host=host)
+                          host=host, device=device)
