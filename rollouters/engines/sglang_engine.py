@@ -128,8 +128,13 @@ class SglangEngine:
 
     def __init__(self, url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0,
                  update_timeout_s: float = 600.0, pause_mode: PauseMode = "in_place",
-                 version: int = 0, server: SglangServer | None = None) -> None:
+                 version: int = 0, server: SglangServer | None = None,
+                 eos_ids: tuple[int, ...] = ()) -> None:
         self.url = url.rstrip("/")
+        # Sent as stop_token_ids on every request: SGLang would otherwise stop only at the EOS
+        # its own files name, and a tokenizer's EOS that generation_config leaves out
+        # (<|im_end|> vs <|endoftext|>) would run the row to max_new_tokens.
+        self.eos_ids = tuple(eos_ids)
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
@@ -170,9 +175,11 @@ class SglangEngine:
         logprobs are SGLang's own, so the importance ratios stay right either way."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         rows = [list(p) for p in prompts for _ in range(n)]
-        body = {"input_ids": rows, "return_logprob": True,
-                "sampling_params": {"temperature": 0.0 if greedy else temperature,
-                                    "max_new_tokens": max_new_tokens}}
+        sampling: dict[str, Any] = {"temperature": 0.0 if greedy else temperature,
+                                    "max_new_tokens": max_new_tokens}
+        if self.eos_ids:
+            sampling["stop_token_ids"] = list(self.eos_ids)
+        body = {"input_ids": rows, "return_logprob": True, "sampling_params": sampling}
         started = self.version
         answer = self._post("/generate", body, self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
