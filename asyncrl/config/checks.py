@@ -118,7 +118,17 @@ def _colocate(cfg: Config) -> Iterator[str]:
                "be the same")
 
 
+def _weights_transport(cfg: Config) -> Iterator[str]:
+    """A transport whose buckets live in CUDA memory needs the learner there."""
+    from asyncrl.weights.transport import transport_kind  # torch-free
+
+    if transport_kind(cfg.weights.transport).needs_cuda and cfg.learner.device == "cpu":
+        yield (f"weights.transport ({cfg.weights.transport!r}) moves CUDA buckets, but "
+               "learner.device is 'cpu' (set learner.device = 'cuda', or weights.transport = "
+               "'auto' or 'gloo')")
+
+
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff, _colocate)
+    _restart_backoff, _colocate, _weights_transport)
 """Every cross-section rule, in the order their problems are reported."""

@@ -600,10 +600,13 @@ class LearnerConfig(Section):
 
 
 class WeightsConfig(Section):
-    transport: Literal["gloo", "sim"] = Field(
-        "gloo", description="Learner → engine broadcast backend; `sim` replaces each broadcast "
-                            "by a wait of sim.sync_s in total (the handshake, announcements and "
-                            "acks stay real).")
+    transport: Literal["auto", "gloo", "nccl", "ipc", "sim"] = Field(
+        "auto", description="Learner → engine transport. auto: per membership epoch, ipc when "
+                            "the learner and every engine share one GPU, nccl when all are on "
+                            "other GPUs, gloo otherwise (CPU); nccl and ipc need CUDA and "
+                            "learner.device = cuda; `sim` replaces each broadcast by a wait of "
+                            "sim.sync_s in total (the handshake, announcements and acks stay "
+                            "real).")
     overlap: bool = Field(True, description="Deliver each version to the engines (and publish "
                                             "it) on a thread while the learner goes on to the "
                                             "next step; false: sync before the next step.")
@@ -614,7 +617,8 @@ class WeightsConfig(Section):
                                         "own memory, one collective each, instead of being copied "
                                         "into a bucket; 0 packs every tensor (always 0 for sglang "
                                         "peers: one HTTP request per bucket).")
-    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout (a watchdog aborts "
+                                                      "a group past it); evicts engines.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "

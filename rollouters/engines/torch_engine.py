@@ -160,6 +160,13 @@ class TorchEngine:
                                      versions=batch.versions[:length], finish_reason=reason))
         return result
 
+    @property
+    def weights_device(self) -> torch.device:
+        """Where weight updates should land: the model's device. Over ``nccl`` the buckets
+        arrive there, over ``ipc`` they are copied there from the learner's memory on the same
+        GPU, so :meth:`adopt_weights` can keep them without another copy."""
+        return self.device
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy named tensors into the model in place, then set :attr:`version`.
 
