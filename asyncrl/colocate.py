@@ -100,8 +100,9 @@ class PhaseConductor:
         """Put every present engine to sleep for the step from ``version``; returns the
         handover's metrics: how long the learner waited (``colocate/sleep_s``), the slowest
         engine's own sleep and its wake at the previous rollout phase, how many engines
-        missed the deadline, and the weight and KV bytes the sleeping engines say they still
-        hold on their devices (``colocate/asleep_held_bytes``: 0 when all let go of them;
+        missed the deadline, and the bytes of weights, KV cache and receive buffers the
+        sleeping engines say they still hold (``colocate/asleep_held_bytes``: 0 when all let
+        go of them;
         on CUDA also ``colocate/engines_gib_asleep``, all their processes still allocate)."""
         start = time.monotonic()
         self._version = version  # named in the reason an engine is not waited for
@@ -123,7 +124,7 @@ class PhaseConductor:
                   if self._answers(value, TRAIN, n)]
         sleeps = [float(value.get("seconds", 0.0)) for value in asleep]
         held = sum(value.get("memory", {}).get(part, 0) for value in asleep
-                   for part in ("weights_bytes", "kv_bytes"))
+                   for part in ("weights_bytes", "kv_bytes", "receive_bytes"))
         on_device = [value["memory"]["device_allocated_bytes"] for value in asleep
                      if "device_allocated_bytes" in value.get("memory", {})]
         return {"colocate/sleep_s": time.monotonic() - start,

@@ -93,7 +93,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
         beat.start()
-        unfollow = follow_phases(cfg, engine, member, address, stop, beat)
+        unfollow = follow_phases(cfg, engine, receiver, member, address, stop, beat)
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
         _loop(cfg, index, member, engine, producer, client, stop, endpoint, receiver, beat)
     finally:

@@ -98,6 +98,7 @@ class WeightReceiver:
         self._adopt = adopt
         # receive buffers, reused while the plan holds; two when the engine adopts tensors
         self._pools: list[BucketBuffers | None] = [None, None] if adopt else [None]
+        self._serving = threading.Lock()  # held while an update is served: the pools in use
         self._next_pool = 0  # adopt: the pool the engine does not hold
         self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
 
@@ -133,7 +134,8 @@ class WeightReceiver:
                                             timeout_s=self._poll_s)
                 if got is not None:
                     self._seq, announcement = got
-                    self._serve(announcement)
+                    with self._serving:
+                        self._serve(announcement)
             except BufferStopped:  # the role is stopping, and its broker does not answer
                 break
             except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
@@ -235,6 +237,29 @@ class WeightReceiver:
             logger.info("weights: %s receive pool %d for %d buckets: %.1f MB", self.member,
                         index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
         return pool
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held in receive pools now (0 after :meth:`release_buffers`)."""
+        return sum(pool.nbytes for pool in list(self._pools) if pool is not None)
+
+    def release_buffers(self, timeout_s: float) -> bool:
+        """Let go of the receive pools now (from another thread): an engine going to sleep
+        (``launcher.colocate``) gives its device memory back, and with an ``ipc`` or
+        ``nccl`` group the pools are on the device. Waits for an update being served to end,
+        up to ``timeout_s`` (False then, nothing released). The next update allocates new
+        pools; an adopting engine must hold none of these tensors any more (asleep, its
+        weights are in host copies)."""
+        if not self._serving.acquire(timeout=timeout_s):
+            return False
+        try:
+            on_cuda = any(p is not None and p.device.type == "cuda" for p in self._pools)
+            self._pools = [None] * len(self._pools)
+            if on_cuda:
+                torch.cuda.empty_cache()
+            return True
+        finally:
+            self._serving.release()
 
     def _leave(self) -> None:
         """Drop the group (aborting any broadcast still pending into the pool) and the pool

@@ -203,3 +203,47 @@ def test_acks_left_by_an_earlier_learner_count_for_nothing(address: str, fleet: 
     new.to_rollout()
     fleet.wait_all("awake", 3)
     control.close()
+
+
+def test_a_sleeping_engine_lets_go_of_its_receive_buffers(address: str) -> None:
+    """The weight receiver's buffers (the engine adopted a received update: its weights are
+    views into them) go too when the engine sleeps; the next update gets new ones."""
+    from asyncrl.config.schema import WeightsConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from rollouters.colocate import _WithReceiver
+    from rollouters.engines import make_weight_receiver
+
+    clients = [ZmqBufferClient(address, timeout_s=10.0) for _ in range(4)]
+    control, receiving, following, beat = clients
+    engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), eos_ids=(EOS_ID,),
+                         pad_id=PAD_ID, seed=0)
+    receiver = make_weight_receiver(engine, receiving, MEMBERS[0])
+    moved = {"asleep": threading.Event(), "awake": threading.Event()}
+    follower = PhaseFollower(following, MEMBERS[0], _WithReceiver(engine, receiver, 10.0),
+                             on_phase=lambda phase: moved[phase].set())
+    beat.heartbeat(MEMBERS[0], "rollout", {})
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.25, alone_mb=0.0,
+                                                           timeout_s=10.0))
+    try:
+        receiver.start()
+        follower.start()
+        update = build_tiny_model(TinyModelConfig(), len(VOCAB), 1).state_dict()
+        assert broadcaster.sync(update, 1)["weights/members"] == 1
+        assert receiver.buffer_bytes > 0
+        clients.append(ZmqBufferClient(address, timeout_s=10.0))
+        conductor = PhaseConductor(clients[-1], timeout_s=10.0)
+        metrics = conductor.to_train(1)
+        assert engine.asleep and receiver.buffer_bytes == 0   # the receive buffers went too
+        assert metrics["colocate/asleep_held_bytes"] == 0
+        conductor.to_rollout()
+        assert moved["awake"].wait(30)   # the follower woke it; the next update lands
+        newer = build_tiny_model(TinyModelConfig(), len(VOCAB), 2).state_dict()
+        assert broadcaster.sync(newer, 2)["weights/members"] == 1
+        held = engine.state_dict()
+        assert all(torch.equal(held[k], v) for k, v in newer.items() if k in held)
+    finally:
+        broadcaster.close()
+        follower.close()
+        receiver.stop()
+        for client in clients:
+            client.close()
