@@ -25,7 +25,8 @@ generate the next batch with the previous weights (one step off).
 
 An engine asked to sleep first finishes the generate call in flight (its KV cache is freed
 when the call returns), so the handover costs at most one call. A follower that starts during
-a train phase (a restarted worker) sleeps at once. Pure control-plane logic: no torch here.
+a train phase (a restarted worker) sleeps at once. Pure control-plane logic: importing it
+imports no torch.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.control_plane import BufferStopped, ControlPlane
 from asyncrl.weights.membership import Membership, present
-from asyncrl.weights.rendezvous import await_keys
 
 __all__ = ["PHASE_KEY", "ROLLOUT", "TRAIN", "PhaseConductor", "PhaseFollower", "Sleeper",
            "ack_key"]
@@ -104,6 +104,8 @@ class PhaseConductor:
         sleeping engines say they still hold (``colocate/asleep_held_bytes``: 0 when all let
         go of them;
         on CUDA also ``colocate/engines_gib_asleep``, all their processes still allocate)."""
+        from asyncrl.weights.rendezvous import await_keys  # imports torch.distributed
+
         start = time.monotonic()
         self._version = version  # named in the reason an engine is not waited for
         members = self._members()
