@@ -44,6 +44,10 @@ class EngineKind:
     bucket_align: int | None = None
     """The alignment of tensors inside a bucket it can receive; None: the bucket plan's default
     (:data:`asyncrl.weights.plan.ALIGN`). SGLang's flattened buckets carry no padding: 1."""
+    sleeps: bool = False
+    """Can free its device memory between generation phases and take it back
+    (``sleep``/``wake_up``, :class:`~rollouters.engines.base.Sleeper`): what
+    ``launcher.colocate`` needs of it."""
     records_routing: bool = False
     """It can return the experts each token was routed to (``learner.routing_replay``)."""
     routing_note: str = "does not record the experts it routes each token to"
@@ -51,7 +55,7 @@ class EngineKind:
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("torch", merges_adapters=True, records_routing=True),
+    EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True),
     EngineKind("vllm", table="vllm", routing_note=(
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "

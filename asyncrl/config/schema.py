@@ -606,10 +606,13 @@ class LearnerConfig(Section):
 
 
 class WeightsConfig(Section):
-    transport: Literal["gloo", "sim"] = Field(
-        "gloo", description="Learner → engine broadcast backend; `sim` replaces each broadcast "
-                            "by a wait of sim.sync_s in total (the handshake, announcements and "
-                            "acks stay real).")
+    transport: Literal["auto", "gloo", "nccl", "ipc", "sim"] = Field(
+        "auto", description="Learner → engine transport. auto: per membership epoch, ipc when "
+                            "the learner and every engine share one GPU, nccl when all are on "
+                            "other GPUs, gloo otherwise (CPU); nccl and ipc need CUDA and "
+                            "learner.device = cuda; `sim` replaces each broadcast by a wait of "
+                            "sim.sync_s in total (the handshake, announcements and acks stay "
+                            "real).")
     overlap: bool = Field(True, description="Deliver each version to the engines (and publish "
                                             "it) on a thread while the learner goes on to the "
                                             "next step; false: sync before the next step.")
@@ -620,7 +623,8 @@ class WeightsConfig(Section):
                                         "own memory, one collective each, instead of being copied "
                                         "into a bucket; 0 packs every tensor (always 0 for sglang "
                                         "peers: one HTTP request per bucket).")
-    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout (a watchdog aborts "
+                                                      "a group past it); evicts engines.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "
@@ -706,6 +710,12 @@ class LauncherConfig(Section):
                                                             "(the last at most a week).")
     healthy_after_s: Seconds = Field(60.0, gt=0, description="A process that ran this long before "
                                                            "crashing starts a fresh restart count.")
+    colocate: bool = Field(False, description="Hybrid mode: learner ranks and engines share "
+                           "the devices, time-sliced. Engines sleep (free their KV cache, weights "
+                           "to host) while the learner steps; the learner moves its parameters, "
+                           "gradients and optimizer state to host while engines generate. Needs "
+                           "an engine that can sleep (rollout.engine = 'torch') and "
+                           "learner.backend = 'fsdp2'.")
 
     def stop_grace_s(self, role: str) -> float:
         """How long ``role`` gets after a stop before it is killed: the learner saves."""
