@@ -27,10 +27,8 @@ import json
 import logging
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
