@@ -58,6 +58,53 @@ def test_the_engine_records_what_a_full_forward_routes(moe_dir: Path) -> None:  
     assert len(lengths) > 1  # rows finished at different steps
 
 
+def test_concurrent_generate_calls_each_record_their_own_routing(moe_dir: Path  # noqa: F811
+                                                                  ) -> None:
+    """Two threads' calls interleave their decode steps under the engine's lock (``on_step``
+    makes each wait for the other's step): each call's routing is its own rows' (the steps go
+    to the call's batch, the hooks write into the calling thread's list)."""
+    import threading
+
+    model = load_causal_lm(moe_dir)
+    turns = [threading.Event(), threading.Event()]
+    engine = TorchEngine(model, eos_ids=[EOS_ID], pad_id=PAD_ID, seed=2, record_routing=True)
+    who = threading.local()
+
+    done = [False, False]
+
+    def hand_over(step: int) -> None:  # after each step, let the other thread take one
+        turns[1 - who.index].set()
+        if not done[1 - who.index]:
+            turns[who.index].wait(timeout=10)
+            turns[who.index].clear()
+
+    engine.on_step = hand_over
+    prompts = [[1, 5, 6, 7, 2], [1, 9, 8, 2]]
+    results: list = [None, None]
+
+    def run(index: int) -> None:
+        who.index = index
+        if index == 1:
+            turns[1].wait(timeout=10)
+            turns[1].clear()
+        results[index] = engine.generate([prompts[index]], n=2, temperature=1.0,
+                                         max_new_tokens=5)[0]
+        done[index] = True  # never keep the other waiting
+        turns[1 - index].set()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for prompt, completions in zip(prompts, results):
+        for completion in completions:
+            tokens = [*prompt, *completion.tokens]
+            expected = full_forward_routing(model, tokens)[:-1]
+            np.testing.assert_array_equal(np.sort(completion.routing[:-1], -1),
+                                          np.sort(expected, -1))
+
+
 def test_routing_travels_from_the_engine_into_the_learners_batch(moe_dir: Path  # noqa: F811
                                                                   ) -> None:
     from asyncrl.config.schema import TaskConfig
