@@ -209,3 +209,35 @@ def test_a_dense_model_is_refused_when_the_replay_is_built(tmp_path: Path) -> No
                               tmp_path, seed=0)
     with pytest.raises(ValueError, match="learner.routing_replay = true but Qwen2ForCausalLM"):
         RoutingReplay(load_causal_lm(dense), packing=False)
+
+
+def test_workflow_episodes_carry_a_routing_row_per_token() -> None:
+    """The workflow path (episode runner, batched engine calls, ``Trajectory``): each sample's
+    routing, through the wire, is what an uncached forward over its tokens routes, wherever the
+    engine routed the position (all but each turn's last token, and tool output after it)."""
+    import asyncio
+    import random
+
+    from asyncrl.config.schema import TinyModelConfig
+    from asyncrl.models import build_tiny_model
+    from asyncrl.wire import decode_group, encode_group
+    from rollouters.envs.lookup import LookupEnv
+    from rollouters.workflows.batching import BatchingEngine
+    from rollouters.workflows.runner import EpisodeRunner
+    from tests.unit.test_moe import MOE
+    from tests.unit.test_workflows import TOKENIZER, _workflow
+
+    model = build_tiny_model(TinyModelConfig(**MOE), len(TOKENIZER), seed=0)
+    engine = TorchEngine(model, eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0, record_routing=True)
+    runner = EpisodeRunner(_workflow(), BatchingEngine(engine, temperature=1.0,
+                                                       max_new_tokens=5), max_staleness=2)
+    groups = asyncio.run(runner.groups(LookupEnv.samples(random.Random(0), 2), group_size=2))
+    for group in groups:
+        routing = decode_group(encode_group(group)).extras[ROUTING]
+        assert routing.shape == (group.num_tokens, LAYERS, TOP_K)
+        for sample in group.sample_slices():
+            recorded = (routing[sample] != 255).all(axis=(1, 2))
+            assert recorded[:-1].any() and not recorded[-1]
+            expected = full_forward_routing(model, group.tokens[sample].tolist())
+            np.testing.assert_array_equal(np.sort(routing[sample][recorded], -1),
+                                          np.sort(expected[recorded], -1))
