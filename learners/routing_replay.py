@@ -9,13 +9,14 @@ stay a function of the router's weights, so the router is still trained; only th
 choice, which has no gradient anyway, comes from the engine.
 
 The routing in effect is set per micro-batch (:meth:`RoutingReplay.use`) and stays set through
-its backward, so activation checkpointing's recomputation routes as the forward did. Used on
-one rank (``learner.routing_replay`` refuses more): the batch's scatter does not carry it.
+its backward, so activation checkpointing's recomputation routes as the forward did. With several
+learner ranks each share's routing travels in the batch's scatter (:mod:`learners.balance`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -57,10 +58,13 @@ class RoutingReplay:
                 self._warned = True
             self._flat = None
             return
-        routing = batch.routing
-        if routing.shape[2] != len(self.routers):
-            raise ValueError(f"routing of {routing.shape[2]} layers for a model with "
-                             f"{len(self.routers)} MoE layers")
+        layers, top_k = len(self.routers), int(self.routers[0].top_k)
+        columns = math.prod(batch.routing.shape[2:])
+        if columns != layers * top_k:
+            raise ValueError(f"routing of {columns} experts a token for a model with "
+                             f"{layers} MoE layers of top-{top_k}")
+        # A rank's share comes with layers and top-k as one axis (learners.balance).
+        routing = batch.routing.reshape(*batch.routing.shape[:2], layers, top_k)
         if self.packing:
             from learners.packing import pack  # it imports learners.batching, which imports us
 

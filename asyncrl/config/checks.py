@@ -129,8 +129,7 @@ def _weights_transport(cfg: Config) -> Iterator[str]:
 
 
 def _routing_replay(cfg: Config) -> Iterator[str]:
-    """Routing replay needs an MoE model, an engine that records routing and (for now) one
-    learner rank: the batch's scatter to several ranks does not carry the routing."""
+    """Routing replay needs an MoE model and an engine that records routing."""
     if not cfg.learner.routing_replay:
         return
     if not cfg.model.path and not cfg.model.tiny.num_experts:
@@ -140,11 +139,6 @@ def _routing_replay(cfg: Config) -> Iterator[str]:
     if not kind.records_routing:
         yield (f"learner.routing_replay = true: rollout.engine = {kind.name!r} "
                f"{kind.routing_note}")
-    world = cfg.learner.ranks * cfg.learner.nnodes
-    if world > 1:
-        yield (f"learner.routing_replay = true with learner.ranks x learner.nnodes = {world}: "
-               "not built yet for more than one learner rank (the batch scatter does not carry "
-               "the routing)")
 
 
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (

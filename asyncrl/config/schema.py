@@ -602,7 +602,7 @@ class LearnerConfig(Section):
                                  "and the learner's forward uses them instead of its own "
                                  "router's choice (the router still trains on its logits). "
                                  "Needs an engine that records them (rollout.engine = "
-                                 "\"torch\") and one learner rank.")
+                                 "\"torch\").")
 
 
 class WeightsConfig(Section):

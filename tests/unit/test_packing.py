@@ -79,8 +79,8 @@ def test_split_keeps_whole_batch_group_tokens() -> None:
 
 
 def test_wire_table_names_every_field() -> None:
-    """Every field but ``routing``, which no scatter carries (``learner.routing_replay``
-    refuses several ranks, and ``pack_shares`` a batch with routing)."""
+    """Every field but ``routing``, which the scatter lays out last, and only when the batch
+    carries it (``learners.balance._layout``)."""
     assert set(_WIRE) | {"routing"} == {f.name for f in fields(TrainBatch)}
 
 

@@ -192,7 +192,6 @@ def test_a_multi_turn_sample_keeps_each_turns_own_routing() -> None:
     (["model.tiny.num_experts=0"], "learner.routing_replay = true needs an MoE model"),
     (["rollout.engine='vllm'"], "is not supported by our vLLM path yet"),
     (["rollout.engine='sim'"], "does not record the experts"),
-    (["learner.ranks=2"], "not built yet for more than one learner rank"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_work(sets: list[str], expected: str) -> None:
     root = Path(__file__).resolve().parents[2]
