@@ -369,6 +369,11 @@ class BufferConfig(Section):
                            "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
     max_staleness: int = Field(2, ge=0, le=1000,
                                description="s: never train on a sample staler than s.")
+    staleness_mode: Literal["drop", "pace"] = Field(
+        "drop", description="drop: a group that finished staler than s is dropped and "
+                            "counted. pace: no finished group is dropped; the learner waits "
+                            "(buffer/pace_held_s) rather than step past the version at which "
+                            "a group still queued or generating would go stale.")
     max_groups: int = Field(4096, ge=1, le=MAX_GROUPS,
                             description="Most groups held before producers wait; at least "
                                         "learner.groups_per_step (a step's batch).")
