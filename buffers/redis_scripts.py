@@ -179,19 +179,19 @@ local function trim_grants(producer)  -- no more grants than the gate counts in 
   if n > num(K_INFLIGHT, producer) then release_grants(producer, n - num(K_INFLIGHT, producer)) end
 end
 local function reap(now)  -- silent producers' in-flight groups go back to the gate
-  local flat = redis.call('HGETALL', K_INFLIGHT)
+  local flat, dead = redis.call('HGETALL', K_INFLIGHT), nil
   for i = 1, #flat, 2 do
     if now - num(K_SEEN, flat[i]) > HB_MS then
       redis.call('HDEL', K_INFLIGHT, flat[i])
       redis.call('HINCRBY', K_STATE, 'reaped', tonumber(flat[i + 1]))
+      dead = dead or {}
+      dead[flat[i]] = true
     end
   end
-  local trimmed = {}
-  for _, field in ipairs(redis.call('HKEYS', K_INFLIGHTV)) do
-    local _, p = split_grant(field)
-    if p and not trimmed[p] then
-      trimmed[p] = true
-      trim_grants(p)
+  if dead then  -- and their grants with them
+    for _, field in ipairs(redis.call('HKEYS', K_INFLIGHTV)) do
+      local _, p = split_grant(field)
+      if dead[p] then redis.call('HDEL', K_INFLIGHTV, field) end
     end
   end
 end

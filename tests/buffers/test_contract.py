@@ -600,6 +600,23 @@ def test_heartbeat_timeout_releases_a_dead_producers_in_flight(backend):
     assert c.status()["members"]["dead"]["alive"] is True
 
 
+def test_pace_mode_stops_waiting_for_a_dead_producers_group(backend):
+    """The group a dead producer held holds the learner only until the producer is reaped."""
+    d = backend.start(groups_per_step=1, max_staleness=0, heartbeat_timeout_s=0.3,
+                      staleness_mode="pace")
+    c = d.client()
+    c.heartbeat("dead", "rollout", {})
+    assert c.acquire("dead", 1, 0).granted == 1
+    c.publish_version(1)  # (as if the step were trained by another consumer)
+    assert c.acquire("alive", 1, 1).granted == 1
+    assert c.put("alive", make_group("b", version=1)).accepted
+    assert c.get_batch("learner", 1, 1, timeout_s=0.1) is None  # "dead"'s v0 would go stale
+    eventually(lambda: c.acquire("alive", 0, 1) is not None and
+               c.get_batch("learner", 1, 1, timeout_s=0.1) is not None,
+               what="the take served once the dead producer's grant is gone")
+    assert c.status()["dropped_stale"] == 0
+
+
 def test_get_key_long_poll_wakes_on_set(backend):
     d = backend.start()
     waiter, setter = d.client(), d.client()
