@@ -5,7 +5,8 @@ per-token policy loss (:mod:`.policy`), ``c`` the rollout correction's factor (i
 times rejection mask, :mod:`.correction`; 1 when off), ``w`` and the unit count ``U`` come from
 the aggregation level (:mod:`.aggregation`), the KL term is present only with ``kl_coef > 0``
 and not ``kl_in_reward``, and ``H`` is the token entropy of π_θ, with ``η = entropy_coeff``
-(verl's entropy bonus: minimising ``−η·H`` raises the entropy; 0 is off). With ``kl_in_reward`` the advantage becomes ``A_t − β·Σ_{s≥t} kl_s`` instead.
+(verl's entropy bonus: minimising ``−η·H`` raises the entropy; 0 is off). With
+``kl_in_reward`` the advantage becomes ``A_t − β·Σ_{s≥t} kl_s`` instead.
 This module returns the numerator and the LOCAL ``U``; the trainer divides by the global one.
 """
 
