@@ -130,15 +130,18 @@ class MicroSteps:
 
     def drop_gradient_if_all_rejected(self, mismatch: Tensor | None) -> None:
         """When the rollout correction rejected every token of the step (on every rank), the
-        gradients are zero; dropping them (``None``) makes the optimizer step skip every
+        gradients are zero; dropping them (``None``) makes a torch optimizer skip every
         parameter: no momentum, no weight decay, the step trains nothing (the warning and
-        ``mismatch/kept_tokens = 0`` say so). COLLECTIVE when a correction mask is on."""
+        ``mismatch/kept_tokens = 0`` say so). DeepSpeed keeps its gradients in ZeRO's own
+        buffers, out of reach here: it steps on the zero gradient (Adam's momentum still
+        moves). COLLECTIVE when a correction mask is on."""
         if self.cfg.loss.correction.mask == "none" or mismatch is None:
             return
         counts = mismatch[[0, 6]].clone()
         dist.all_reduce(counts)
         if counts[0] > 0 and counts[0] == counts[1]:
-            self.runner.policy().zero_grad(set_to_none=True)
+            for parameter in self.model.parameters():
+                parameter.grad = None
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This rank's micro-batches, padded with zero-weight ones to the most any rank has:
