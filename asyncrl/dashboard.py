@@ -176,6 +176,11 @@ def _buffer(status: Mapping[str, Any]) -> Panel:
                       f"  closed {closed:.1f}s ({closed / uptime if uptime else 0:.0%} of "
                       f"uptime)"),
     ]
+    if status.get("staleness_mode") == "pace":  # the learner's waits for old groups in flight
+        paced = status.get("pace_held_s", 0.0)
+        lines.append(Text(f"pace     learner held {paced:.1f}s "
+                          f"({paced / uptime if uptime else 0:.0%} of uptime): waiting for "
+                          f"groups that would go stale"))
     return Panel(Group(*lines), title="buffer", title_align="left")
 
 

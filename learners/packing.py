@@ -88,19 +88,23 @@ def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False) -
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                               entropy: bool = True) -> tuple[Tensor, Tensor | None]:
-    """:func:`token_logprobs` and, from the same logits, the detached per-token entropy."""
+                               entropy: bool = True, entropy_grad: bool = False
+                               ) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_logprobs` and, from the same logits, the per-token entropy: detached, or
+    differentiable with ``entropy_grad`` (an entropy bonus in the loss)."""
     if not packing:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                        use_cache=False).logits
-        return _chosen_logprobs(logits, batch.targets), _entropy(logits) if entropy else None
+        return (_chosen_logprobs(logits, batch.targets),
+                _entropy(logits, entropy_grad) if entropy else None)
     input_ids, position_ids, (rows, cols) = pack(batch)
     # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers skips
     # the packed-sequence detection and every token attends across sequences.
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     chosen = _chosen_logprobs(logits, batch.targets[rows, cols].unsqueeze(0)).squeeze(0)
     logprobs = _unpack(chosen, batch, rows, cols)
-    return logprobs, _unpack(_entropy(logits)[0], batch, rows, cols) if entropy else None
+    return logprobs, (_unpack(_entropy(logits, entropy_grad)[0], batch, rows, cols)
+                      if entropy else None)
 
 
 def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:
@@ -116,10 +120,13 @@ def _chosen_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
 
 
-@torch.no_grad()
-def _entropy(logits: Tensor) -> Tensor:
-    """``H = −Σ_v p·log p`` per position, float32, no gradient."""
-    return token_entropy(torch.log_softmax(logits.float(), dim=-1))
+def _entropy(logits: Tensor, grad: bool = False) -> Tensor:
+    """``H = −Σ_v p·log p`` per position, float32; a gradient only with ``grad``."""
+    if grad:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return -(logprobs.exp() * logprobs).sum(-1)
+    with torch.no_grad():
+        return token_entropy(torch.log_softmax(logits.float(), dim=-1))
 
 
 __all__ = ["micro_batches", "pack", "plan_micro_batches", "token_logprobs",

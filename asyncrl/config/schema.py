@@ -379,6 +379,11 @@ class BufferConfig(Section):
                            "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
     max_staleness: int = Field(2, ge=0, le=1000,
                                description="s: never train on a sample staler than s.")
+    staleness_mode: Literal["drop", "pace"] = Field(
+        "drop", description="drop: a group that finished staler than s is dropped and "
+                            "counted. pace: no finished group is dropped; the learner waits "
+                            "(buffer/pace_held_s) rather than step past the version at which "
+                            "a group still queued or generating would go stale.")
     max_groups: int = Field(4096, ge=1, le=MAX_GROUPS,
                             description="Most groups held before producers wait; at least "
                                         "learner.groups_per_step (a step's batch).")
@@ -471,6 +476,34 @@ class RolloutConfig(Section):
         return self
 
 
+class CorrectionConfig(Section):
+    """Rollout correction (``learners.losses.correction``): importance weights and rejection
+    masks on the learner-vs-engine ratio ρ = π_old/π_rollout, after verl's rollout correction
+    and IcePop. Off by default."""
+
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "none", description="Truncated importance weight: token min(ρ_t, is_cap), or sequence "
+                            "min(Π ρ_t, is_cap). Only for reinforce and decoupled_ppo (it "
+                            "replaces the latter's min(ρ, tis_cap)): the other losses' ratio "
+                            "already holds ρ.")
+    is_cap: float = Field(2.0, gt=0, le=1e4, description="Truncation C of the weights.")
+    mask: Literal["none", "token", "sequence", "icepop"] = Field(
+        "none", description="Rejection: token drops tokens with ρ_t outside [mask_low, "
+                            "mask_high]; sequence drops samples whose geometric-mean ratio is "
+                            "outside; icepop drops the tokens outside and weights the rest by "
+                            "ρ_t (the weight only where the loss's ratio does not hold ρ).")
+    mask_low: float = Field(0.5, gt=0, le=1, description="Lower end of the kept band.")
+    mask_high: float = Field(2.0, ge=1, le=1e4, description="Upper end of the kept band.")
+
+    @model_validator(mode="after")
+    def _check_icepop(self) -> CorrectionConfig:
+        if self.mask == "icepop" and self.is_level != "none":
+            raise ValueError("learner.loss.correction.mask = 'icepop' weights the tokens it "
+                             "keeps by ρ itself: set correction.is_level = 'none' (or use "
+                             "mask = 'token' with the weights)")
+        return self
+
+
 class LossConfig(Section):
     """The learner's objective: policy loss, advantage estimator, aggregation, KL, filters.
 
@@ -531,12 +564,25 @@ class LossConfig(Section):
     mismatch_warn_abs_logp: float = Field(0.5, gt=0, le=1e3,
                                           description="Warn when the mean |logp_train − "
                                                       "logp_rollout| passes this.")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig,
+                                         description="Rollout correction: IS weights and "
+                                                     "rejection masks (off by default).")
+    entropy_coeff: float = Field(0.0, ge=0, le=10,
+                                 description="Entropy bonus (verl's entropy_coeff): the loss "
+                                             "subtracts entropy_coeff × the token entropy, "
+                                             "aggregated like the policy loss; 0 is off.")
 
     @model_validator(mode="after")
     def _check_step_advantage(self) -> LossConfig:
         if self.step_advantage == "per_step" and self.advantage not in ("grpo", "dr_grpo", "rloo"):
             raise ValueError(f"learner.loss.step_advantage = 'per_step' needs advantage grpo, "
                              f"dr_grpo or rloo (got {self.advantage!r})")
+        if self.correction.is_level != "none" and self.policy_loss in ("ppo_clip", "tis",
+                                                                         "gspo"):
+            raise ValueError(f"learner.loss.correction.is_level = "
+                             f"{self.correction.is_level!r} needs policy_loss reinforce or "
+                             f"decoupled_ppo: {self.policy_loss}'s ratio is taken against the "
+                             f"rollout policy already, a weight would count the gap twice")
         reasons = self.drop_finish_reasons
         if any(not r.strip() for r in reasons) or len(set(reasons)) != len(reasons):
             raise ValueError(f"learner.loss.drop_finish_reasons must be distinct, non-blank "
