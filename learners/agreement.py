@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SENT_COLUMNS = 2  # RankRole.sent_totals: bytes x engines, engines
+
 
 def every_rank(world: int, values: list[int]) -> list[list[int]]:
     """Every rank's ``values``, one row per rank, on every rank (one all-gather)."""
@@ -53,8 +55,10 @@ def agree_any(world: int, flags: list[bool]) -> list[bool]:
 
 def end_of_step(world: int, role: RankRole, version: int, stopping: bool,
                 lost: Lost) -> tuple[bool, Any, bool]:
-    """ONE all-reduce at the end of a step: whether to stop (rank 0 decides on an eval
-    target, any rank may be told to stop), and whether rank 0 already holds the batch of
+    """ONE all-gather at the end of a step: whether to stop (rank 0 decides on an eval
+    target, any rank may be told to stop), what each rank sent the engines so far
+    (``role.sent_totals``, handed to ``role.ranks_sent``), and whether rank 0 already holds
+    the batch of
     ``version`` (prefetched during the step) together with its shares' sizes
     (``role.next_shares``). When it does, the next step starts with no agreement of its own
     and its scatter with no broadcast: two collectives fewer per step, each costing the
@@ -78,8 +82,12 @@ def end_of_step(world: int, role: RankRole, version: int, stopping: bool,
         if prepared is not None:
             ready, shares = True, prepared.to(torch.float64)
     flags = torch.cat([torch.tensor([float(stopping), float(ready), float(gone)],
-                                    dtype=torch.float64), shares.reshape(-1)])
-    flags = gather_rows(flags).max(0).values   # the others' zeros leave rank 0's values
+                                    dtype=torch.float64), shares.reshape(-1),
+                       torch.tensor(role.sent_totals(), dtype=torch.float64)])
+    rows = gather_rows(flags)
+    # what each rank sent the engines so far (weights.fanout): rank 0 records them
+    role.ranks_sent(rows[:, -SENT_COLUMNS:].to(torch.int64).tolist())
+    flags = rows[:, :-SENT_COLUMNS].max(0).values   # the others' zeros leave rank 0's values
     if flags[2]:
         return bool(flags[0]), None, True
     if flags[0]:

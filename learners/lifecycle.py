@@ -137,7 +137,7 @@ def end_of_run(cfg: Config, trainer, checkpointer, role: RankRole, stopped: bool
     done = not stopped or role.reached is not None
     checkpointer.save(trainer, {**counters(cfg, trainer.version, {}, role.reached),
                                 "finished": done})
-    state = engine_state(trainer, cfg)  # collective
+    state = engine_state(trainer, cfg, sent=False)  # collective; not sent: on rank 0 only
     # The engines' full weights are the export's: gathered once (not with adapters alone).
     trainer.save_pretrained(cfg.run_dir / "final", state=None if sends_adapters(cfg) else state)
     return state, done

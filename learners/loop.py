@@ -152,12 +152,18 @@ def _leave(ctx: RankContext, leaving: _Leaving) -> None:
             leaving.role.close(leaving.buffer_lost)
     finally:  # every rank leaves the group, whatever rank 0's close raised
         ctx.client.close()
-        # The barrier only on the way out of a run: a rank leaving on an error of its own
-        # (a failed weight delivery, eval, ack...) met the others in another collective
-        # and all waited out collective_timeout_s (300 s), the others then failing with a
-        # gloo timeout instead of the real cause. Without it, its exit closes their
-        # connections: they fail at once with GroupLeft, and its own error is the cause.
-        shutdown_learner_group(barrier=not leaving.failed)
+        try:
+            # The barrier only on the way out of a run: a rank leaving on an error of its own
+            # (a failed weight delivery, eval, ack...) met the others in another collective
+            # and all waited out collective_timeout_s (300 s), the others then failing with a
+            # gloo timeout instead of the real cause. Without it, its exit closes their
+            # connections: they fail at once with GroupLeft, and its own error is the cause.
+            shutdown_learner_group(barrier=not leaving.failed)
+        finally:
+            # Past the barrier rank 0 has closed: its last delivery, which the other ranks'
+            # slice senders (weights.fanout) served, is over.
+            if leaving.role is not None:
+                leaving.role.left_group()
 
 
 def _train(ctx: RankContext, trainer, role: RankRole, stop: threading.Event,

@@ -165,9 +165,24 @@ def sends_adapters(cfg: Config) -> bool:
     return bool(cfg.model.lora.rank) and engine_kind(cfg.rollout.engine).merges_adapters
 
 
-def engine_state(trainer: Any, cfg: Config) -> dict[str, torch.Tensor]:
+def engine_state(trainer: Any, cfg: Config, sent: bool = True) -> dict[str, torch.Tensor]:
     """What the engines, and rank 0's evaluation engine (a torch engine), load after a step:
-    the adapters (:func:`sends_adapters`) or the full merged HF weights. COLLECTIVE."""
+    the adapters (:func:`sends_adapters`) or the full merged HF weights. COLLECTIVE. On rank
+    0 only, unless ``sent`` (the state goes to the engines) with ``weights.fanout`` on: then
+    on every rank, each of which sends it to its slice of the engines
+    (:mod:`asyncrl.weights.senders` says what that costs)."""
     if sends_adapters(cfg):
         return trainer.adapter_state_dict()
+    if sent and fans_out(cfg):
+        return trainer.full_state_dict(every_rank=True)
     return trainer.full_state_dict()
+
+
+def fans_out(cfg: Config) -> bool:
+    """Does every learner rank of this process group send the weights (``weights.fanout``)?"""
+    import torch.distributed as dist
+
+    from asyncrl.weights.senders import fanout_senders
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return fanout_senders(cfg, world) > 1

@@ -38,8 +38,11 @@ class RankZero:
         from asyncrl.net import broadcast_host
         from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
         from asyncrl.weights.publisher import WeightPublisher
+        from asyncrl.weights.senders import fanout_senders
 
         self.ctx, self.cfg = ctx, ctx.cfg
+        # weights.fanout: every rank sends to its slice of the engines (learners.rank_role)
+        self.senders = fanout_senders(self.cfg, ctx.world)
         from asyncrl.tokens import special_tokens
 
         self.feed = BatchFeed.connect(ctx, special_tokens(model_dir).pad_id)
@@ -53,6 +56,7 @@ class RankZero:
                               sim_sync_s=self.cfg.sim.sync_s,
                               align=broadcast_align(self.cfg.rollout.engine),
                               host=broadcast_host(self.cfg, ctx.address),
+                              senders=self.senders,
                               device=resolve_device(self.cfg.learner.device, ctx.rank)),
             overlap=self.cfg.weights.overlap,
             beat=lambda: ctx.client.heartbeat(ctx.member, "learner", {
@@ -65,6 +69,7 @@ class RankZero:
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}
         self._record: dict[str, Any] = {}  # the last step's
+        self._ranks_sent: dict[str, int] = {}  # every rank's sent totals, as last gathered
         self.version = 0  # the latest version handed to the publisher
         # the eval that reached eval.stop_at_accuracy: {"version", "score", "target"}
         self.reached: dict[str, Any] | None = None
@@ -118,7 +123,7 @@ class RankZero:
         self.last_step_end = now
         record = {"step": version, "training/global_step": version,
                   "time_s": round(now - self.start, 3), "timing/step": step_s, **metrics,
-                  **phase_times, **sync,
+                  **phase_times, **sync, **self._ranks_sent,
                   **{f"buffer/{k}": v for k, v in stats.items()},
                   **lost.call(self._rollout_totals, default={})}
         if self.cfg.eval.every_steps and version % self.cfg.eval.every_steps == 0:
@@ -168,9 +173,12 @@ class RankZero:
         workers exit and the buffer discards what was never consumed. A stopped run is left
         running for its resume: its broker replays the status from the spill file (Redis
         keeps it), and a resumed run marked done would find its workers gone."""
-        self.publisher.wait()  # the last version is published before the run is marked done
+        # the last version is published before the run is marked done; its delivery's
+        # figures (weights/*), which no step's record carries, go in the final record
+        delivered = self.publisher.wait()
         final = self.evaluate(state, version)
-        record = {"step": "final", "time_s": round(time.monotonic() - self.start, 3), **final}
+        record = {"step": "final", "time_s": round(time.monotonic() - self.start, 3),
+                  **delivered, **final}
         self.writer.write(record)
         (self.cfg.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         if done:
@@ -199,6 +207,23 @@ class RankZero:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
+
+
+    def left_group(self) -> None:
+        pass   # closed before the group's barrier: the other ranks' senders served it
+
+    def sent_totals(self) -> list[int]:
+        broadcaster = self.publisher.broadcaster
+        return [broadcaster.sent_bytes, broadcaster.sent_engines]
+
+    def ranks_sent(self, totals: list[list[int]]) -> None:
+        """With fan-out, the next record says what each rank sent so far (gathered at the
+        end of this step: rank 0's delivery of this version is still under way then)."""
+        if self.senders > 1:
+            self._ranks_sent = {
+                **{f"weights/rank{k}/sent_bytes_total": row[0] for k, row in enumerate(totals)},
+                **{f"weights/rank{k}/sent_engines_total": row[1]
+                   for k, row in enumerate(totals)}}
 
 
 def fleet_counters(infos: Iterable[dict[str, Any]]) -> dict[str, int]:

@@ -128,6 +128,15 @@ def _weights_transport(cfg: Config) -> Iterator[str]:
                "'auto' or 'gloo')")
 
 
+def _weights_fanout(cfg: Config) -> Iterator[str]:
+    """``weights.fanout = true`` where every rank cannot hold the state to send."""
+    from asyncrl.weights.senders import fanout_refusal  # torch-free
+
+    why = fanout_refusal(cfg) if cfg.weights.fanout is True else None
+    if why is not None:
+        yield f"weights.fanout = true: {why}; set weights.fanout = 'auto' or false"
+
+
 def _routing_replay(cfg: Config) -> Iterator[str]:
     """Routing replay needs an MoE model and an engine that records routing."""
     if not cfg.learner.routing_replay:
@@ -143,5 +152,5 @@ def _routing_replay(cfg: Config) -> Iterator[str]:
 
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff, _colocate, _weights_transport, _routing_replay)
+    _restart_backoff, _colocate, _weights_transport, _weights_fanout, _routing_replay)
 """Every cross-section rule, in the order their problems are reported."""

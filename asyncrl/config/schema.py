@@ -671,6 +671,14 @@ class WeightsConfig(Section):
                                         "peers: one HTTP request per bucket).")
     timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout (a watchdog aborts "
                                                       "a group past it); evicts engines.")
+    fanout: bool | Literal["auto"] = Field(
+        "auto", description="Every learner rank sends each version to a slice of the engines "
+                            "(send bandwidth grows with the ranks) instead of rank 0 to all. "
+                            "Costs every rank a copy of the full weights in host memory "
+                            "(two while a delivery overlaps a step), not rank 0 alone. auto: on "
+                            "with several learner ranks, unless the engines get LoRA adapters "
+                            "alone or learner.backend = \"deepspeed\" (rank 0 gathers only); "
+                            "true: on (an error where it cannot be); false: rank 0 sends.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "

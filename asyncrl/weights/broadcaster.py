@@ -163,6 +163,8 @@ class WeightBroadcaster:
         self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
         self._slice: list[str] = []  # the members this rank sent the last attempt to
+        self.sent_bytes = 0    # delivered by this rank since it started: bytes x engines
+        self.sent_engines = 0  # and engines (its slice's, with fan-out), as a SliceSender's
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
         self._store = serve_store(host, cfg.timeout_s)
         self.address = f"{host}:{self._store.port}"
@@ -254,6 +256,8 @@ class WeightBroadcaster:
         finally:
             evicted = self._membership.sync_ended()
         served = len(set(self._slice) & set(delivered))
+        self.sent_bytes += plan.total_bytes * served
+        self.sent_engines += served
         return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
                 "weights/sent_engines": float(served),  # this rank's slice (fanout)

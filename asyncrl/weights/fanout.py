@@ -43,15 +43,22 @@ from asyncrl.weights.transport import Pending, make_transport
 
 logger = logging.getLogger(__name__)
 
+KEPT = 2
+"""Versions a :class:`SliceSender` keeps offered: the one rank 0 may still be delivering, and
+the next (rank 0 waits for a delivery before it starts the next one)."""
+
 class SliceSender(WeightReceiver):
     """Learner rank ``rank`` (>= 1): sends each announced version to its slice of engines.
 
     ``control`` is a client of its own (only this thread uses it). :meth:`offer` hands it
     the state of a version (the same names, shapes and dtypes as rank 0's, on ``device``);
-    the state must stay unchanged until the version is sent or a newer one is offered. A
-    version announced but not offered within ``timeout_s`` is skipped (its engines then do
-    not ack, and rank 0 evicts them as for any lost bucket). :attr:`sent_bytes` and
-    :attr:`sent_engines` count what this rank delivered (bytes x engines), for metrics.
+    the state must stay unchanged while it is kept: the last :data:`KEPT` versions offered
+    are, because rank 0 delivers version V on a thread while the ranks train V + 1
+    (``weights.overlap``), so this rank may offer V + 1 before rank 0 announced V, or
+    announces V again (a retry, a late joiner). A version announced but not offered within
+    ``timeout_s`` is skipped (its engines then do not ack, and rank 0 evicts them as for any
+    lost bucket). :attr:`sent_bytes` and :attr:`sent_engines` count what this rank delivered
+    (bytes x engines), for metrics.
     """
 
     def __init__(self, control: ControlPlane, rank: int, host: str = "127.0.0.1",
@@ -60,7 +67,7 @@ class SliceSender(WeightReceiver):
                          poll_s, device=device)
         self.rank = rank
         self._offer_cv = threading.Condition()
-        self._offered: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._offered: dict[int, Mapping[str, torch.Tensor]] = {}  # the last KEPT, by version
         self._staging: BucketBuffers | None = None
         self.sent_bytes = 0
         self.sent_engines = 0
@@ -69,7 +76,9 @@ class SliceSender(WeightReceiver):
     def offer(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """The weights of ``version`` (kept by reference: leave them unchanged)."""
         with self._offer_cv:
-            self._offered = (version, state)
+            self._offered[version] = state
+            for old in sorted(self._offered)[:-KEPT]:
+                del self._offered[old]
             self._offer_cv.notify_all()
 
     def _serve(self, ann: dict[str, Any]) -> None:
@@ -114,13 +123,12 @@ class SliceSender(WeightReceiver):
     def _state_of(self, version: int, timeout_s: float) -> Mapping[str, torch.Tensor] | None:
         deadline = time.monotonic() + timeout_s
         with self._offer_cv:
-            while self._offered is None or self._offered[0] < version:
+            while version not in self._offered and max(self._offered, default=-1) < version:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
                     return None
                 self._offer_cv.wait(min(remaining, self._poll_s))
-            offered_version, state = self._offered
-        return state if offered_version == version else None
+            return self._offered.get(version)  # None: older than every version kept
 
     def _send(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> None:
         """Every bucket, packing bucket i+1 while bucket i is on the wire (two staging

@@ -28,7 +28,9 @@ class Trainer(Protocol):
         ...
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Full CPU weights with HF names on rank 0; an empty dict on the other ranks."""
+        """Full CPU weights with HF names on rank 0; an empty dict on the other ranks. The
+        backends that fan out (``asyncrl.weights.senders``) also take ``every_rank=True``:
+        the full weights on every rank."""
         ...
 
     def save_pretrained(self, path: str | Path,

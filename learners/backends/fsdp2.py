@@ -196,16 +196,24 @@ class Fsdp2Trainer:
         metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
 
-    def full_state_dict(self) -> dict[str, Tensor]:
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:
         """The full, unsharded weights on CPU, HF parameter names. COLLECTIVE.
 
         Rank 0 gets every tensor; the other ranks take part in the gathers and get an EMPTY dict
-        (``cpu_offload=True`` keeps the gathered tensors on rank 0 only). With LoRA these are
-        the merged weights ``W0 + (alpha/r)·B·A`` under the plain HF names, so every consumer
-        (engines, ``save_pretrained``, evaluation) sees an ordinary model.
+        (``cpu_offload=True`` keeps the gathered tensors on rank 0 only). ``every_rank``
+        (``weights.fanout``): every rank gets them all, each tensor all-gathered and moved to
+        host memory one at a time, so the device holds one full tensor at most, and each rank
+        holds the model once in host memory. With LoRA these are the merged weights
+        ``W0 + (alpha/r)·B·A`` under the plain HF names, so every consumer (engines,
+        ``save_pretrained``, evaluation) sees an ordinary model.
         """
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
+        if every_rank:
+            sharded = get_model_state_dict(self.model, options=StateDictOptions())
+            state = {name: _full(value).detach().to("cpu", copy=True)
+                     for name, value in sharded.items()}
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.model, options=options)
         return merged_state(state, self.lora.scale) if self.lora is not None else state
 
     def adapter_state_dict(self) -> dict[str, Tensor]:

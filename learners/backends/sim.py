@@ -68,9 +68,10 @@ class SimTrainer:
         metrics["timing/train_step"] = time.perf_counter() - start
         return metrics
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Rank 0: the (never updated) tiny model's weights; others: empty, as with FSDP2."""
-        if self.rank != 0:
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:
+        """Rank 0 (every rank with ``every_rank``): the (never updated) tiny model's weights;
+        others: empty, as with FSDP2."""
+        if self.rank != 0 and not every_rank:
             return {}
         return {name: t.detach() for name, t in self.model.state_dict().items()}
 

@@ -62,6 +62,12 @@ class _Prefetched:
     def next_shares(self, version: int):
         return self._packed.header if version == 5 else None
 
+    def sent_totals(self) -> list[int]:
+        return [0, 0]   # no weights sent (weights.fanout: learners.rank_role)
+
+    def ranks_sent(self, totals: list[list[int]]) -> None:
+        pass
+
 
 def _check_end_of_step(rank: int, world: int, port: int) -> None:
     from learners.agreement import end_of_step
