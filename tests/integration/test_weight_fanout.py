@@ -63,11 +63,17 @@ def test_two_learner_ranks_deliver_to_four_engines_each_sending_half() -> None:
             beats.heartbeat(name, "rollout", {"engine_version": -1})
         for receiver in (*receivers, sender):
             receiver.start()
-        for version in (1, 2):
+        def state_of(version: int) -> dict[str, torch.Tensor]:
             torch.manual_seed(version)
-            state = {"embed": torch.randn(64, 16), "norm": torch.randn(16).to(torch.bfloat16),
-                     "head": torch.randn(16, 64), "step": torch.tensor([version])}
-            sender.offer({k: v.clone() for k, v in state.items()}, version)  # rank 1's own
+            return {"embed": torch.randn(64, 16), "norm": torch.randn(16).to(torch.bfloat16),
+                    "head": torch.randn(16, 64), "step": torch.tensor([version])}
+
+        for version in (1, 2):
+            state = state_of(version)
+            sender.offer(state_of(version), version)  # rank 1's own copy
+            # With weights.overlap rank 1 gathers the next version while rank 0 still
+            # delivers this one: offered before this one is announced, it must not hide it.
+            sender.offer(state_of(version + 1), version + 1)
             for name in ENGINES:
                 beats.heartbeat(name, "rollout", {"engine_version": version - 1})
             metrics = broadcaster.sync(state, version)

@@ -1,0 +1,32 @@
+"""``weights.fanout``: who sends the weights, and the configs it refuses, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.weights.senders import fanout_senders
+
+
+@pytest.mark.parametrize(("sets", "world", "senders"), [
+    ([], 1, 1),                                            # one rank sends anyway
+    ([], 4, 4),                                            # auto: every rank
+    (["weights.fanout=false"], 4, 1),
+    (["weights.fanout=true"], 1, 1),
+    (["learner.backend=deepspeed"], 4, 1),                 # auto falls back to rank 0
+    (["model.lora.rank=8"], 4, 1),                         # torch engines get adapters alone
+    (["model.lora.rank=8", "rollout.engine=vllm"], 4, 4),  # vLLM gets merged weights
+])
+def test_auto_fans_out_with_several_ranks_where_the_full_weights_travel(sets, world, senders):
+    assert fanout_senders(load_config(None, sets), world) == senders
+
+
+@pytest.mark.parametrize(("sets", "reason"), [
+    (["learner.backend=deepspeed"], "learner.backend = 'deepspeed' gathers the weights on "
+                                    "rank 0 only"),
+    (["model.lora.rank=8"], "LoRA adapters alone"),
+])
+def test_fanout_true_where_it_cannot_run_is_a_config_error_naming_the_key(sets, reason):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["weights.fanout=true", *sets])
+    assert "weights.fanout = true" in str(error.value) and reason in str(error.value)
