@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import string
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from asyncrl.config.checks import consistency_problems
 from asyncrl.config.limits import (MAX_BUCKET_MB, MAX_GROUP, MAX_GROUPS, MAX_MB,
@@ -651,6 +651,13 @@ class LearnerConfig(Section):
                                  "\"torch\").")
 
 
+def _true_false_or_auto(value: Any) -> Any:
+    """One error for a value that is none of them (a union reports one line per member)."""
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError('must be true, false or "auto"')
+
+
 class WeightsConfig(Section):
     transport: Literal["auto", "gloo", "nccl", "ipc", "sim"] = Field(
         "auto", description="Learner → engine transport. auto: per membership epoch, ipc when "
@@ -671,7 +678,7 @@ class WeightsConfig(Section):
                                         "peers: one HTTP request per bucket).")
     timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout (a watchdog aborts "
                                                       "a group past it); evicts engines.")
-    fanout: bool | Literal["auto"] = Field(
+    fanout: Annotated[bool | Literal["auto"], BeforeValidator(_true_false_or_auto)] = Field(
         "auto", description="Every learner rank sends each version to a slice of the engines "
                             "(send bandwidth grows with the ranks) instead of rank 0 to all. "
                             "Costs every rank a copy of the full weights in host memory "

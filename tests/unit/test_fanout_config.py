@@ -30,3 +30,10 @@ def test_fanout_true_where_it_cannot_run_is_a_config_error_naming_the_key(sets, 
     with pytest.raises(ConfigError) as error:
         load_config(None, ["weights.fanout=true", *sets])
     assert "weights.fanout = true" in str(error.value) and reason in str(error.value)
+
+
+def test_a_value_other_than_true_false_or_auto_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["weights.fanout=yes"])
+    assert str(error.value).splitlines()[1:] == [
+        "  weights.fanout: must be true, false or \"auto\" (got 'yes')"]
