@@ -138,6 +138,9 @@ class WeightReceiver:
                         self._serve(announcement)
             except BufferStopped:  # the role is stopping, and its broker does not answer
                 break
+            except TimeoutError as exc:  # the buffer did not answer (yet): one line, not a trace
+                logger.warning("weights: receiver %s left its group: %s", self.member, exc)
+                self._leave()
             except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
                 logger.warning("weights: receiver %s left its group: %s", self.member,
                                str(exc).splitlines()[0][:200] if str(exc) else repr(exc))
