@@ -21,12 +21,14 @@ one sequence per row, whatever the layout of the forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from learners.batching import TrainBatch
-from learners.step_metrics import token_entropy
+from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
+from learners.lora import hf_model
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, packing: bool) -> list[list[int]]:
@@ -81,26 +83,58 @@ def pack(batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     return batch.input_ids[rows, cols].unsqueeze(0), cols.unsqueeze(0), (rows, cols)
 
 
-def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False) -> Tensor:
+# The LM head runs on this many tokens at a time (``learner.logprob_chunk_tokens``'s default;
+# 0 = the full logits at once): ``learners.fused_logprobs``.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False,
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> Tensor:
     """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (0 on padding when
     packed), by a packed or a padded forward (see the module docstring)."""
-    return token_logprobs_and_entropy(model, batch, packing, entropy=False)[0]
+    return token_logprobs_and_entropy(model, batch, packing, entropy=False,
+                                      chunk_tokens=chunk_tokens)[0]
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                               entropy: bool = True) -> tuple[Tensor, Tensor | None]:
-    """:func:`token_logprobs` and, from the same logits, the detached per-token entropy."""
-    if not packing:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       use_cache=False).logits
-        return _chosen_logprobs(logits, batch.targets), _entropy(logits) if entropy else None
-    input_ids, position_ids, (rows, cols) = pack(batch)
-    # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers skips
-    # the packed-sequence detection and every token attends across sequences.
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    chosen = _chosen_logprobs(logits, batch.targets[rows, cols].unsqueeze(0)).squeeze(0)
-    logprobs = _unpack(chosen, batch, rows, cols)
-    return logprobs, _unpack(_entropy(logits)[0], batch, rows, cols) if entropy else None
+                               entropy: bool = True, *,
+                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """:func:`token_logprobs` and, from the same forward, the per-token entropy (float32,
+    detached unless ``entropy_grad``: an entropy bonus differentiates it).
+
+    ``chunk_tokens > 0`` and a :func:`~learners.fused_logprobs.fusable` model: the LM head runs
+    that many tokens at a time and the ``[tokens, vocab]`` logits never exist whole
+    (``learners.fused_logprobs``); otherwise the full logits (the plain path, which the fused
+    one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
+    if packing:
+        input_ids, position_ids, (rows, cols) = pack(batch)
+        # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers
+        # skips the packed-sequence detection and every token attends across sequences.
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        targets = batch.targets[rows, cols].unsqueeze(0)
+    else:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  "use_cache": False}
+        targets = batch.targets
+    logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
+                                      entropy and entropy_grad)
+    if not (entropy and entropy_grad):
+        ent = ent.detach()
+    if packing:
+        logprobs = _unpack(logprobs[0], batch, rows, cols)
+        ent = _unpack(ent[0], batch, rows, cols)
+    return logprobs, ent if entropy else None
+
+
+def _forward_logprobs(model: nn.Module, targets: Tensor, chunk_tokens: int,
+                      inputs: dict[str, Any], entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``."""
+    base = hf_model(model)
+    if chunk_tokens > 0 and fusable(base):
+        return head_logprobs(model, base.get_output_embeddings(), targets, chunk_tokens,
+                             **inputs)
+    return plain_logprobs_entropy(model(**inputs).logits, targets, entropy_grad)
 
 
 def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:
@@ -109,18 +143,5 @@ def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Te
     return out.index_put((rows, cols), packed)
 
 
-def _chosen_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``log_softmax(logits)[target]`` in float32 without keeping a second ``[.., V]`` tensor:
-    ``logit[target] − logsumexp(logits)``."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
-@torch.no_grad()
-def _entropy(logits: Tensor) -> Tensor:
-    """``H = −Σ_v p·log p`` per position, float32, no gradient."""
-    return token_entropy(torch.log_softmax(logits.float(), dim=-1))
-
-
-__all__ = ["micro_batches", "pack", "plan_micro_batches", "token_logprobs",
+__all__ = ["LOGPROB_CHUNK_TOKENS", "micro_batches", "pack", "plan_micro_batches", "token_logprobs",
            "token_logprobs_and_entropy"]

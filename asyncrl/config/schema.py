@@ -587,6 +587,10 @@ class LearnerConfig(Section):
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's "
                                            "activations in backward: less memory, ~1/3 more "
                                            "compute.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=0, le=1 << 20, description="Tokens per chunk through the LM head when "
+        "computing logprobs and entropy (learner, reference, proximal): the [tokens, vocab] "
+        "logits never exist whole; 0 = the full logits at once.")
 
 
 class WeightsConfig(Section):
