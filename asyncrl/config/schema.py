@@ -556,8 +556,15 @@ class LearnerConfig(Section):
                                  description="Groups consumed per optimizer step.")
     total_steps: int = Field(200, ge=1, le=MAX_STEPS,
                              description="Optimizer steps before the run ends.")
-    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate (1 or more diverges "
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW peak learning rate (1 or more diverges "
                                                    "at once: the loss turns NaN).")
+    lr_warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps of linear "
+                                 "warmup from lr/lr_warmup_steps up to lr (0 = none).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warmup: constant lr, or a cosine or linear decay to "
+        "lr·lr_min_ratio at total_steps (learners/lr_schedule.py).")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="cosine, linear: the final "
+                                "learning rate as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global grad norm.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")

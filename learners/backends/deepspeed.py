@@ -50,6 +50,7 @@ from asyncrl.config.schema import LearnerConfig
 from asyncrl.devices import resolve_device
 from learners.backends.micro_steps import MicroSteps, merge_token_stats, save_hf_dir
 from learners.batching import TrainBatch
+from learners.lr_schedule import LrSchedule
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class DeepSpeedTrainer:
         # the HF export.
         self.model: nn.Module = self.engine.module
         self.optimizer = self.engine.optimizer
+        self.lr_schedule = LrSchedule.from_config(cfg)   # a function of the version
         self.reference: nn.Module | None = None
         if cfg.loss.kl_coef > 0:
             self.reference = self._load(reference_path or model_path, dtype)
@@ -191,6 +193,7 @@ class DeepSpeedTrainer:
         # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
         loss_sum, stats, mismatch = self.steps.accumulate(
             batch, self.world / global_units.clamp(min=1.0))
+        self.lr_schedule.apply(self.optimizer, self.version)
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
         metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)

@@ -43,6 +43,7 @@ from learners.backends.micro_steps import (
     save_hf_dir,
 )
 from asyncrl.devices import resolve_device
+from learners.lr_schedule import LrSchedule
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
@@ -127,6 +128,8 @@ class Fsdp2Trainer:
         # With LoRA only the adapters train: the frozen base has no optimizer state at all.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # The rate follows the version, which a checkpoint restores: resumed runs continue it.
+        self.lr_schedule = LrSchedule.from_config(cfg)
         # The frozen reference: the base model (not a resumed checkpoint: pass reference_path).
         # Under LoRA the base weights ARE that model (frozen, never stepped): the policy with
         # its adapters off is the reference, at no memory and no extra all-gathers of its own.
@@ -185,6 +188,7 @@ class Fsdp2Trainer:
         scale = self.world / global_units.clamp(min=1.0)
         loss_sum, stats, mismatch = self.steps.accumulate(batch, scale)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.lr_schedule.apply(self.optimizer, self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
