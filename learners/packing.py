@@ -4,13 +4,15 @@ A rank's share can be larger than one forward should hold (``learner.micro_batch
 the trainer runs it as micro-batches and accumulates gradients. Two layouts:
 
 - **packed** (``learner.packing = true``): a micro-batch's sequences are concatenated into ONE
-  row with ``position_ids`` restarting at 0 for each sequence and no 2-D attention mask. HF
-  transformers (5.x ``masking_utils.find_packed_sequence_indices``) then builds a block-diagonal
-  causal mask for ``sdpa``/``eager`` and uses varlen kernels for flash-attention, so no token
-  attends across sequences — but only without a KV cache (``use_cache=False``: with one,
-  the detection is skipped and sequences silently attend to each other)
-  (``tests/unit/test_packing.py`` checks the logprobs equal the padded ones). No padding is
-  computed at all.
+  row with ``position_ids`` restarting at 0 for each sequence and no 2-D attention mask. The
+  forward also carries the sequences' offsets (``cu_seq_lens_*``, ``learners.attention``):
+  the varlen kernels (``varlen_sdpa``, ``flash_attention_2``) attend within each sequence from
+  them; with ``sdpa``/``eager``/``flex_attention`` transformers (5.x
+  ``masking_utils.find_packed_sequence_indices``) builds a block-diagonal causal mask from
+  the positions instead. Either way no token attends across sequences — but only without a
+  KV cache (``use_cache=False``: with one, the detection is skipped and sequences silently
+  attend to each other) (``tests/unit/test_packing.py``, ``tests/unit/test_attention.py``
+  check the logprobs equal the padded ones). No padding is computed at all.
 - **padded**: rows right-padded to the micro-batch's longest, the budget counting padding.
 
 Either way the logprobs come back in the per-sequence ``[B, T]`` layout of
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
 from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
 from learners.lora import hf_model
@@ -111,7 +114,9 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
         input_ids, position_ids, (rows, cols) = pack(batch)
         # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers
         # skips the packed-sequence detection and every token attends across sequences.
-        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        # The sequence boundaries, for varlen kernels (learners.attention); others ignore them.
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False,
+                  **varlen_kwargs(batch.lengths)}
         targets = batch.targets[rows, cols].unsqueeze(0)
     else:
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,

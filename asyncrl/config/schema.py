@@ -148,6 +148,13 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     lora: LoraConfig = Field(default_factory=LoraConfig,
                              description="LoRA adapters (rank 0 = off: full training).")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "flex_attention", "eager",
+                                 "varlen_sdpa"] = Field(
+        "auto", description="The learner's attention kernel. Packed micro-batches run varlen "
+        "(no attention across sequences, no dense mask) with flash_attention_2, "
+        "flex_attention (CUDA only: no CPU backward) or varlen_sdpa (sdpa per sequence); "
+        "auto = flash_attention_2 where flash-attn and CUDA are, else varlen_sdpa (sdpa for "
+        "sliding-window models); the pick is logged (learners/attention.py).")
 
 
 class TaskConfig(Section):

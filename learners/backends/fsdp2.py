@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl.config.schema import LearnerConfig, LoraConfig
+from learners.attention import attn_kwargs, resolve_attn_implementation
 from learners.batching import TrainBatch
 from learners.critic import Critic, ValueModel
 from learners.backends.micro_steps import (
@@ -115,7 +116,7 @@ class Fsdp2Trainer:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, attn_implementation: str = "auto") -> None:
         self.cfg = cfg
         self.lora = lora if lora is not None and lora.rank else None
         self.rank = dist.get_rank()
@@ -124,6 +125,9 @@ class Fsdp2Trainer:
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version  # optimizer steps taken, i.e. the policy version of the weights
+        # model.attn_implementation, resolved once for the actor, the reference and the critic.
+        self.attn = resolve_attn_implementation(attn_implementation, self.device,
+                                                AutoConfig.from_pretrained(model_path))
         self.model = self._load_sharded(model_path, dtype, self.lora)
         # With LoRA only the adapters train: the frozen base has no optimizer state at all.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -142,7 +146,7 @@ class Fsdp2Trainer:
         # The critic (GAE only): a value head on a copy of the decoder, sharded the same way.
         self.critic: Critic | None = None
         if cfg.loss.advantage == "gae":
-            value_model = ValueModel(model_path, dtype).to(self.device)
+            value_model = ValueModel(model_path, dtype, self.attn).to(self.device)
             value_model.eval()   # no dropout, like the actor
             shard_model(value_model, self.world, self.device.type,
                         compute_dtype(cfg, self.device), cfg.activation_checkpointing)
@@ -150,10 +154,10 @@ class Fsdp2Trainer:
         self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
                                 self.reference, self.reference_is_base)
         logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
-                    "loss %s/%s/%s, reference %s", self.rank, self.world,
+                    "attention %s, loss %s/%s/%s, reference %s", self.rank, self.world,
                     type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
                     sum(p.numel() for p in self.model.parameters() if p.requires_grad), version,
-                    cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
+                    self.attn, cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
                     "a copy" if self.reference is not None
                     else "the base (adapters off)" if self.reference_is_base else "no")
 
@@ -162,7 +166,7 @@ class Fsdp2Trainer:
         """The HF model at ``path``, LoRA-wrapped when ``lora`` is given (before sharding, so
         each adapter is sharded with its layer), with its HF model ``fully_shard``-ed. The
         adapters are made on CPU from a fixed seed, identical on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn_kwargs(self.attn))
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
         if lora is not None:
