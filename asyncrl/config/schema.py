@@ -601,6 +601,12 @@ class LearnerConfig(Section):
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's "
                                            "activations in backward: less memory, ~1/3 more "
                                            "compute.")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic "
+                          "shapes: micro-batch lengths do not recompile; perf/compiles counts "
+                          "the graphs compiled in a step).")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="learner.compile's torch.compile backend; aot_eager and eager "
+        "skip code generation (debugging, quick tests).")
     logprob_chunk_tokens: int = Field(
         1024, ge=0, le=1 << 20, description="Tokens per chunk through the LM head when "
         "computing logprobs and entropy (learner, reference, proximal): the [tokens, vocab] "

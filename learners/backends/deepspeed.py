@@ -119,6 +119,8 @@ class DeepSpeedTrainer:
                  attn_implementation: str = "auto") -> None:
         if cfg.loss.advantage == "gae":
             raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.compile:
+            raise NotImplementedError("learner.compile is FSDP2-only; use learner.backend='fsdp2'")
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()

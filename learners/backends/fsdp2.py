@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from asyncrl.config.schema import LearnerConfig, LoraConfig
 from learners.attention import attn_kwargs, resolve_attn_implementation
 from learners.batching import TrainBatch
+from learners.compile_blocks import CompileCounter, compile_block
 from learners.critic import Critic, ValueModel
 from learners.backends.micro_steps import (
     MicroSteps,
@@ -66,7 +67,8 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
 
 
 def shard_model(model: nn.Module, world: int, device_type: str,
-                param_dtype: torch.dtype = torch.float32, checkpointing: bool = False) -> None:
+                param_dtype: torch.dtype = torch.float32, checkpointing: bool = False,
+                compile_backend: str | None = None) -> None:
     """``fully_shard`` each decoder block, then the root (which holds embeddings, norm, head).
 
     Blocks are found by class, as the model declares them in ``_no_split_modules`` (what
@@ -76,6 +78,8 @@ def shard_model(model: nn.Module, world: int, device_type: str,
     cast when gathered for compute, gradients are reduced in fp32 and AdamW steps in fp32.
     ``checkpointing`` wraps each block first so its activations are recomputed in backward
     (state-dict names are unchanged: torch's state-dict helpers strip the wrapper's prefix).
+    ``compile_backend``: each block is then compiled (``learner.compile``,
+    :mod:`learners.compile_blocks`), before it is sharded.
     """
     mesh = init_device_mesh(device_type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -85,8 +89,15 @@ def shard_model(model: nn.Module, world: int, device_type: str,
             parent, _, attr = name.rpartition(".")
             block = checkpoint_wrapper(block)
             setattr(model.get_submodule(parent), attr, block)
+        if compile_backend is not None:
+            compile_block(block, compile_backend)
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _compile_backend(cfg: LearnerConfig) -> str | None:
+    """``learner.compile_backend`` when ``learner.compile`` is on, else None."""
+    return cfg.compile_backend if cfg.compile else None
 
 
 def decoder_blocks(model: nn.Module) -> list[str]:
@@ -149,10 +160,12 @@ class Fsdp2Trainer:
             value_model = ValueModel(model_path, dtype, self.attn).to(self.device)
             value_model.eval()   # no dropout, like the actor
             shard_model(value_model, self.world, self.device.type,
-                        compute_dtype(cfg, self.device), cfg.activation_checkpointing)
+                        compute_dtype(cfg, self.device), cfg.activation_checkpointing,
+                        _compile_backend(cfg))
             self.critic = Critic(value_model, cfg, self.world)
         self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
                                 self.reference, self.reference_is_base)
+        self.compiles = CompileCounter() if cfg.compile else None
         logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
                     "attention %s, loss %s/%s/%s, reference %s", self.rank, self.world,
                     type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
@@ -173,7 +186,8 @@ class Fsdp2Trainer:
             model = wrap_lora(model, lora)
         model = model.to(self.device)
         shard_model(hf_model(model), self.world, self.device.type,
-                    compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing)
+                    compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing,
+                    _compile_backend(self.cfg))
         return model
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -201,6 +215,8 @@ class Fsdp2Trainer:
         metrics.update(critic_metrics)
         metrics["actor/grad_norm"] = float(_full(grad_norm))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if self.compiles is not None:   # graphs compiled during this step (0 once warm)
+            metrics["perf/compiles"] = self.steps.max_over_ranks(float(self.compiles.take()))
         metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
 
