@@ -607,6 +607,13 @@ class LearnerConfig(Section):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="learner.compile's torch.compile backend; aot_eager and eager "
         "skip code generation (debugging, quick tests).")
+    offload: Literal["none", "params"] = Field(
+        "none", description="FSDP2: \"params\" keeps the sharded weights, their gradients "
+        "and the AdamW state in host memory (CPUOffloadPolicy; the optimizer steps on the "
+        "CPU), so a model larger than the GPUs' memory trains, slower.")
+    liger: bool = Field(False, description="Liger's Triton kernels for RMSNorm, SwiGLU and "
+                        "RoPE (CUDA; the liger-kernel package, in the gpu extra; refused "
+                        "without it).")
     logprob_chunk_tokens: int = Field(
         1024, ge=0, le=1 << 20, description="Tokens per chunk through the LM head when "
         "computing logprobs and entropy (learner, reference, proximal): the [tokens, vocab] "

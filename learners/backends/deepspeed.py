@@ -121,6 +121,11 @@ class DeepSpeedTrainer:
             raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
         if cfg.compile:
             raise NotImplementedError("learner.compile is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.liger:
+            raise NotImplementedError("learner.liger is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.offload != "none":
+            raise NotImplementedError("learner.offload is FSDP2-only; use learner.backend="
+                                      "'fsdp2'")
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl.config.schema import LearnerConfig, LoraConfig
@@ -45,6 +46,7 @@ from learners.backends.micro_steps import (
     save_hf_dir,
 )
 from asyncrl.devices import resolve_device
+from learners.liger import apply_liger, check_liger
 from learners.lr_schedule import LrSchedule
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
@@ -68,7 +70,7 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
 
 def shard_model(model: nn.Module, world: int, device_type: str,
                 param_dtype: torch.dtype = torch.float32, checkpointing: bool = False,
-                compile_backend: str | None = None) -> None:
+                compile_backend: str | None = None, offload_params: bool = False) -> None:
     """``fully_shard`` each decoder block, then the root (which holds embeddings, norm, head).
 
     Blocks are found by class, as the model declares them in ``_no_split_modules`` (what
@@ -79,10 +81,15 @@ def shard_model(model: nn.Module, world: int, device_type: str,
     ``checkpointing`` wraps each block first so its activations are recomputed in backward
     (state-dict names are unchanged: torch's state-dict helpers strip the wrapper's prefix).
     ``compile_backend``: each block is then compiled (``learner.compile``,
-    :mod:`learners.compile_blocks`), before it is sharded.
+    :mod:`learners.compile_blocks`), before it is sharded. ``offload_params``
+    (``learner.offload = "params"``): FSDP2's ``CPUOffloadPolicy``: the sharded parameters,
+    their gradients and the optimizer state live in host memory and AdamW steps on the CPU;
+    each block's parameters are copied to the device for its all-gather.
     """
     mesh = init_device_mesh(device_type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload_params \
+        else OffloadPolicy()
     for name in decoder_blocks(model):
         block = model.get_submodule(name)
         if checkpointing:
@@ -91,8 +98,8 @@ def shard_model(model: nn.Module, world: int, device_type: str,
             setattr(model.get_submodule(parent), attr, block)
         if compile_backend is not None:
             compile_block(block, compile_backend)
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
 
 
 def _compile_backend(cfg: LearnerConfig) -> str | None:
@@ -136,6 +143,8 @@ class Fsdp2Trainer:
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version  # optimizer steps taken, i.e. the policy version of the weights
+        if cfg.liger:
+            check_liger(self.device)   # before any model is loaded
         # model.attn_implementation, resolved once for the actor, the reference and the critic.
         self.attn = resolve_attn_implementation(attn_implementation, self.device,
                                                 AutoConfig.from_pretrained(model_path))
@@ -158,10 +167,12 @@ class Fsdp2Trainer:
         self.critic: Critic | None = None
         if cfg.loss.advantage == "gae":
             value_model = ValueModel(model_path, dtype, self.attn).to(self.device)
+            if cfg.liger:
+                apply_liger(value_model.model)
             value_model.eval()   # no dropout, like the actor
             shard_model(value_model, self.world, self.device.type,
                         compute_dtype(cfg, self.device), cfg.activation_checkpointing,
-                        _compile_backend(cfg))
+                        _compile_backend(cfg), cfg.offload == "params")
             self.critic = Critic(value_model, cfg, self.world)
         self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
                                 self.reference, self.reference_is_base)
@@ -182,12 +193,14 @@ class Fsdp2Trainer:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn_kwargs(self.attn))
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
+        if self.cfg.liger:
+            apply_liger(model)
         if lora is not None:
             model = wrap_lora(model, lora)
         model = model.to(self.device)
         shard_model(hf_model(model), self.world, self.device.type,
                     compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing,
-                    _compile_backend(self.cfg))
+                    _compile_backend(self.cfg), self.cfg.offload == "params")
         return model
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
