@@ -607,10 +607,11 @@ class LearnerConfig(Section):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         "inductor", description="learner.compile's torch.compile backend; aot_eager and eager "
         "skip code generation (debugging, quick tests).")
-    offload: Literal["none", "params"] = Field(
-        "none", description="FSDP2: \"params\" keeps the sharded weights, their gradients "
-        "and the AdamW state in host memory (CPUOffloadPolicy; the optimizer steps on the "
-        "CPU), so a model larger than the GPUs' memory trains, slower.")
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none", description="FSDP2: \"optimizer\" keeps AdamW's moments in host memory (one "
+        "parameter's on the GPU at a time, in the step); \"params\" also the sharded weights "
+        "and gradients (CPUOffloadPolicy; the optimizer steps on the CPU). Larger models "
+        "train, slower.")
     liger: bool = Field(False, description="Liger's Triton kernels for RMSNorm, SwiGLU and "
                         "RoPE (CUDA; the liger-kernel package, in the gpu extra; refused "
                         "without it).")

@@ -48,6 +48,7 @@ from learners.backends.micro_steps import (
 from asyncrl.devices import resolve_device
 from learners.liger import apply_liger, check_liger
 from learners.lr_schedule import LrSchedule
+from learners.offload import HostStateAdamW
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
@@ -102,6 +103,14 @@ def shard_model(model: nn.Module, world: int, device_type: str,
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
 
 
+def make_optimizer(params: list[nn.Parameter], cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """AdamW, its moments on the host with ``learner.offload = "optimizer"``
+    (:mod:`learners.offload`)."""
+    if cfg.offload == "optimizer":
+        return HostStateAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def _compile_backend(cfg: LearnerConfig) -> str | None:
     """``learner.compile_backend`` when ``learner.compile`` is on, else None."""
     return cfg.compile_backend if cfg.compile else None
@@ -151,7 +160,7 @@ class Fsdp2Trainer:
         self.model = self._load_sharded(model_path, dtype, self.lora)
         # With LoRA only the adapters train: the frozen base has no optimizer state at all.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(trainable, cfg)
         # The rate follows the version, which a checkpoint restores: resumed runs continue it.
         self.lr_schedule = LrSchedule.from_config(cfg)
         # The frozen reference: the base model (not a resumed checkpoint: pass reference_path).
