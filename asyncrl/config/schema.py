@@ -593,8 +593,9 @@ class LearnerConfig(Section):
                                                 "one micro-batch). Padding counts unless packing.")
     packing: bool = Field(False, description="Pack a micro-batch's sequences into one row "
                           "(positions restart per sequence, no attention across them) instead "
-                          "of padding rows. Pays with flash-attention on GPU; on CPU sdpa the "
-                          "block mask is slower than padding (bench/RESULTS.md).")
+                          "of padding rows. Pays with a varlen kernel (model.attn_implementation"
+                          " auto: flash_attention_2 or varlen_sdpa); with sdpa's dense block "
+                          "mask it is slower than padding (bench/RESULTS.md).")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="FSDP2 parameter dtype for compute (gradients reduce and the "
         "optimizer steps in fp32): auto = bf16 on CUDA, fp32 on CPU.")
