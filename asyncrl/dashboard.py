@@ -25,6 +25,7 @@ from asyncrl.snapshot import (MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, S
                               fleet_idle, learner_idle, learner_info, rollouts)
 
 COMPUTE, GATHER = "timing/compute", "timing/gather"
+HANDOVER = "colocate/handover_s"
 WEIGHT_SYNC, WEIGHT_WAIT = "timing/weight_sync", "timing/weight_wait"
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 BAR, BAR_BESIDE = "█", "░"  # a part of the step / work that overlapped it
@@ -112,7 +113,7 @@ def _engines(status: Mapping[str, Any], history: History) -> Panel:
         ev = info.get("engine_version")
         alive = bool(member.get("alive"))
         total += info.get("tokens_per_s", 0.0) if alive else 0.0
-        table.add_row(name, _alive(alive, name in evicted),
+        table.add_row(name, _alive(alive, name in evicted, info.get("phase") == "asleep"),
                       fmt(ev, "d"), fmt(None if ev is None else _lag(version, ev), "d"),
                       f"{info.get('tokens_per_s', 0.0):,.0f}", str(info.get("groups", 0)),
                       f"{member.get('last_seen_s_ago', 0.0):.1f}s ago",
@@ -122,9 +123,11 @@ def _engines(status: Mapping[str, Any], history: History) -> Panel:
     return Panel(Group(table, *notes), title=title, title_align="left")
 
 
-def _alive(alive: bool, evicted: bool) -> Text:
+def _alive(alive: bool, evicted: bool, asleep: bool = False) -> Text:
     if evicted:
         return Text("evicted", "bold yellow")
+    if alive and asleep:   # launcher.colocate: the learner has the device
+        return Text("asleep", "blue")
     return Text("yes" if alive else "no", "green" if alive else "red")
 
 
@@ -173,6 +176,11 @@ def _buffer(status: Mapping[str, Any]) -> Panel:
                       f"  closed {closed:.1f}s ({closed / uptime if uptime else 0:.0%} of "
                       f"uptime)"),
     ]
+    if status.get("staleness_mode") == "pace":  # the learner's waits for old groups in flight
+        paced = status.get("pace_held_s", 0.0)
+        lines.append(Text(f"pace     learner held {paced:.1f}s "
+                          f"({paced / uptime if uptime else 0:.0%} of uptime): waiting for "
+                          f"groups that would go stale"))
     return Panel(Group(*lines), title="buffer", title_align="left")
 
 
@@ -215,6 +223,8 @@ def learner_time_split(info: Mapping[str, Any]) -> TimeSplit:
     parts = [("waiting for data", info.get(WAIT_DATA)), ("compute", info.get(COMPUTE)),
              ("weight gather", info.get(GATHER))]
     parts.append(sync if serial else ("waiting for sync", info.get(WEIGHT_WAIT)))
+    if HANDOVER in info:   # launcher.colocate: engines to sleep and back, the state moved
+        parts.append(("colocated handover", info.get(HANDOVER)))
     known = sum(v for _, v in parts if v)
     if step:
         parts.append(("other", max(0.0, step - known)))
@@ -240,8 +250,19 @@ def _time_split(status: Mapping[str, Any], history: History) -> Panel:
         lines.append(Text(f"{OVERLAPPED} overlaps the parts above: not in their 100 %", "dim"))
     lines.append(Text(f"idle: learner {pct(learner_idle(info))} · engines "
                       f"{pct(fleet_idle(status, history))}"))
+    if HANDOVER in info:
+        lines.append(_handover(info))
     return Panel(Group(*lines), title=f"learner step {fmt(info.get('step'), 'd')} · "
                                       f"{fmt(split.step, '.3f')}s", title_align="left")
+
+
+def _handover(info: Mapping[str, Any]) -> Text:
+    """The colocated mode's last handover, move by move (``learners.colocate``): engines to
+    sleep, the learner's state in, out, engines awake."""
+    return Text(f"sleep {fmt(info.get('colocate/sleep_s'))} · in "
+                f"{fmt(info.get('colocate/onload_s'))} · out "
+                f"{fmt(info.get('colocate/offload_s'))} · wake "
+                f"{fmt(info.get('colocate/wake_s'))} s")
 
 
 def _curves(status: Mapping[str, Any], history: History) -> Panel:

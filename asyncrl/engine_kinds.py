@@ -44,10 +44,14 @@ class EngineKind:
     bucket_align: int | None = None
     """The alignment of tensors inside a bucket it can receive; None: the bucket plan's default
     (:data:`asyncrl.weights.plan.ALIGN`). SGLang's flattened buckets carry no padding: 1."""
+    sleeps: bool = False
+    """Can free its device memory between generation phases and take it back
+    (``sleep``/``wake_up``, :class:`~rollouters.engines.base.Sleeper`): what
+    ``launcher.colocate`` needs of it."""
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("torch", merges_adapters=True),
+    EngineKind("torch", merges_adapters=True, sleeps=True),
     EngineKind("vllm", table="vllm"),
     EngineKind("vllm-server", needs_url=True),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),

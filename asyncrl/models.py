@@ -1,4 +1,5 @@
-"""Model and tokenizer construction: the tiny random-init Qwen2 and its character vocabulary.
+"""Model and tokenizer construction: the tiny random-init Qwen2 (or Qwen3-MoE) and its
+character vocabulary.
 
 Every role (learner ranks, rollout workers) must start from *identical* weights, so the tiny
 model is built once, deterministically from the run seed, and saved in HF format under the run
@@ -80,23 +81,37 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] | list[str] = ()
 
 
 def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
-    """A random-init ``Qwen2ForCausalLM``, identical for identical ``(cfg, vocab_size, seed)``.
+    """A random-init ``Qwen2ForCausalLM`` (or ``Qwen3MoeForCausalLM`` when
+    ``cfg.num_experts > 0``), identical for identical ``(cfg, vocab_size, seed)``.
 
+    The MoE variant exists so the whole loop (FSDP2 wrapping of expert weights, engines,
+    weight sync) runs on a mixture-of-experts architecture in CI, as Qwen3-MoE runs on GPUs.
     The seed is applied inside :func:`torch.random.fork_rng` so the caller's RNG is untouched.
     """
     import torch
     with _LAZY_IMPORTS:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                                  Qwen3MoeForCausalLM)
 
-    config = Qwen2Config(
+    shared = dict(
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if cfg.num_experts:
+        config = Qwen3MoeConfig(**shared, head_dim=cfg.hidden_size // cfg.num_heads,
+                                num_experts=cfg.num_experts,
+                                num_experts_per_tok=cfg.num_experts_per_tok,
+                                moe_intermediate_size=cfg.moe_intermediate_size,
+                                decoder_sparse_step=1, norm_topk_prob=True)
+        model_cls: Any = Qwen3MoeForCausalLM
+    else:
+        config = Qwen2Config(**shared)
+        model_cls = Qwen2ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_cls(config)
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = PAD_ID

@@ -40,7 +40,9 @@ def progress_line(status: dict[str, Any]) -> str:
             f"stale mean {fmt(info.get(STALENESS_MEAN), '.2f')} "
             f"max {fmt(info.get(STALENESS_MAX), '.0f')} | "
             f"gen {gen:,.0f} tok/s train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s | "
-            f"depth {status.get('depth', 0)} drops {status.get('dropped_stale', 0)} | "
+            f"depth {status.get('depth', 0)} drops {status.get('dropped_stale', 0)}" +
+            (f" paced {status.get('pace_held_s', 0.0):.1f}s"
+             if status.get("staleness_mode") == "pace" else "") + " | "
             f"score {fmt(info.get(REWARD))} val {fmt(val_score(info))}" +
             (f" | rewards failed {failed} of {failed + info.get('reward/ok', 0)}"
              if failed else ""))

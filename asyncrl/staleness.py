@@ -27,6 +27,16 @@ order is broken (several producers finishing out of order, a worker with old wei
 are counted, never silent. ``s = 0`` admits exactly one step's worth of groups per version:
 on-policy.
 
+Two modes (``buffer.staleness_mode``). ``drop``: the above; a group that finished too late is
+dropped and counted. ``pace``: no finished group is dropped; instead the learner does not step
+past the version at which a group still alive would go stale (:func:`pace_allows`): a take
+that would leave such a group behind waits, and the wait is counted (``pace_held_s``). The
+buffers know the version each in-flight group was granted at (the engine's, at
+:meth:`~buffers.protocol.Buffer.acquire`: its tokens can only be newer), so a group still
+generating holds the learner back too. A group the accounting could not see (its producer
+was reaped as dead, then delivered) may still arrive stale; it is dropped and counted, never
+trained on: the bound s is the rule both modes keep.
+
 ``accepted`` is the groups that entered the buffer minus those it dropped as stale: a dropped
 group gives its slot back. It must, or the learner could starve: drops never consumed by a step
 would keep ``(V + s + 1) × gps`` full while fewer than ``gps`` groups are left to train on, and
@@ -36,6 +46,7 @@ the bound: the later groups only move to earlier slots, which makes them fresher
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 NO_VERSION = -1
@@ -63,6 +74,41 @@ def stale_below(version: int, max_staleness: int) -> int:
 def below_cutoff(oldest: int, cutoff: int) -> bool:
     """Is a sample stale at the cutoff :func:`stale_below` gave? Never without a version."""
     return 0 <= oldest < cutoff
+
+
+STALENESS_MODES = ("drop", "pace")
+
+
+def pace_allows(version: int, max_staleness: int, per_step: int,
+                left: Mapping[int, int]) -> bool:
+    """``pace`` mode: may the learner at ``version`` train a batch (and so reach
+    ``version + 1``), leaving alive the groups ``left`` counts (oldest version → groups: those
+    queued and not in the batch, and those in flight, by the version they were granted at)?
+
+    Yes iff, for every ``k`` in ``0 … s``, at most ``k × per_step`` of them have an oldest
+    version ``≤ version + k − s``. Such a group must be consumed by the step at ``version + k``
+    or it would be staler than s; ``k`` steps consume ``k × per_step`` groups. ``k = 0`` is
+    the issue's rule: nothing left may go stale at the next version. The larger ``k`` keep the
+    future feasible: without them a learner at s = 2 could take a fresher group now and later
+    face more old groups than one batch holds, none of which it may skip.
+
+    Why the learner never waits forever: taking the ``per_step`` oldest groups once they have
+    finished (earliest deadline first, the order the buffers serve) keeps the condition true
+    from one version to the next, given the gate's bound on what is alive (``(s + 1) × per_step``
+    after a step's groups were consumed: see the gate's proof above), and every group in
+    flight finishes, fails (released) or loses its producer (reaped). Groups without a version
+    (:data:`NO_VERSION`) never go stale and do not count.
+    """
+    versions = sorted((v, n) for v, n in left.items() if v >= 0 and n > 0)
+    cumulative, i = 0, 0
+    for k in range(max_staleness + 1):
+        limit = version + k - max_staleness
+        while i < len(versions) and versions[i][0] <= limit:
+            cumulative += versions[i][1]
+            i += 1
+        if cumulative > k * per_step:
+            return False
+    return True
 
 
 @dataclass(frozen=True)

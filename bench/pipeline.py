@@ -4,8 +4,9 @@ Each scenario is a real ``asyncrl up`` of configs/sim.toml (64 simulated engines
 one rollout process, 8 learner-rank processes with ``learner.backend = "sim"``, the ZMQ broker,
 the real gate, learner loop and weight-sync protocol; only model compute is a calibrated wait).
 Modes: synchronous (``max_staleness = 0``: generate the batch, wait for the slowest, train,
-sync) and async with ``max_staleness`` 1, 2, 4, 8. Sweeps the generation:training time ratio
-and the response-length tail.
+sync) and async with ``max_staleness`` 1, 2, 4, 8; with ``--pace`` each async ``s`` runs
+again with ``buffer.staleness_mode = "pace"`` (no finished group dropped: the learner waits
+instead). Sweeps the generation:training time ratio and the response-length tail.
 
 Calibration, per (ratio, tail): ``T_gen`` = generate calls per step / engines × E[call time]
 (E by Monte-Carlo of the engine's own timing model); ``T_train = T_gen / ratio``;
@@ -16,7 +17,10 @@ Calibration, per (ratio, tail): ``T_gen`` = generate calls per step / engines ×
 
 Measured over the steady state, from the learner's metrics: steps/s → samples/s and
 tokens/s, learner idle (waiting for data / wall), engine idle (1 − generating / wall, from
-heartbeats), staleness histogram of consumed groups, drops, gate-closed time per engine. The
+heartbeats), staleness histogram of consumed groups, drops, gate-closed time per engine, and
+the bias against long answers: the mean length of the samples trained on (the learner's
+``response_length/mean``) against the mean length generated (the engine's own timing model,
+as calibrated below: every generated sample, dropped or not). The
 window starts once the start-up backlog has drained (:func:`window_start`); the run lasts a
 planned warm-up (:meth:`Scale.warmup_steps`) plus ``steps``. Why there is a backlog: the
 rollout fleet is up before the learner (its ranks take longer to start), so the gate's whole
@@ -28,6 +32,7 @@ report that drain and its drops, not the steady state.
     python bench/pipeline.py                 # full sweep → bench/results/pipeline.{md,json,png}
     python bench/pipeline.py --quick         # one ratio, one tail, sync and s=2 (minutes)
     python bench/pipeline.py --tiny          # CI smoke scale: 8 engines, 2 ranks, few steps
+    python bench/pipeline.py --quick --pace  # s=2 dropping vs pacing, long tails
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ logger = logging.getLogger("bench.pipeline")
 COLUMNS = ["tail", "ratio", "mode", "samples_per_s", "tokens_per_s", "speedup", "bound_speedup",
            "pct_of_bound", "learner_idle", "engine_idle", "staleness_hist", "drops",
            "gate_closed_s_per_engine", "step_s", "bound_step_s", "harness_cores", "machine_busy",
-           "load_1min", "window"]
+           "load_1min", "window", "len_trained", "len_generated"]
 
 
 @dataclass
@@ -102,6 +107,10 @@ class Calibration:
     tokens_per_step: float
     sync_gen: float  # E[slowest engine's generate time in one step] (the sync bound's part)
 
+    def mean_length(self, scale: Scale) -> float:
+        """Mean response length the engines generate, dropped samples included."""
+        return self.tokens_per_step / (scale.groups_per_step * scale.group_size)
+
     @property
     def async_bound(self) -> float:
         return max(self.t_gen, self.t_train + self.t_sync)
@@ -132,6 +141,8 @@ class Row:
     machine_busy: float = 0.0  # the machine's CPU busy fraction during the run (all users)
     load_1min: float = 0.0  # load average at the run's end (other users included)
     window: list[int] = field(default_factory=list)  # first and last step measured
+    len_trained: float = 0.0  # mean response length of the samples trained on
+    len_generated: float = 0.0  # mean response length generated (the engine's model)
 
 
 def sim_config(scale: Scale, tail: str) -> SimConfig:
@@ -170,8 +181,8 @@ def calibrate(scale: Scale, tail: str, ratio: float, samples: int = 40_000,
                        sync_gen=float(np.mean(slowest)))
 
 
-def overrides(scale: Scale, tail: str, ratio: float, cal: Calibration, staleness: int
-              ) -> list[str]:
+def overrides(scale: Scale, tail: str, ratio: float, cal: Calibration, staleness: int,
+              mode: str = "drop") -> list[str]:
     sim = sim_config(scale, tail)
     params, param_bytes = 7e9, 2
     return [f"rollout.workers={scale.workers}", f"learner.ranks={scale.ranks}",
@@ -180,7 +191,7 @@ def overrides(scale: Scale, tail: str, ratio: float, cal: Calibration, staleness
             f"rollout.groups_per_batch={scale.groups_per_batch}",
             f"rollout.max_new_tokens={scale.max_new_tokens}",
             f"learner.total_steps={scale.warmup_steps(staleness, ratio) + scale.steps}",
-            f"buffer.max_staleness={staleness}",
+            f"buffer.max_staleness={staleness}", f"buffer.staleness_mode={mode}",
             f"sim.decode_step_s={sim.decode_step_s}", f"sim.length={sim.length}",
             f"sim.mean_tokens={sim.mean_tokens}", f"sim.sigma={sim.sigma}",
             f"sim.train_token_s={cal.t_train / cal.tokens_per_step!r}",
@@ -283,12 +294,14 @@ def measure(run_dir: Path, scale: Scale, warmup: int) -> dict:
             "drops": int(last.get("buffer/dropped_stale", 0)
                          - first.get("buffer/dropped_stale", 0)),
             "gate_closed_s_per_engine": gate / scale.workers,
+            "len_trained": float(np.mean([r.get("response_length/mean", 0.0) for r in body])),
             "window": [int(first["step"]), int(last["step"])]}
 
 
 def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
     rows: list[Row] = []
-    modes = [0] + args.staleness
+    modes = [(0, "drop")] + [(s, "drop") for s in args.staleness] + \
+        ([(s, "pace") for s in args.staleness] if args.pace else [])
     for tail in args.tails:
         for ratio in args.ratios:
             cal = calibrate(scale, tail, ratio)
@@ -296,18 +309,19 @@ def sweep(args: argparse.Namespace, scale: Scale, out: Path) -> list[Row]:
                         "async %.3fs", tail, ratio, cal.t_gen, cal.t_train, cal.t_sync,
                         cal.sync_bound, cal.async_bound)
             sync_rate = None
-            for staleness in modes:
-                name = f"{tail}-r{ratio:g}-s{staleness}"
+            for staleness, mode in modes:
+                name = f"{tail}-r{ratio:g}-s{staleness}" + ("-pace" if mode == "pace" else "")
                 start = time.monotonic()
                 run_dir, cost = run_scenario(args.config, out / "runs", name,
-                                             overrides(scale, tail, ratio, cal, staleness)
+                                             overrides(scale, tail, ratio, cal, staleness, mode)
                                              + args.overrides, args.timeout)
                 got = {**measure(run_dir, scale, scale.warmup_steps(staleness, ratio)), **cost}
                 bound = cal.sync_bound if staleness == 0 else cal.async_bound
                 rate = got["samples_per_s"]
                 sync_rate = rate if staleness == 0 else sync_rate
                 row = Row(tail=tail, ratio=ratio, mode="sync" if staleness == 0 else
-                          f"async s={staleness}",
+                          f"async s={staleness}" + (" pace" if mode == "pace" else ""),
+                          len_generated=cal.mean_length(scale),
                           speedup=rate / sync_rate if sync_rate else float("nan"),
                           bound_speedup=cal.sync_bound / bound,
                           pct_of_bound=bound / got["step_s"], bound_step_s=bound, **got)
@@ -331,7 +345,8 @@ def write_results(rows: list[Row], scale: Scale, out: Path) -> str:
 def to_markdown(rows: list[Row]) -> str:
     head = ("| tail | T_gen:T_train | mode | samples/s | tokens/s | speedup vs sync | bound "
             "speedup | % of bound | learner idle | engine idle | staleness hist (0..s) | drops "
-            "| gate closed s/engine | run CPU (cores) | machine busy | load | steps measured |")
+            "| gate closed s/engine | run CPU (cores) | machine busy | load | steps measured "
+            "| mean length trained / generated |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -341,7 +356,7 @@ def to_markdown(rows: list[Row]) -> str:
             f"{100 * r.engine_idle:.0f} % | {' '.join(map(str, r.staleness_hist))} | {r.drops} | "
             f"{r.gate_closed_s_per_engine:.1f} | {r.harness_cores:.2f} | "
             f"{100 * r.machine_busy:.0f} % | {r.load_1min:.1f} | "
-            f"{'–'.join(map(str, r.window))} |")
+            f"{'–'.join(map(str, r.window))} | {r.len_trained:.1f} / {r.len_generated:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -388,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=None,
                         help="measured steps per run (after the warm-up)")
+    parser.add_argument("--pace", action="store_true",
+                        help="also run each async s with buffer.staleness_mode = pace")
     parser.add_argument("--quick", action="store_true", help="ratio 1, lognormal, sync and s=2")
     parser.add_argument("--tiny", action="store_true", help="8 engines, 2 ranks (CI smoke)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")

@@ -165,7 +165,7 @@ class RedisBufferClient:
 
     @_request
     def _init(self, run_id: str) -> str:
-        return self._run("init", run_id).decode()
+        return self._run("init", run_id, self.config.staleness_mode).decode()
 
     def _run(self, script: str, *args: Any) -> Any:
         return self._scripts[script](keys=self._all_keys, args=[*self._params, *args])

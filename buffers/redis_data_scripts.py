@@ -24,7 +24,10 @@ local version, granted = num(K_STATE, 'version'), 0
 if run_status() == 'running' and engine_may_start(version, engine_version) then
   local room = MAX_GROUPS - redis.call('XLEN', K_INDEX) - in_flight_total()
   granted = math.max(0, math.min(want, allowance(), room))
-  if granted > 0 then add_in_flight(producer, granted) end
+  if granted > 0 then
+    add_in_flight(producer, granted)
+    grant(producer, engine_version, granted)
+  end
 end
 gate_update(now)
 return {granted, version, run_status()}
@@ -34,12 +37,14 @@ RELEASE = """
 local now = now_ms()
 touch(ARGV[5], now)
 add_in_flight(ARGV[5], -tonumber(ARGV[6]))
+release_grants(ARGV[5], tonumber(ARGV[6]))
+trim_grants(ARGV[5])
 gate_update(now)
 return 1
 """
 
 PUT_MANY = """
--- KEYS[13..]: the payload keys the client staged (SET ... PX) in the same pipeline.
+-- KEYS[N_FIXED_KEYS + 1..]: the payload keys the client staged (SET ... PX) in the same pipeline.
 -- ARGV: producer, staged ttl ms, then 4 per group: reason ('' unless the client already
 -- rejected it), minv, run_id, its payload key's position in KEYS[13..] (0: none). Groups
 -- are handled in order, each exactly as a single put: a rejection is counted, uses its slot
@@ -81,12 +86,16 @@ for i = 7, #ARGV, 4 do
     if key and is_payload_key(key) then redis.call('DEL', key) end
     redis.call('HINCRBY', K_REJECTED, reason, 1)
     add_in_flight(producer, -1)
+    release_grants(producer, 1)
+    trim_grants(producer)
     table.insert(results, {0, reason})
   else
     redis.call('PERSIST', key)
     local id = redis.call('XADD', K_INDEX, '*', 'minv', minv, 'p', producer, 'k', key)
     redis.call('HINCRBY', K_STATE, 'accepted', 1)
     add_in_flight(producer, -1)
+    settle_grant(producer, tonumber(minv) or -1)
+    trim_grants(producer)
     table.insert(results, {1, id})
   end
 end
@@ -115,6 +124,49 @@ TAKE = """
 -- queue) plus what the consumers hold, whatever the queue holds. (Reading the whole index
 -- instead cost 8 ms of Redis at 4,096 queued.)
 -- Returns {lost held ids, dropped, entries, tail id, stats, acked}.
+-- pace (buffer.staleness_mode): the groups alive once `picked` is served: queued ones, the
+-- reclaimable ones (again_of), and those in flight by the version they were granted at; only
+-- versions up to learner_version can fail pace_allows.
+local function pace_left(learner_version, again_of, picked)
+  local left = {}
+  local function add(v, n) left[v] = (left[v] or 0) + n end
+  local old = redis.call('ZRANGEBYSCORE', K_QUEUEV, 0, learner_version, 'WITHSCORES')
+  for i = 2, #old, 2 do add(tonumber(old[i]), 1) end
+  for _, list in pairs(again_of) do
+    for _, c in ipairs(list) do add(c.minv, 1) end
+  end
+  local flat = redis.call('HGETALL', K_INFLIGHTV)
+  for i = 1, #flat, 2 do add(split_grant(flat[i]), tonumber(flat[i + 1])) end
+  for _, c in ipairs(picked) do add(c.minv, -1) end
+  return left
+end
+local function oldest_by_version(need, again_of)
+  -- The `need` candidates of smallest (oldest version, arrival), whoever put them: the order
+  -- pace falls back to (see the ZMQ twin, BrokerState._pace_take).
+  local candidates = {}
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_QUEUEV, '-inf', '+inf', 'LIMIT', 0, need)) do
+    table.insert(candidates, qparse(m))
+  end
+  for _, list in pairs(again_of) do
+    for _, c in ipairs(list) do table.insert(candidates, c) end
+  end
+  table.sort(candidates, function(x, y)
+    if x.minv ~= y.minv then return x.minv < y.minv end
+    return x.order < y.order
+  end)
+  local out = {}
+  for i = 1, math.min(need, #candidates) do out[i] = candidates[i] end
+  return out
+end
+local function pace_clock(held)  -- seconds takes were held by pace, as the gate's closed time
+  local since, now = redis.call('HGET', K_STATE, 'pace_held_since'), now_ms()
+  if held and not since then redis.call('HSET', K_STATE, 'pace_held_since', fmt(now))
+  elseif since and not held then
+    redis.call('HINCRBY', K_STATE, 'pace_held_ms', fmt(now - tonumber(since)))
+    redis.call('HDEL', K_STATE, 'pace_held_since')
+  end
+end
+
 local consumer, need = ARGV[5], tonumber(ARGV[6])
 local learner_version, reclaim_ms = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_held = tonumber(ARGV[9])
@@ -190,9 +242,9 @@ local entries = {}
 if n_fresh >= need and need > 0 then
   -- One candidate list per producer: its reclaimable entries and its queued ones, merged
   -- by arrival. A heap of the producers by (key of their head, arrival) yields the order.
-  local function queued_head(s)
+  local function queued_head(s)  -- the producer's first queued member not yet picked
     local r = redis.call('ZRANGEBYLEX', K_QUEUE, '(' .. s.prefix, '(' .. s.prefix .. ':',
-                         'LIMIT', 0, 1)
+                         'LIMIT', s.skip, 1)
     return r[1] and qparse(r[1]) or nil
   end
   local function head(s)
@@ -237,11 +289,11 @@ if n_fresh >= need and need > 0 then
     local r = redis.call('ZRANGEBYLEX', K_QUEUE, lower, '+', 'LIMIT', 0, 1)
     if #r == 0 then break end
     local c = qparse(r[1])
-    producers[c.p] = {p = c.p, prefix = producer_prefix(c.p), queued = c}
+    producers[c.p] = {p = c.p, prefix = producer_prefix(c.p), queued = c, skip = 0}
     lower = '(' .. producers[c.p].prefix .. ':'
   end
   for p in pairs(again_of) do
-    producers[p] = producers[p] or {p = p, prefix = producer_prefix(p)}
+    producers[p] = producers[p] or {p = p, prefix = producer_prefix(p), skip = 0}
   end
   for p, s in pairs(producers) do
     s.again, s.next_again = again_of[p] or {}, 1
@@ -249,32 +301,53 @@ if n_fresh >= need and need > 0 then
     local c = head(s)
     if c then push({key = c.minv, c = c, s = s}) end
   end
-  local n_again = 0
-  while #entries < need and #heap > 0 do
+  local picked = {}  -- chosen first, claimed only if pace lets the learner have them
+  while #picked < need and #heap > 0 do
     local top = pop()
     local s, c = top.s, top.c
-    local claimed
-    if c.again then
-      claimed = redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, c.id)
-      n_again = n_again + #claimed
-      s.next_again = s.next_again + 1
-    else  -- QUEUE's delivery was not one: the count stays 1
-      claimed = redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, c.id, 'RETRYCOUNT', 1)
-      unqueue(c.m)
+    table.insert(picked, c)
+    if c.again then s.next_again = s.next_again + 1
+    else
+      s.skip = s.skip + 1
       s.queued = queued_head(s)
     end
-    if claimed[1] then table.insert(entries, claimed[1]) end  -- else deleted behind our back
     local following = head(s)
     if following then
       push({key = math.max(top.key, following.minv), c = following, s = s})
     end
   end
+  local held = false
+  if redis.call('HGET', K_STATE, 'staleness_mode') == 'pace' then
+    held = not pace_allows(learner_version, pace_left(learner_version, again_of, picked))
+    if held then  -- each producer's order would leave one of its older groups behind
+      local alternative = oldest_by_version(need, again_of)
+      if #alternative == need and
+         pace_allows(learner_version, pace_left(learner_version, again_of, alternative)) then
+        picked, held = alternative, false
+      end
+    end
+    pace_clock(held)
+  end
+  local n_again = 0
+  for _, c in ipairs(held and {} or picked) do
+    local claimed
+    if c.again then
+      claimed = redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, c.id)
+      n_again = n_again + #claimed
+    else  -- QUEUE's delivery was not one: the count stays 1
+      claimed = redis.call('XCLAIM', K_INDEX, GROUP, consumer, 0, c.id, 'RETRYCOUNT', 1)
+      unqueue(c.m)
+    end
+    if claimed[1] then table.insert(entries, claimed[1]) end  -- else deleted behind our back
+  end
   redis.call('HINCRBY', K_STATE, 'redelivered', n_again)
 end
 local tail = redis.call('XREVRANGE', K_INDEX, '+', '-', 'COUNT', 1)
+local since = redis.call('HGET', K_STATE, 'pace_held_since')
+local pace_ms = num(K_STATE, 'pace_held_ms') + (since and now_ms() - tonumber(since) or 0)
 local stats = {redis.call('XLEN', K_INDEX), num(K_STATE, 'accepted'), in_flight_total(),
                num(K_STATE, 'consumed'), num(K_STATE, 'dropped_stale'),
-               num(K_STATE, 'version'), run_status()}
+               num(K_STATE, 'version'), run_status(), pace_ms}
 return {lost, dropped, entries, tail[1] and tail[1][1] or '0-0', stats, acked}
 """
 

@@ -38,6 +38,9 @@ Key layout under a namespace ``ns`` (``buffer.redis.namespace`` or ``asyncrl:<ru
                             zero-padded, the id, minv; so one producer's entries are one
                             range, in arrival order (the take merges the producers' heads)
 ``ns:queuev``      zset     the same members scored by minv (stale ones are one range)
+``ns:inflightv``   hash     ``<version>|<producer>`` → groups in flight granted at that engine
+                            version (``buffers.inflight_versions``, restated in Lua: what
+                            ``buffer.staleness_mode = "pace"`` waits on)
 =================  =======  ==================================================================
 
 Every script receives all keys (``KEYS``, in :data:`KEY_NAMES` order; the put script also
@@ -61,7 +64,7 @@ from buffers.redis_data_scripts import ACK, ACQUIRE, DISCARD, PUT_MANY, RELEASE,
 GROUP = "learners"
 QUEUE = "~queued"  # the consumer whose pending list holds the unread entries (see TAKE)
 KEY_NAMES = ("state", "inflight", "seen", "roles", "info", "index", "rejected",
-             "hist", "kv", "kvseq", "notify", "queue", "queuev")
+             "hist", "kv", "kvseq", "notify", "queue", "queuev", "inflightv")
 PAYLOAD_INFIX = ":g:"  # payload keys are f"{namespace}{PAYLOAD_INFIX}{hex}"
 LEGACY_KEY_NAMES = ("groups",)  # the payload stream of earlier versions: reset deletes it
 NOTIFY_MAXLEN = 1000  # notifications only wake waiters; trimming them loses no data
@@ -94,7 +97,7 @@ class RedisKeys:
 PRELUDE = """
 local N_FIXED_KEYS = """ + str(len(KEY_NAMES)) + """
 local K_STATE, K_INFLIGHT, K_SEEN, K_ROLES, K_INFO, K_INDEX, K_REJECTED, K_HIST,
-      K_KV, K_KVSEQ, K_NOTIFY, K_QUEUE, K_QUEUEV = unpack(KEYS, 1, N_FIXED_KEYS)
+      K_KV, K_KVSEQ, K_NOTIFY, K_QUEUE, K_QUEUEV, K_INFLIGHTV = unpack(KEYS, 1, N_FIXED_KEYS)
 local PAYLOAD_PREFIX = string.sub(K_STATE, 1, -#'state' - 2) .. '""" + PAYLOAD_INFIX + """'
 local S, GPS = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MAX_GROUPS, HB_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -121,12 +124,74 @@ local function add_in_flight(producer, delta)
   if n > 0 then redis.call('HSET', K_INFLIGHT, producer, fmt(n))
   else redis.call('HDEL', K_INFLIGHT, producer) end
 end
+
+-- The versions the groups in flight were granted at: buffers/inflight_versions.py restated
+-- (pace waits on them). K_INFLIGHTV: '<version>|<producer>' -> groups. A put settles the
+-- producer's newest grant at or below the group's oldest version (else its oldest grant), a
+-- release or rejection its newest grants; the record never holds more than K_INFLIGHT counts.
+local function grant_field(producer, v) return fmt(v) .. '|' .. producer end
+local function split_grant(field)
+  local v, p = string.match(field, '^(%-?%d+)|(.*)$')
+  return tonumber(v), p
+end
+local function grants_of(producer)  -- {version -> groups}
+  local out, flat = {}, redis.call('HGETALL', K_INFLIGHTV)
+  for i = 1, #flat, 2 do
+    local v, p = split_grant(flat[i])
+    if p == producer then out[v] = tonumber(flat[i + 1]) end
+  end
+  return out
+end
+local function grant(producer, v, n)
+  if n > 0 then redis.call('HINCRBY', K_INFLIGHTV, grant_field(producer, v), n) end
+end
+local function take_grant(producer, grants, v)
+  grants[v] = grants[v] - 1
+  if grants[v] <= 0 then
+    grants[v] = nil
+    redis.call('HDEL', K_INFLIGHTV, grant_field(producer, v))
+  else redis.call('HINCRBY', K_INFLIGHTV, grant_field(producer, v), -1) end
+end
+local function extreme_grant(grants, newest, at_most)  -- nil if none
+  local best = nil
+  for v in pairs(grants) do
+    if (at_most == nil or v <= at_most) and
+       (best == nil or (newest and v > best) or (not newest and v < best)) then best = v end
+  end
+  return best
+end
+local function release_grants(producer, n)
+  local grants = grants_of(producer)
+  for _ = 1, n do
+    local v = extreme_grant(grants, true, nil)
+    if v == nil then return end
+    take_grant(producer, grants, v)
+  end
+end
+local function settle_grant(producer, oldest)
+  local grants = grants_of(producer)
+  local v = extreme_grant(grants, true, oldest) or extreme_grant(grants, false, nil)
+  if v ~= nil then take_grant(producer, grants, v) end
+end
+local function trim_grants(producer)  -- no more grants than the gate counts in flight
+  local n = 0
+  for _, c in pairs(grants_of(producer)) do n = n + c end
+  if n > num(K_INFLIGHT, producer) then release_grants(producer, n - num(K_INFLIGHT, producer)) end
+end
 local function reap(now)  -- silent producers' in-flight groups go back to the gate
-  local flat = redis.call('HGETALL', K_INFLIGHT)
+  local flat, dead = redis.call('HGETALL', K_INFLIGHT), nil
   for i = 1, #flat, 2 do
     if now - num(K_SEEN, flat[i]) > HB_MS then
       redis.call('HDEL', K_INFLIGHT, flat[i])
       redis.call('HINCRBY', K_STATE, 'reaped', tonumber(flat[i + 1]))
+      dead = dead or {}
+      dead[flat[i]] = true
+    end
+  end
+  if dead then  -- and their grants with them
+    for _, field in ipairs(redis.call('HKEYS', K_INFLIGHTV)) do
+      local _, p = split_grant(field)
+      if dead[p] then redis.call('HDEL', K_INFLIGHTV, field) end
     end
   end
 end
@@ -144,6 +209,20 @@ local function stale_cutoff(learner_version)  -- stale: 0 <= minv < stale_cutoff
   return learner_version - S
 end
 local function engine_may_start(version, engine_version) return version - engine_version <= S end
+local function pace_allows(version, left)  -- left: {oldest version -> groups}; see staleness.py
+  local versions = {}
+  for v, n in pairs(left) do if v >= 0 and n > 0 then table.insert(versions, v) end end
+  table.sort(versions)
+  local cumulative, i = 0, 1
+  for k = 0, S do
+    while i <= #versions and versions[i] <= version + k - S do
+      cumulative = cumulative + left[versions[i]]
+      i = i + 1
+    end
+    if cumulative > k * GPS then return false end
+  end
+  return true
+end
 local function capacity(version) return (version + S + 1) * GPS end
 local function allowance()  -- a group dropped as stale gives its slot back
   local live = num(K_STATE, 'accepted') - num(K_STATE, 'dropped_stale')
@@ -275,6 +354,7 @@ redis.call('HSETNX', K_STATE, 'run_status', 'running')
 redis.call('HSETNX', K_STATE, 'version', '0')
 redis.call('HSETNX', K_STATE, 'started', fmt(now))
 redis.call('HSETNX', K_STATE, 'run_id', ARGV[5])
+redis.call('HSET', K_STATE, 'staleness_mode', ARGV[6])  -- the take reads it (pace)
 ensure_group()
 return redis.call('HGET', K_STATE, 'run_id')
 """

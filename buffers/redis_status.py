@@ -31,10 +31,11 @@ def _ints(raw: dict[bytes, bytes]) -> dict[str, int]:
 
 def batch_stats(raw: Sequence[Any]) -> dict[str, Any]:
     """The take script's stats list, named like the ZMQ broker's batch stats."""
-    depth, accepted, in_flight, consumed, dropped, version, status = raw
+    depth, accepted, in_flight, consumed, dropped, version, status, pace_ms = raw
     return {"depth": int(depth), "accepted": int(accepted), "in_flight": int(in_flight),
             "consumed": int(consumed), "dropped_stale": int(dropped), "version": int(version),
-            "run_status": status.decode() if isinstance(status, bytes) else str(status)}
+            "run_status": status.decode() if isinstance(status, bytes) else str(status),
+            "pace_held_s": int(pace_ms) / 1000}
 
 
 def _members(seen: dict[str, int], roles: dict[str, str], info: dict[bytes, bytes],
@@ -77,6 +78,9 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
     closed_ms = int(state.get("gate_closed_ms", 0))
     if "gate_closed_since" in state:
         closed_ms += now_ms - int(state["gate_closed_since"])
+    pace_ms = int(state.get("pace_held_ms", 0))
+    if "pace_held_since" in state:
+        pace_ms += now_ms - int(state["pace_held_since"])
     return {
         "depth": int(depth), "accepted": accepted, "in_flight": sum(in_flight.values()),
         "consumed": int(state.get("consumed", 0)),
@@ -86,6 +90,7 @@ def assemble_status(snapshot: Sequence[Any], gate: StalenessGate, config: Buffer
         "max_groups": config.max_groups, "rejected": _ints(rejected),
         "gate_open": run_status == RUNNING and allowance > 0, "gate_allowance": allowance,
         "gate_closed_s": closed_ms / 1000,
+        "staleness_mode": config.staleness_mode, "pace_held_s": pace_ms / 1000,
         "staleness_hist": {str(k): n for k, n in sorted(_ints(hist).items(),
                                                         key=lambda kv: int(kv[0]))},
         "members": _members(_ints(seen), _text(roles), info, in_flight, now_ms,

@@ -156,8 +156,8 @@ class ZmqBroker:
             return
         self._next_tick = now + TICK_S
         self.state.reap()
-        if self.state.reclaim():
-            self._serve_batches()
+        self.state.reclaim()
+        self._serve_batches()  # reclaimed groups, or (pace) a reaped producer's grants
         self._admit_parked_puts()
         if self.state.journal is not None:
             self.state.journal.sync_if_due()
@@ -248,6 +248,7 @@ class ZmqBroker:
         self.state.require_member(arg_str(request.args, "producer"))
         self.state.release(arg_str(request.args, "producer"),
                            arg_int(request.args, "count", minimum=0))
+        self._serve_batches()  # pace: a take may have waited on these groups
         return Reply(True, {})
 
     def _get_batch(self, request: Request) -> None:

@@ -147,7 +147,8 @@ def batch_stats(state: BrokerState) -> dict[str, Any]:
             "accepted": state.accepted, "in_flight": state.in_flight_total,
             "consumed": state.consumed, "dropped_stale": state.dropped_stale,
             "redelivered": state.redelivered, "version": state.version,
-            "run_status": state.run_status}
+            "run_status": state.run_status,
+            "pace_held_s": state.pace_clock.seconds(state.clock())}
 
 
 
@@ -161,6 +162,7 @@ def status_of(state: BrokerState) -> dict[str, Any]:
         "write_errors": state.journal.write_errors}
     return {**batch_stats(state),
             "run_id": state.run_id, "max_staleness": state.gate.max_staleness,
+            "staleness_mode": state.config.staleness_mode,
             "groups_per_step": state.gate.groups_per_step,
             "max_groups": state.config.max_groups, "held_bytes": state.held_bytes,
             "acks_unknown": state.acks_unknown, "rejected": dict(state.rejections.counts),

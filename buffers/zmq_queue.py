@@ -78,22 +78,41 @@ class GroupQueue(Generic[G]):
 
     def pop_oldest(self, count: int) -> list[G]:
         """Remove and return up to ``count`` groups, smallest key first (module docstring)."""
-        heads = [(items[0][1].min_version, items[0][0], producer)
+        chosen = self.oldest(count)
+        for group in chosen:  # each producer's chosen groups are the head of its deque
+            items = self._by_producer[group.producer]
+            items.popleft()
+            if not items:
+                del self._by_producer[group.producer]
+            self._forget(group)
+        return chosen
+
+    def oldest(self, count: int) -> list[G]:
+        """The groups :meth:`pop_oldest` would return, left in place (``pace`` looks first)."""
+        heads = [(items[0][1].min_version, items[0][0], producer, 0)
                  for producer, items in self._by_producer.items()]
         heapq.heapify(heads)
         chosen: list[G] = []
         while heads and len(chosen) < count:
-            key, _, producer = heapq.heappop(heads)  # places are unique: never compares names
+            key, _, producer, index = heapq.heappop(heads)
             items = self._by_producer[producer]
-            group = items.popleft()[1]
-            self._forget(group)
-            chosen.append(group)
-            if items:
-                place, following = items[0]
-                heapq.heappush(heads, (max(key, following.min_version), place, producer))
-            else:
-                del self._by_producer[producer]
+            chosen.append(items[index][1])
+            if index + 1 < len(items):
+                place, following = items[index + 1]
+                heapq.heappush(heads, (max(key, following.min_version), place, producer,
+                                       index + 1))
         return chosen
+
+    def oldest_by_version(self, count: int) -> list[G]:
+        """The ``count`` groups of smallest (oldest version, place), whoever put them: the
+        order ``pace`` falls back to (:meth:`buffers.zmq_state.BrokerState.take`). O(queue)."""
+        entries = (item for items in self._by_producer.values() for item in items)
+        chosen = heapq.nsmallest(count, entries, key=lambda item: (item[1].min_version, item[0]))
+        return [group for _, group in chosen]
+
+    def version_counts(self) -> Counter[int]:
+        """Queued groups by oldest version (a copy)."""
+        return Counter(self._versions)
 
     def has_below(self, cutoff: int) -> bool:
         """Whether a queued group is stale at ``cutoff`` (:func:`asyncrl.staleness.stale_below`:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.staleness import StalenessGate, staleness
+from asyncrl.staleness import StalenessGate, pace_allows, staleness
 from asyncrl.wire import Rejections, WireError, oversized
+from buffers.inflight_versions import InFlightVersions
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
 from buffers.zmq_control import GateClock, KeyStore, Members
 from buffers.zmq_protocol import check_put
@@ -83,6 +84,8 @@ class BrokerState:
         self.accepted = self.consumed = self.dropped_stale = 0
         self.redelivered = self.acks_unknown = 0
         self.in_flight: Counter[str] = Counter()
+        self.in_flight_versions = InFlightVersions()  # what pace waits on
+        self.pace_clock = GateClock()  # seconds takes were held by pace
         self.rejections = Rejections()
         self.staleness_hist: Counter[int] = Counter()
         self.members = Members(config.heartbeat_timeout_s, clock)
@@ -138,14 +141,22 @@ class BrokerState:
         room = self.config.max_groups - self.held - self.in_flight_total
         granted = max(0, min(want, self.allowance(), room))
         self.in_flight[producer] += granted
+        self.in_flight_versions.grant(producer, engine_version, granted)
         return granted
 
     def release(self, producer: str, count: int) -> None:
         self.members.touch(producer)
         self._free_slots(producer, count)
 
-    def _free_slots(self, producer: str, count: int) -> None:
+    def _free_slots(self, producer: str, count: int, oldest: int | None = None) -> None:
+        """``count`` of ``producer``'s grants are used up: by a group whose oldest version is
+        ``oldest``, or (None) released or rejected (:class:`InFlightVersions`)."""
         self.in_flight[producer] = max(0, self.in_flight[producer] - count)
+        if oldest is None:
+            self.in_flight_versions.release(producer, count)
+        else:
+            self.in_flight_versions.settle(producer, oldest)
+        self.in_flight_versions.keep_at_most(producer, self.in_flight[producer])
 
     def check(self, producer: str, payload: Sequence[Any]) -> QueuedGroup | str:
         """Validate a put (one packed group) before it may wait for room; a rejection
@@ -177,7 +188,7 @@ class BrokerState:
             except OSError as exc:  # disk full: refused, never "accepted" (zmq_spill)
                 return self.reject(producer, WireError("spill", f"not journaled: {exc}"))
         group.seq, self.next_seq = self.next_seq, self.next_seq + 1
-        self._free_slots(producer, 1)
+        self._free_slots(producer, 1, group.min_version)
         group.producer = producer
         self.queue.append(group)
         self.held_bytes += group.nbytes
@@ -206,7 +217,10 @@ class BrokerState:
         if len(self.queue) < count:
             return None
         now = self.clock()
-        groups = self.queue.pop_oldest(count)
+        groups = self._pace_take(count, learner_version, now) \
+            if self.config.staleness_mode == "pace" else self.queue.pop_oldest(count)
+        if groups is None:
+            return None
         for g in groups:
             g.consumer, g.delivered_at = consumer, now
             g.delivered_staleness = g.staleness(learner_version)
@@ -214,6 +228,27 @@ class BrokerState:
             self.requeued.discard(g.seq)
         self._journal_delivered(consumer, groups)
         return groups
+
+    def _pace_take(self, count: int, learner_version: int, now: float
+                   ) -> list[QueuedGroup] | None:
+        """``pace``: the batch :meth:`take` serves, or None while serving any would leave a
+        group alive (queued or in flight) that goes stale before it can be served
+        (:func:`asyncrl.staleness.pace_allows`); that wait is timed (``pace_held_s``).
+
+        The usual order first (each producer's groups in their order); when that batch would
+        leave one of a producer's older groups behind, the ``count`` oldest by version alone,
+        whoever put them: without that, a version-0 group queued behind its own producer's
+        version-1 group would hold the learner forever."""
+        for chosen in (self.queue.oldest(count), self.queue.oldest_by_version(count)):
+            left = self.queue.version_counts()
+            left.subtract(g.min_version for g in chosen)
+            left.update(self.in_flight_versions.totals())
+            if pace_allows(learner_version, self.gate.max_staleness, self.gate.groups_per_step,
+                           left):
+                self.pace_clock.update(False, now)
+                return [self.queue.remove(g.seq) for g in chosen]  # type: ignore[misc]
+        self.pace_clock.update(True, now)
+        return None
 
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
         stale = self.queue.drop_below(self.gate.stale_below(learner_version))
@@ -371,6 +406,8 @@ class BrokerState:
 
     def reap(self) -> None:
         self.members.reap(self.in_flight)
+        for producer in self.in_flight_versions.producers():
+            self.in_flight_versions.keep_at_most(producer, self.in_flight.get(producer, 0))
 
     # --- durability -----------------------------------------------------------------------
 

@@ -12,6 +12,10 @@ One step of :func:`_train` at version V, on every rank::
     checkpoint  checkpointer.after_step: every checkpoint.every_steps (sharded DCP)
     agree       end_of_step: one collective: stop? buffer lost? the next batch's shares?
 
+With ``launcher.colocate`` the learner shares its device with the engines: before train, the
+engines sleep and its state comes back from host memory; after the gather it goes back and the
+engines wake (:mod:`learners.colocate`). Otherwise those two calls do nothing.
+
 Every rank runs the same step through one interface (:class:`~learners.rank_role.RankRole`):
 rank 0's (:mod:`learners.rank_zero`) reads the buffer and owns the weights, metrics and eval;
 the other ranks' does nothing there, so every rank meets the same collectives in the same
@@ -161,6 +165,21 @@ def _train(ctx: RankContext, trainer, role: RankRole, stop: threading.Event,
            checkpointer) -> bool:
     """Train until ``total_steps`` or the end of the data (False), or until the ranks agree
     to stop (True): a stop event set on any rank, or the eval target reached (rank 0)."""
+    from learners.colocate import make_phases
+
+    # launcher.colocate: the device is time-sliced with the engines (learners.colocate)
+    phases = make_phases(ctx.cfg, trainer, ctx.client, ctx.rank, ctx.world,
+                         lambda state: ctx.client.heartbeat(ctx.member, "learner", {
+                             **role.last_record, "state": state, "version": trainer.version}))
+    try:
+        return _steps(ctx, trainer, role, stop, checkpointer, phases)
+    finally:
+        phases.end()   # the run's end (export, final checkpoint) gathers on the device
+
+
+def _steps(ctx: RankContext, trainer, role: RankRole, stop: threading.Event, checkpointer,
+           phases) -> bool:
+    """:func:`_train`'s steps; ``phases``: :func:`learners.colocate.make_phases`."""
     from learners.balance import scatter_batch
 
     cfg, timers, lost = ctx.cfg, Timers(), Lost()
@@ -172,6 +191,7 @@ def _train(ctx: RankContext, trainer, role: RankRole, stop: threading.Event,
             return True
         if fetched is RAN_OUT:   # the end of the data is the end of training
             return False
+        phases.train_phase(trainer.version, lost)   # colocated: engines asleep, state back in
         with timers("compute"), role.leased() as batch:   # renewed while it trains
             with timers("scatter"):   # part of compute: the balanced split and its transfer
                 share = scatter_batch(batch, ctx.rank, ctx.world, header)
@@ -180,6 +200,7 @@ def _train(ctx: RankContext, trainer, role: RankRole, stop: threading.Event,
         stats = role.ack(trainer.version, metrics, lost)
         with timers("gather"):
             state = engine_state(trainer, cfg)  # full weights, or LoRA adapters alone
+        metrics.update(phases.rollout_phase(lost))  # colocated: the state out, engines wake
         reached = role.publish(trainer.version, state, metrics, stats, timers.pop(), lost)
         checkpointer.after_step(trainer, counters(cfg, trainer.version, stats, role.reached))
         stopping, header, gone = end_of_step(ctx.world, role, trainer.version,

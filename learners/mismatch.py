@@ -8,7 +8,11 @@ Reported (namespaced ``mismatch/``):
   estimates of KL(rollout ‖ train) from rollout samples (k3 ≥ 0 per token, low variance);
 - ``is_q01 … is_q99``, ``is_max``: quantiles of ``w``; ``clipped_frac``: fraction of tokens with
   ``w`` outside ``[1 − ε_low, 1 + ε_high]`` (where PPO's clip may zero the gradient);
-  ``tokens``.
+  ``tokens``;
+- with a rollout correction (``learner.loss.correction``, :mod:`learners.losses.correction`):
+  ``masked_fraction``, the share of tokens its masks rejected, ``kept_tokens``, and
+  ``correction_weight_mean``, the mean factor the kept tokens' loss was multiplied by. A step
+  whose every token was rejected trains nothing: :func:`warn_if_all_rejected` says so.
 
 On the first update after a weight sync ``δ`` is pure engine/trainer numerics (kernels,
 dtypes); later it includes staleness. A large ``abs_logp`` means the off-policy correction is
@@ -24,9 +28,15 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from learners.losses.correction import rollout_correction
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import CorrectionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +44,23 @@ LOG_RANGE = 4.0            # histogram covers δ in [−4, 4]; beyond lands in t
 BIN_WIDTH = 0.01           # in log space: ~1% resolution on the weight
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 _SCALARS = ("tokens", "abs_logp", "kl_k1", "kl_k3", "clipped_frac")
+_HEAD = 8  # the scalars, the max δ, then the correction's rejected count and factor sum
 _HALF_BINS = round(LOG_RANGE / BIN_WIDTH)
 _NUM_BINS = 2 * _HALF_BINS + 1
 
 
 def mismatch_sums(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, clip_low: float,
-                  clip_high: float) -> Tensor:
-    """``[tokens, Σ|δ|, Σ−δ, Σ(w−1−δ), Σclipped, max δ, histogram…]`` as float64 (no grad).
+                  clip_high: float, correction: CorrectionConfig | None = None,
+                  policy_loss: str = "ppo_clip") -> Tensor:
+    """``[tokens, Σ|δ|, Σ−δ, Σ(w−1−δ), Σclipped, max δ, Σrejected, Σfactor, histogram…]`` as
+    float64 (no grad); the last two are 0 without a ``correction`` (the loss's, applied to a
+    ``policy_loss``: the factor depends on it).
 
     Combine ranks with :func:`reduce_mismatch` (a SUM, except the max).
     """
     with torch.no_grad():
+        rejected, factor = _correction_sums(logprobs, rollout_logprobs, mask, correction,
+                                            policy_loss)
         on = mask.bool()
         delta = (logprobs - rollout_logprobs)[on].to(torch.float64)
         weight = torch.exp(delta)
@@ -54,8 +70,22 @@ def mismatch_sums(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, clip
         top = delta.max() if delta.numel() else delta.new_tensor(-math.inf)
         head = torch.stack([delta.new_tensor(float(delta.numel())), delta.abs().sum(),
                             (-delta).sum(), (weight - 1.0 - delta).sum(),
-                            clipped.to(torch.float64).sum(), top])
+                            clipped.to(torch.float64).sum(), top,
+                            rejected, factor])
         return torch.cat([head, hist])
+
+
+def _correction_sums(logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                     correction: CorrectionConfig | None, policy_loss: str
+                     ) -> tuple[Tensor, Tensor]:
+    """Rejected tokens and the kept tokens' summed loss factor under ``correction`` (float64,
+    on the device: no host sync per micro-batch)."""
+    on = mask.to(torch.float64)
+    if correction is None or (correction.is_level == "none" and correction.mask == "none"):
+        return on.sum() * 0.0, on.sum()
+    result = rollout_correction(correction, policy_loss, logprobs, rollout_logprobs, mask)
+    keep, factor = result.keep.to(torch.float64), result.factor().to(torch.float64)
+    return on.sum() - keep.sum(), (factor * on).sum()
 
 
 def merge_mismatch_sums(total: Tensor | None, sums: Tensor) -> Tensor:
@@ -91,10 +121,14 @@ def mismatch_metrics(sums: Tensor) -> dict[str, float]:
     for i, name in enumerate(_SCALARS[1:], start=1):
         metrics[f"mismatch/{name}"] = values[i] / denom
     metrics["mismatch/is_max"] = math.exp(values[5]) if tokens else 1.0
+    kept = tokens - values[6]
+    metrics["mismatch/masked_fraction"] = values[6] / denom
+    metrics["mismatch/kept_tokens"] = kept
+    metrics["mismatch/correction_weight_mean"] = values[7] / kept if kept > 0 else 0.0
     # On the host: the histogram is a few hundred numbers (``tolist`` above already waited for
     # the device), and the quantiles' searchsorted takes a host scalar, which a CUDA
     # histogram refuses (every learner step on a GPU raised here).
-    cumulative = torch.cumsum(sums[6:].cpu(), 0)
+    cumulative = torch.cumsum(sums[_HEAD:].cpu(), 0)
     for q in QUANTILES:
         metrics[f"mismatch/is_q{round(q * 100):02d}"] = _quantile(cumulative, q, tokens)
     return metrics
@@ -106,6 +140,19 @@ def _quantile(cumulative: Tensor, q: float, tokens: float) -> float:
         return 1.0
     index = int(torch.searchsorted(cumulative, torch.tensor(q * tokens, dtype=torch.float64)))
     return math.exp((index - _HALF_BINS) * BIN_WIDTH)
+
+
+def warn_if_all_rejected(metrics: dict[str, float]) -> bool:
+    """Log a warning (and return True) when the rollout correction rejected every token of a
+    step that had some: its gradient is zero and the step trains nothing."""
+    if metrics.get("mismatch/tokens", 0.0) <= 0 or metrics.get("mismatch/kept_tokens", 1.0) > 0:
+        return False
+    logger.warning("learner.loss.correction rejected all %d tokens of this step (IS weight "
+                   "p01 %.3f, p99 %.3f): it trains nothing; widen correction.mask_low/mask_high "
+                   "or check the engine against the trainer",
+                   int(metrics["mismatch/tokens"]), metrics.get("mismatch/is_q01", 1.0),
+                   metrics.get("mismatch/is_q99", 1.0))
+    return True
 
 
 def warn_if_mismatched(metrics: dict[str, float], max_abs_logp: float) -> bool:

@@ -100,9 +100,9 @@ def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False,
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                               entropy: bool = True, *,
-                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                               entropy: bool = True, entropy_grad: bool = False, *,
+                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+                               ) -> tuple[Tensor, Tensor | None]:
     """:func:`token_logprobs` and, from the same forward, the per-token entropy (float32,
     detached unless ``entropy_grad``: an entropy bonus differentiates it).
 

@@ -34,6 +34,7 @@ class RankZero:
     metrics, evaluate."""
 
     def __init__(self, ctx: RankContext, model_dir: Path, evaluator: EvaluatorFactory) -> None:
+        from asyncrl.devices import resolve_device
         from asyncrl.net import broadcast_host
         from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
         from asyncrl.weights.publisher import WeightPublisher
@@ -51,7 +52,8 @@ class RankZero:
                               engine_weights(self.cfg.weights, self.cfg.rollout.engine),
                               sim_sync_s=self.cfg.sim.sync_s,
                               align=broadcast_align(self.cfg.rollout.engine),
-                              host=broadcast_host(self.cfg, ctx.address)),
+                              host=broadcast_host(self.cfg, ctx.address),
+                              device=resolve_device(self.cfg.learner.device, ctx.rank)),
             overlap=self.cfg.weights.overlap,
             beat=lambda: ctx.client.heartbeat(ctx.member, "learner", {
                 **self.last_record, "state": "waiting for engines", "version": self.version}))

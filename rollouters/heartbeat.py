@@ -44,6 +44,11 @@ class Heartbeat:
         """What the next heartbeats say (a new dict: the thread reads it without a lock)."""
         self._info = info
 
+    def merge(self, extra: dict[str, Any]) -> None:
+        """Add ``extra`` to what the next heartbeats say (a thread of the worker other than
+        its loop: the colocated phase follower)."""
+        self._info = {**self._info, **extra}
+
     def stop(self) -> None:
         """End the thread and wait for its heartbeat in flight, if any."""
         self._stop.set()

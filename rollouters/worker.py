@@ -21,6 +21,7 @@ from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
 from buffers import BufferClient, BufferStopped, connect_buffer
 from buffers.protocol import DATA_EXHAUSTED, DONE
+from rollouters.colocate import follow_phases
 from rollouters.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
@@ -87,13 +88,16 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     beat_client = connect_buffer(cfg, address, stop)
     beat = Heartbeat(beat_client, member, {"engine_version": engine.version}, HEARTBEAT_S)
     endpoint = start_endpoint(cfg.monitor, "rollout", member, index)
+    unfollow = lambda: None  # noqa: E731 - launcher.colocate: ends the phase follower
     try:
         client.heartbeat(member, "rollout", {"engine_version": engine.version})
         receiver.start()
         beat.start()
+        unfollow = follow_phases(cfg, engine, receiver, member, address, stop, beat)
         logger.info("%s ready (model %s), buffer %s", member, model_dir, address)
         _loop(cfg, index, member, engine, producer, client, stop, endpoint, receiver, beat)
     finally:
+        unfollow()  # before the engine closes: it wakes an engine left asleep
         beat.stop()
         producer.close()
         if endpoint is not None:
@@ -197,4 +201,6 @@ def _info(engine, stats: WorkerStats, tokens: RateMeter) -> dict:
     return {"engine_version": engine.version, "groups": stats.groups,
             "rejected": stats.rejected, "gate_wait_s": round(stats.gate_wait_s, 3),
             "generate_s": round(stats.generate_s, 3), "tokens_per_s": round(tokens.rate(), 1),
-            "tokens": tokens.total}
+            "tokens": tokens.total,
+            # launcher.colocate: a sleeping engine says so (the loop may wait at the gate)
+            **({"phase": "asleep"} if getattr(engine, "asleep", False) else {})}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.limits import WEEK_S
 from asyncrl.config.resolve import selected_table
+from asyncrl.engine_kinds import engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -98,7 +99,36 @@ def _restart_backoff(cfg: Config) -> Iterator[str]:
                f"before the last restart, over a week ({WEEK_S:.0f} s)")
 
 
+def _colocate(cfg: Config) -> Iterator[str]:
+    """The hybrid mode time-slices shared devices: every engine must be able to give its
+    memory back while the learner steps, and the learner its own while engines generate."""
+    if not cfg.launcher.colocate:
+        return
+    engine = cfg.rollout.engine
+    if not engine_kind(engine).sleeps:
+        yield (f"launcher.colocate = true needs engines that can sleep, and rollout.engine = "
+               f"{engine!r} cannot yet (sleep and wake_up are built for 'torch'): use "
+               "rollout.engine = 'torch' or launcher.colocate = false")
+    if cfg.learner.backend != "fsdp2":
+        yield (f"launcher.colocate = true needs learner.backend = 'fsdp2' (got "
+               f"{cfg.learner.backend!r}): only its state is moved to host between steps")
+    if cfg.learner.device != cfg.rollout.device:
+        yield (f"launcher.colocate = true shares the devices: learner.device "
+               f"({cfg.learner.device!r}) and rollout.device ({cfg.rollout.device!r}) must "
+               "be the same")
+
+
+def _weights_transport(cfg: Config) -> Iterator[str]:
+    """A transport whose buckets live in CUDA memory needs the learner there."""
+    from asyncrl.weights.transport import transport_kind  # torch-free
+
+    if transport_kind(cfg.weights.transport).needs_cuda and cfg.learner.device == "cpu":
+        yield (f"weights.transport ({cfg.weights.transport!r}) moves CUDA buckets, but "
+               "learner.device is 'cpu' (set learner.device = 'cuda', or weights.transport = "
+               "'auto' or 'gloo')")
+
+
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff)
+    _restart_backoff, _colocate, _weights_transport)
 """Every cross-section rule, in the order their problems are reported."""

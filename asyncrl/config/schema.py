@@ -76,6 +76,13 @@ class TinyModelConfig(Section):
                                     description="Whole-word tokens appended to the digit "
                                                 "vocabulary (e.g. [\"lookup(\", \")\"] for the "
                                                 "lookup agent env).")
+    num_experts: int = Field(0, ge=0, le=256, description="0: a dense Qwen2 model; N > 0: a "
+                                                         "Qwen3-MoE model with N experts in "
+                                                         "every layer.")
+    num_experts_per_tok: int = Field(2, ge=1, le=64, description="Experts each token is "
+                                                                "routed to (MoE only).")
+    moe_intermediate_size: int = Field(64, ge=8, le=65536, description="Each expert's MLP "
+                                                                      "width (MoE only).")
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyModelConfig:
@@ -94,6 +101,9 @@ class TinyModelConfig(Section):
             raise ValueError(f"{key}.hidden_size / {key}.num_heads = "
                              f"{self.hidden_size // self.num_heads} must be even (rotary "
                              "position embeddings rotate pairs of dimensions)")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{key}.num_experts_per_tok = {self.num_experts_per_tok} must not "
+                             f"exceed {key}.num_experts = {self.num_experts}")
         if any(not token.strip() for token in self.extra_tokens) or \
                 len(set(self.extra_tokens)) != len(self.extra_tokens):
             raise ValueError(f"{key}.extra_tokens must be distinct, non-blank tokens, got "
@@ -376,6 +386,11 @@ class BufferConfig(Section):
                            "durable; Redis is then the broker and `asyncrl buffer` is not needed).")
     max_staleness: int = Field(2, ge=0, le=1000,
                                description="s: never train on a sample staler than s.")
+    staleness_mode: Literal["drop", "pace"] = Field(
+        "drop", description="drop: a group that finished staler than s is dropped and "
+                            "counted. pace: no finished group is dropped; the learner waits "
+                            "(buffer/pace_held_s) rather than step past the version at which "
+                            "a group still queued or generating would go stale.")
     max_groups: int = Field(4096, ge=1, le=MAX_GROUPS,
                             description="Most groups held before producers wait; at least "
                                         "learner.groups_per_step (a step's batch).")
@@ -468,6 +483,34 @@ class RolloutConfig(Section):
         return self
 
 
+class CorrectionConfig(Section):
+    """Rollout correction (``learners.losses.correction``): importance weights and rejection
+    masks on the learner-vs-engine ratio ρ = π_old/π_rollout, after verl's rollout correction
+    and IcePop. Off by default."""
+
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "none", description="Truncated importance weight: token min(ρ_t, is_cap), or sequence "
+                            "min(Π ρ_t, is_cap). Only for reinforce and decoupled_ppo (it "
+                            "replaces the latter's min(ρ, tis_cap)): the other losses' ratio "
+                            "already holds ρ.")
+    is_cap: float = Field(2.0, gt=0, le=1e4, description="Truncation C of the weights.")
+    mask: Literal["none", "token", "sequence", "icepop"] = Field(
+        "none", description="Rejection: token drops tokens with ρ_t outside [mask_low, "
+                            "mask_high]; sequence drops samples whose geometric-mean ratio is "
+                            "outside; icepop drops the tokens outside and weights the rest by "
+                            "ρ_t (the weight only where the loss's ratio does not hold ρ).")
+    mask_low: float = Field(0.5, gt=0, le=1, description="Lower end of the kept band.")
+    mask_high: float = Field(2.0, ge=1, le=1e4, description="Upper end of the kept band.")
+
+    @model_validator(mode="after")
+    def _check_icepop(self) -> CorrectionConfig:
+        if self.mask == "icepop" and self.is_level != "none":
+            raise ValueError("learner.loss.correction.mask = 'icepop' weights the tokens it "
+                             "keeps by ρ itself: set correction.is_level = 'none' (or use "
+                             "mask = 'token' with the weights)")
+        return self
+
+
 class LossConfig(Section):
     """The learner's objective: policy loss, advantage estimator, aggregation, KL, filters.
 
@@ -528,12 +571,25 @@ class LossConfig(Section):
     mismatch_warn_abs_logp: float = Field(0.5, gt=0, le=1e3,
                                           description="Warn when the mean |logp_train − "
                                                       "logp_rollout| passes this.")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig,
+                                         description="Rollout correction: IS weights and "
+                                                     "rejection masks (off by default).")
+    entropy_coeff: float = Field(0.0, ge=0, le=10,
+                                 description="Entropy bonus (verl's entropy_coeff): the loss "
+                                             "subtracts entropy_coeff × the token entropy, "
+                                             "aggregated like the policy loss; 0 is off.")
 
     @model_validator(mode="after")
     def _check_step_advantage(self) -> LossConfig:
         if self.step_advantage == "per_step" and self.advantage not in ("grpo", "dr_grpo", "rloo"):
             raise ValueError(f"learner.loss.step_advantage = 'per_step' needs advantage grpo, "
                              f"dr_grpo or rloo (got {self.advantage!r})")
+        if self.correction.is_level != "none" and self.policy_loss in ("ppo_clip", "tis",
+                                                                         "gspo"):
+            raise ValueError(f"learner.loss.correction.is_level = "
+                             f"{self.correction.is_level!r} needs policy_loss reinforce or "
+                             f"decoupled_ppo: {self.policy_loss}'s ratio is taken against the "
+                             f"rollout policy already, a weight would count the gap twice")
         reasons = self.drop_finish_reasons
         if any(not r.strip() for r in reasons) or len(set(reasons)) != len(reasons):
             raise ValueError(f"learner.loss.drop_finish_reasons must be distinct, non-blank "
@@ -623,10 +679,13 @@ class LearnerConfig(Section):
 
 
 class WeightsConfig(Section):
-    transport: Literal["gloo", "sim"] = Field(
-        "gloo", description="Learner → engine broadcast backend; `sim` replaces each broadcast "
-                            "by a wait of sim.sync_s in total (the handshake, announcements and "
-                            "acks stay real).")
+    transport: Literal["auto", "gloo", "nccl", "ipc", "sim"] = Field(
+        "auto", description="Learner → engine transport. auto: per membership epoch, ipc when "
+                            "the learner and every engine share one GPU, nccl when all are on "
+                            "other GPUs, gloo otherwise (CPU); nccl and ipc need CUDA and "
+                            "learner.device = cuda; `sim` replaces each broadcast by a wait of "
+                            "sim.sync_s in total (the handshake, announcements and acks stay "
+                            "real).")
     overlap: bool = Field(True, description="Deliver each version to the engines (and publish "
                                             "it) on a thread while the learner goes on to the "
                                             "next step; false: sync before the next step.")
@@ -637,7 +696,8 @@ class WeightsConfig(Section):
                                         "own memory, one collective each, instead of being copied "
                                         "into a bucket; 0 packs every tensor (always 0 for sglang "
                                         "peers: one HTTP request per bucket).")
-    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout; evicts engines.")
+    timeout_s: Seconds = Field(60.0, gt=0, description="Per-collective timeout (a watchdog aborts "
+                                                      "a group past it); evicts engines.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "
@@ -723,6 +783,12 @@ class LauncherConfig(Section):
                                                             "(the last at most a week).")
     healthy_after_s: Seconds = Field(60.0, gt=0, description="A process that ran this long before "
                                                            "crashing starts a fresh restart count.")
+    colocate: bool = Field(False, description="Hybrid mode: learner ranks and engines share "
+                           "the devices, time-sliced. Engines sleep (free their KV cache, weights "
+                           "to host) while the learner steps; the learner moves its parameters, "
+                           "gradients and optimizer state to host while engines generate. Needs "
+                           "an engine that can sleep (rollout.engine = 'torch') and "
+                           "learner.backend = 'fsdp2'.")
 
     def stop_grace_s(self, role: str) -> float:
         """How long ``role`` gets after a stop before it is killed: the learner saves."""

@@ -46,10 +46,18 @@ def check_startup(cfg: Config) -> None:
     from buffers.backends import buffer_backend  # lazily: buffers imports numpy
 
     errors = [*sink_errors(cfg), *path_errors(cfg), *port_errors(cfg), *plugin_errors(cfg),
-              *data_errors(cfg)]
+              *data_errors(cfg), *transport_errors(cfg)]
     if errors:
         raise ConfigError("\n".join(errors))
     buffer_backend(cfg.buffer).preflight()  # Redis, which no role starts, must answer
+
+
+def transport_errors(cfg: Config) -> list[str]:
+    """A weight transport that needs CUDA on a machine without it (``weights.transport``)."""
+    from asyncrl.weights.transport import missing_cuda
+
+    error = missing_cuda(cfg.weights.transport)
+    return [error] if error else []
 
 
 def sink_errors(cfg: Config) -> list[str]:

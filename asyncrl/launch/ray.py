@@ -141,6 +141,7 @@ class RayLauncher:
         self.learners: list[_Placed] = []
         self.rollouts: list[_Placed] = []
         self.groups: list[Any] = []
+        self._learner_group: Any = None  # launcher.colocate: the rollout workers join it
         self.address: str | None = None
 
     def plan(self) -> list[str]:
@@ -152,14 +153,26 @@ class RayLauncher:
                          f"(num_cpus={r.buffer.cpus}, num_gpus={r.buffer.gpus})")
         world = c.learner.nnodes * c.learner.ranks
         lines.append(f"placement group learner (PACK): {world} x "
-                     f"{_bundle(r.learner)}")
+                     f"{_bundle(self._learner_bundle())}")
         lines += [f"actor learner[{i}]: run_learner_rank(rank={i}, world={world})"
                   for i in range(world)]
         for i in range(c.rollout.workers):
-            lines.append(f"placement group rollout[{i}]: 1 x {_bundle(r.rollout)}; actor "
-                         f"rollout[{i}]: run_rollout_worker(index={i}, engine="
+            where = (f"learner bundle {i % world} (launcher.colocate)" if c.launcher.colocate
+                     else f"placement group rollout[{i}]: 1 x {_bundle(r.rollout)}")
+            lines.append(f"{where}; actor rollout[{i}]: run_rollout_worker(index={i}, engine="
                          f"{c.rollout.engine!r})")
         return lines
+
+    def _learner_bundle(self) -> Any:
+        """One learner rank's bundle; colocated, it holds the rollout workers that share the
+        rank's devices too (worker i goes to bundle i mod world)."""
+        c, r = self.cfg, self.cfg.resources
+        if not c.launcher.colocate:
+            return r.learner
+        world = c.learner.nnodes * c.learner.ranks
+        per_rank = -(-c.rollout.workers // world)
+        return r.learner.model_copy(update={"cpus": r.learner.cpus + per_rank * r.rollout.cpus,
+                                            "gpus": r.learner.gpus + per_rank * r.rollout.gpus})
 
     def up(self) -> int:
         """Run to completion (or until a signal): 0, 130 on a signal, 1 when a role failed for
@@ -265,7 +278,8 @@ class RayLauncher:
 
     def _start_learners(self, ray: Any) -> None:
         world = self.cfg.learner.nnodes * self.cfg.learner.ranks  # Ray places every rank
-        pg = self._placement_group(ray, "learner", world, self.cfg.resources.learner, "PACK")
+        pg = self._placement_group(ray, "learner", world, self._learner_bundle(), "PACK")
+        self._learner_group = pg
         actors = [self._actor(ray, f"learner[{rank}]", self.cfg.resources.learner, (pg, rank))
                   for rank in range(world)]
         master_addr = ray.get(actors[0].node_ip.remote())
@@ -279,6 +293,8 @@ class RayLauncher:
         """Place rollout worker ``index``: in a placement group of its own, or, restarted, in
         its predecessor's ``bundle`` and on its ``restarts``."""
         name = f"rollout[{index}]"
+        if bundle is None and self.cfg.launcher.colocate:  # the devices of a learner rank
+            bundle = (self._learner_group, index % len(self.learners))
         if bundle is None:
             bundle = (self._placement_group(ray, name, 1, self.cfg.resources.rollout,
                                             "STRICT_PACK"), 0)

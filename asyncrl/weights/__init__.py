@@ -11,9 +11,12 @@ rollout engine receives it.
   publish off the learner's critical path.
 - :mod:`~asyncrl.weights.plan`: the bucket plan, packing and unpacking (pure, any device).
 - :mod:`~asyncrl.weights.rendezvous`: control-plane keys, the epoch's store, bounded waits.
-- :mod:`~asyncrl.weights.transport`: the :class:`WeightTransport` protocol and its factory,
-  with :mod:`~asyncrl.weights.gloo` and :mod:`~asyncrl.weights.sim` behind it; a new
-  transport (NCCL, CUDA IPC) is one module there.
+- :mod:`~asyncrl.weights.transport`: the :class:`WeightTransport` protocol, its factory and
+  the ``auto`` rule, with :mod:`~asyncrl.weights.group` (``gloo`` and ``nccl``: one code
+  path, bounded by :mod:`~asyncrl.weights.watchdog`), :mod:`~asyncrl.weights.ipc` (CUDA IPC
+  on a shared GPU) and :mod:`~asyncrl.weights.sim` behind it.
+- :mod:`~asyncrl.weights.fanout`: every learner rank serves its slice of the engines
+  (:mod:`~asyncrl.weights.slices`: who serves whom).
 - :mod:`~asyncrl.weights.lora_wire`: how LoRA adapters travel, and the merge rule both ends use.
 
 Learners and rollouters both use this package and never each other. This ``__init__`` imports

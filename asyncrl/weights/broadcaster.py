@@ -3,20 +3,25 @@
 One update, as seen on the control plane (``weights/announce``)::
 
     {"version": int, "epoch": int, "members": [member, ...],   # rank = index + 1
-     "store": "host:port", "group": str, "transport": "gloo", "transport_opts": {...},
-     "timeout_s": float,
+     "store": "host:port", "group": str, "transport": str, "transport_opts": {...},
+     "senders": int, "timeout_s": float,
      "manifest": [{"name", "shape", "dtype", "bucket", "offset", "nbytes"}, ...],
      "buckets": [{"nbytes", "count"}, ...]}
 
 Members are the alive ``rollout`` members of the control plane that have not said they
 stopped, sorted. A *membership epoch* is one group over them (named ``group``, see
 :func:`asyncrl.weights.rendezvous.group_name`), carried by the transport ``transport`` names
-(:mod:`asyncrl.weights.transport`: ``gloo`` with SGLang's store layout so an SGLang server can
-be a member, or ``sim``), built with the announced ``transport_opts``; it is reused while the
-members and the options stay the same. When they change, the new epoch starts with a
-handshake on the control plane so that nobody blocks on a dead peer: receivers write
-``weights/join/<member>``, the broadcaster waits for all of them (up to ``timeout_s``, less if
-one is lost: see below) and writes ``weights/group`` ``{"epoch", "store", "go"}``; only after
+(:mod:`asyncrl.weights.transport`: ``gloo`` or ``nccl`` with SGLang's store layout so an
+SGLang server can be a member, ``ipc`` on a shared GPU, or ``sim``; ``auto`` is decided per
+epoch at the go, from the devices the joins report: ``weights/group`` then carries the
+``transports``, one per slice), built with the announced ``transport_opts``; it is reused
+while the members and the options stay the same. (With ``senders`` M > 1, learner rank k
+serves the k-th slice of the members in a group of its own, :mod:`asyncrl.weights.fanout`;
+rank 0 still announces, decides the go and collects the acks.) When the members or the
+options change, the new epoch starts with a handshake on the control plane so that nobody
+blocks on a dead peer: receivers write ``weights/join/<member>`` ``{"epoch", "store",
+"device"}``, the broadcaster waits for all of them (up to ``timeout_s``, less if one is lost:
+see below) and writes ``weights/group`` ``{"epoch", "store", "go", "transports"}``; only after
 ``go`` does anyone create the group. Then every bucket is broadcast from rank 0 and each
 receiver acks with ``weights/ack/<member>`` ``{"version", "epoch", "store"}`` (epoch and store
 make an ack from an earlier group, or an earlier learner, count for nothing).
@@ -66,7 +71,15 @@ from asyncrl.config.schema import WeightsConfig
 from asyncrl.control_plane import ControlPlane
 from asyncrl.engine_kinds import engine_kind
 from asyncrl.weights.membership import Membership
-from asyncrl.weights.plan import ALIGN, BucketBuffers, BucketPlan, pack_bucket, plan_buckets
+from asyncrl.weights.plan import (
+    ALIGN,
+    BucketBuffers,
+    BucketPlan,
+    new_staging,
+    plan_buckets,
+    stage,
+    staging_fits,
+)
 from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
     GROUP_KEY,
@@ -76,7 +89,16 @@ from asyncrl.weights.rendezvous import (
     join_key,
     serve_store,
 )
-from asyncrl.weights.transport import Pending, WeightTransport, transport_class
+from asyncrl.weights.slices import sender_name, slice_group, slices
+from asyncrl.weights.transport import (
+    Pending,
+    WeightTransport,
+    announced_opts,
+    choose_transport,
+    describe_device,
+    make_transport,
+    transport_kind,
+)
 
 __all__ = ["WeightBroadcaster", "broadcast_align", "engine_weights"]
 
@@ -118,18 +140,29 @@ class WeightBroadcaster:
     membership epochs. ``align`` is the plan's tensor alignment in a bucket: 1 for SGLang
     peers, whose ``flattened_bucket`` receive expects the tensors' bytes back to back (see
     :func:`rollouters.engines.sglang_engine.sglang_requests`); :func:`broadcast_align` picks it.
+    ``device``: the learner's compute device, which ``weights.transport = "auto"`` compares
+    with the engines' (the gathered state may sit in host memory: FSDP2 offloads it there);
+    None: the device of the state each sync is given. ``senders``: learner ranks that send,
+    each to its slice of the engines (:mod:`asyncrl.weights.fanout`).
     """
 
     def __init__(self, control: ControlPlane, cfg: WeightsConfig, host: str = "127.0.0.1",
-                 align: int = ALIGN, sim_sync_s: float = 0.0):
+                 align: int = ALIGN, sim_sync_s: float = 0.0, senders: int = 1,
+                 device: torch.device | None = None):
         self._control = control
+        self._senders = max(1, senders)  # learner ranks sending, each to its slice (fanout)
+        self._sender_names = {sender_name(k) for k in range(1, self._senders)}
         self._cfg = cfg
         self._host = host
         self._align = align
         self._sim_sync_s = sim_sync_s  # transport "sim": seconds one whole update takes
-        self._transport_class = transport_class(cfg.transport)  # raises for an unknown one
+        transport_kind(cfg.transport)  # raises for an unknown one
+        self._learner_device = device
+        self._device: torch.device | None = None  # the learner's, or its state's, per sync
+        self.transport = ""  # the last epoch's, as the handshake decided it
         self._transport_opts: dict[str, Any] = {}  # announced; every end is built with them
         self._staging: BucketBuffers | None = None  # reused while the plan stays the same
+        self._slice: list[str] = []  # the members this rank sent the last attempt to
         self._phases: dict[str, float] = {}  # seconds per phase of the last attempt (metrics)
         self._store = serve_store(host, cfg.timeout_s)
         self.address = f"{host}:{self._store.port}"
@@ -165,7 +198,8 @@ class WeightBroadcaster:
     def _lost(self, members: list[str]) -> dict[str, str]:
         """Those of ``members`` that departed or went silent, with the reason: a join, an ack
         or a collective's part from them will not come."""
-        return self._membership.lost(self._listed(), members, self._version)
+        engines = [name for name in members if name not in self._sender_names]
+        return self._membership.lost(self._listed(), engines, self._version)
 
     def _await(self, key_of: Callable[[str], str], members: list[str],
                accept: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, str], list[str]]:
@@ -209,7 +243,9 @@ class WeightBroadcaster:
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
                             int(self._cfg.alone_mb * 2**20))
-        opts = self._transport_class.announced_opts(plan.total_bytes, self._sim_sync_s)
+        state_device = next(iter(state_dict.values())).device if state_dict else None
+        self._device = self._learner_device or state_device
+        opts = announced_opts(self._cfg.transport, plan.total_bytes, self._sim_sync_s)
         if opts != self._transport_opts:
             self._drop()  # a group's options (sim: its wire speed) are fixed at its creation
             self._transport_opts = opts
@@ -217,8 +253,11 @@ class WeightBroadcaster:
             delivered, attempts = self._deliver(plan, state_dict, version)
         finally:
             evicted = self._membership.sync_ended()
+        served = len(set(self._slice) & set(delivered))
         return {"timing/weight_sync": time.monotonic() - start,
                 "weights/bytes": float(plan.total_bytes if delivered else 0),
+                "weights/sent_engines": float(served),  # this rank's slice (fanout)
+                "weights/sent_bytes": float(plan.total_bytes * served),
                 "weights/members": float(len(delivered)), "weights/evicted": float(evicted),
                 "weights/buckets": float(len(plan.bucket_nbytes)),
                 "weights/attempts": float(attempts), "weights/epoch": float(self._epoch),
@@ -260,6 +299,7 @@ class WeightBroadcaster:
                  members: list[str]) -> list[str]:
         """One try over ``members``: the members that have the version (empty when someone
         was lost before the others acked: they get it in the next attempt, at once)."""
+        self._slice = slices(members, self._senders)[0]  # whom this rank sends to
         fresh = self._group is None or self._group.members != tuple(members)
         if fresh:
             self._drop()
@@ -298,13 +338,13 @@ class WeightBroadcaster:
         """
         if not plan.bucket_nbytes:
             return {}
-        staging = self._staging_for(plan, state)
+        device = transport.buffer_device()
+        staging = self._staging_for(plan, state, device)
         finished = False
         try:
             pending: Pending | None = None
             for index in range(len(plan.bucket_nbytes)):
-                out = staging.slot(index) if staging.holds(index) else None
-                work = transport.send(pack_bucket(plan, index, state, out))
+                work = transport.send(stage(plan, index, state, staging, device))
                 if pending is not None:
                     lost = self._watch(pending, members)
                     if lost:
@@ -327,13 +367,13 @@ class WeightBroadcaster:
                 return lost
         return {}
 
-    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor]) -> BucketBuffers:
-        device = next(iter(state.values())).device
-        if self._staging is None or not self._staging.fits(plan, device):
+    def _staging_for(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
+                     device: torch.device) -> BucketBuffers:
+        if not staging_fits(self._staging, plan, state, device):
             self._staging = None  # let the old buffers go before allocating the new ones
-            self._staging = BucketBuffers(plan, device, slots=2, skip_lone=True)
-            logger.info("weights: staging buffers for %d buckets: %.1f MB",
-                        len(plan.bucket_nbytes), self._staging.nbytes / 1e6)
+            self._staging = new_staging(plan, state, device)
+            logger.info("weights: staging buffers for %d buckets on %s: %.1f MB",
+                        len(plan.bucket_nbytes), device, self._staging.nbytes / 1e6)
         return self._staging
 
     def _announce(self, plan: BucketPlan, version: int, members: list[str]) -> None:
@@ -342,30 +382,65 @@ class WeightBroadcaster:
             "version": version, "epoch": self._epoch, "members": members,
             "store": self.address, "group": group_name(self._token, self._epoch),
             "transport": self._cfg.transport, "transport_opts": self._transport_opts,
+            "senders": self._senders,
             "timeout_s": self._cfg.timeout_s, "manifest": manifest, "buckets": buckets})
 
     def _rendezvous(self, members: list[str]) -> bool:
-        """Wait for every member's join, then say go (and create the group) or no-go.
+        """Wait for every member's join (and, with several senders, every other learner
+        rank's that has engines to serve), then say go (and create rank 0's group) or no-go.
         No-go evicts who was lost (the others that had not joined yet get the next
-        attempt's full wait) or, failing that, who did not join in time."""
+        attempt's full wait) or, failing that, who did not join in time; a learner rank that
+        did not join fails the attempt without evicting anyone."""
         epoch = self._epoch
 
         def joined(value: dict[str, Any]) -> bool:
             return value.get("epoch") == epoch and value.get("store") == self.address
 
-        lost, late = self._await(join_key, members, joined)
-        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address,
-                                          "go": not lost and not late})
-        if lost or late:
-            self._evict(lost or {name: f"did not join epoch {epoch} within "
-                                       f"{self._cfg.timeout_s:.1f} s" for name in late})
+        parts = slices(members, self._senders)
+        senders = [sender_name(k) for k in range(1, len(parts)) if parts[k]]
+        lost, late = self._await(join_key, members + senders, joined)
+        late_senders = [name for name in late if name in senders]
+        late = [name for name in late if name not in senders]
+        go = not lost and not late and not late_senders
+        transports = self._choose(parts) if go else []
+        self._control.set_key(GROUP_KEY, {"epoch": epoch, "store": self.address, "go": go,
+                                          "transport": transports[0] if transports else "",
+                                          "transports": transports})
+        if late_senders and not lost and not late:
+            logger.error("weights: learner ranks %s did not join epoch %d within %.1f s",
+                         late_senders, epoch, self._cfg.timeout_s)
+        if not go:
+            if lost or late:
+                self._evict(lost or {name: f"did not join epoch {epoch} within "
+                                           f"{self._cfg.timeout_s:.1f} s" for name in late})
             return False
-        transport = self._transport_class(host=self._host, timeout_s=self._cfg.timeout_s,
-                                          **self._transport_opts)
-        transport.connect(self._store, group_name(self._token, epoch), 0, len(members) + 1)
+        transport = make_transport(transports[0], host=self._host,
+                                   timeout_s=self._cfg.timeout_s, device=self._device,
+                                   **self._transport_opts)
+        transport.connect(self._store, slice_group(group_name(self._token, epoch),
+                                                   self._senders, 0), 0, len(parts[0]) + 1)
         self._group = _Group(epoch, tuple(members), transport)
-        logger.info("weights: epoch %d with %d engines: %s", epoch, len(members), members)
+        self.transport = transports[0]
+        logger.info("weights: epoch %d with %d engines over %s (this rank serves %d): %s",
+                    epoch, len(members), transports, len(parts[0]), members)
         return True
+
+    def _choose(self, parts: list[list[str]]) -> list[str]:
+        """Each slice's transport (``weights.transport``, or for ``auto`` the one the devices
+        its sender and its engines reported call for: :func:`choose_transport`)."""
+        senders = [sender_name(k) for k in range(1, len(parts))]
+        names = [name for part in parts for name in part] + senders
+        joins = {key: value for key, (_, value) in
+                 self._control.get_keys([join_key(name) for name in names]).items()}
+
+        def device(name: str) -> str:
+            return str(joins.get(join_key(name), {}).get("device", "cpu"))
+
+        chosen = []
+        for index, part in enumerate(parts):
+            own = describe_device(self._device) if index == 0 else device(senders[index - 1])
+            chosen.append(choose_transport(self._cfg.transport, own, [device(m) for m in part]))
+        return chosen
 
     def _wait_acks(self, members: list[str],
                    version: int) -> tuple[dict[str, str], list[str]]:

@@ -179,6 +179,7 @@ class BucketBuffers:
                  skip_lone: bool = False) -> None:
         self.plan = plan
         self.device = torch.device(device)
+        self.skips_lone = skip_lone
         self._skip = ({i for i in range(len(plan.bucket_nbytes)) if len(plan.in_bucket(i)) == 1}
                       if skip_lone else set())
         self.slots = max(1, min(slots, len(plan.bucket_nbytes)))
@@ -206,3 +207,34 @@ class BucketBuffers:
         if index in self._skip:
             raise KeyError(f"bucket {index} holds one tensor and has no staging buffer")
         return self._slots[index % self.slots][:self.plan.bucket_nbytes[index]]
+
+
+def staging_fits(current: BucketBuffers | None, plan: BucketPlan,
+                 state: Mapping[str, torch.Tensor], device: torch.device) -> bool:
+    """Can a sender's ``current`` staging serve this update (see :func:`new_staging`)?"""
+    return current is not None and current.fits(plan, device) \
+        and current.skips_lone == _on(state, device)
+
+
+def new_staging(plan: BucketPlan, state: Mapping[str, torch.Tensor],
+                device: torch.device) -> BucketBuffers:
+    """A sender's two staging slots on the transport's ``device``. A bucket of one tensor goes
+    out from the tensor's own memory when it is on ``device`` (no slot kept for it); state
+    held elsewhere (host memory, a CUDA transport) goes through the slots."""
+    return BucketBuffers(plan, device, slots=2, skip_lone=_on(state, device))
+
+
+def _on(state: Mapping[str, torch.Tensor], device: torch.device) -> bool:
+    return next(iter(state.values())).device == torch.device(device)
+
+
+def stage(plan: BucketPlan, index: int, state: Mapping[str, torch.Tensor],
+          staging: BucketBuffers, device: torch.device) -> torch.Tensor:
+    """Bucket ``index`` as the transport sends it, on ``device``: packed into its staging slot,
+    or a lone tensor's own bytes when those are on ``device`` already."""
+    out = staging.slot(index) if staging.holds(index) else None
+    flat = pack_bucket(plan, index, state, out)
+    if flat.device != device:  # a lone tensor elsewhere: through its slot
+        assert out is not None, "staging keeps a slot for every bucket off the device"
+        flat = out.copy_(flat)
+    return flat

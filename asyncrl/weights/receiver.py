@@ -52,7 +52,8 @@ from asyncrl.weights.rendezvous import (
     dial_store,
     join_key,
 )
-from asyncrl.weights.transport import WeightTransport, make_transport
+from asyncrl.weights.slices import Seat, seat
+from asyncrl.weights.transport import WeightTransport, describe_device, make_transport
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +74,16 @@ class WeightReceiver:
     view reused receive buffers, so they are valid only until ``apply`` returns (copy what you
     keep), unless ``adopt``: then they stay valid until ``apply`` is called with the next
     update, so the engine may keep them as its weights. ``host`` is the address this end of
-    the group binds (``weights.host``).
+    the group binds (``weights.host``). ``device``: the engine's device, where the buckets
+    land when the epoch's transport can put them there (``nccl``, ``ipc``); it is reported in
+    the handshake so that ``weights.transport = "auto"`` can pick the transport.
     """
 
     def __init__(self, control: ControlPlane, member: str, apply: Apply,
-                 host: str = "127.0.0.1", poll_s: float = 0.25, adopt: bool = False) -> None:
+                 host: str = "127.0.0.1", poll_s: float = 0.25, adopt: bool = False,
+                 device: torch.device | None = None) -> None:
         self.member = member
+        self.device = device
         self._control = control
         self._apply = apply
         self._host = host
@@ -93,6 +98,7 @@ class WeightReceiver:
         self._adopt = adopt
         # receive buffers, reused while the plan holds; two when the engine adopts tensors
         self._pools: list[BucketBuffers | None] = [None, None] if adopt else [None]
+        self._serving = threading.Lock()  # held while an update is served: the pools in use
         self._next_pool = 0  # adopt: the pool the engine does not hold
         self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
 
@@ -128,7 +134,8 @@ class WeightReceiver:
                                             timeout_s=self._poll_s)
                 if got is not None:
                     self._seq, announcement = got
-                    self._serve(announcement)
+                    with self._serving:
+                        self._serve(announcement)
             except BufferStopped:  # the role is stopping, and its broker does not answer
                 break
             except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
@@ -148,7 +155,7 @@ class WeightReceiver:
         group_id = (ann["store"], int(ann["epoch"]))
         if self._group_id != group_id:
             self._leave()
-            if not self._join(ann, members.index(self.member) + 1, len(members) + 1):
+            if not self._join(ann, seat(ann, self.member)):
                 return
         version = int(ann["version"])
         named = self._receive(BucketPlan.from_json(ann["manifest"], ann["buckets"]))
@@ -161,37 +168,48 @@ class WeightReceiver:
         self._control.set_key(ack_key(self.member), {"version": version, "epoch": group_id[1],
                                                      "store": group_id[0]})
 
-    def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
-        """The epoch handshake, then the group. False if the epoch went on without us."""
-        if not self._handshake(ann):
+    def _join(self, ann: dict[str, Any], place: Seat) -> bool:
+        """The epoch handshake, then the group of this engine's slice (the learner rank that
+        serves it is the group's rank 0). False if the epoch went on without us."""
+        decision = self._handshake(ann)
+        if decision is None:
             return False
-        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
-        self._store = dial_store(store, timeout_s)
-        transport = make_transport(ann["transport"], host=self._host, timeout_s=timeout_s,
-                                   **ann.get("transport_opts", {}))
-        transport.connect(self._store, ann["group"], rank, world)
-        self._transport, self._group_id = transport, (store, epoch)
-        logger.info("weights: %s joined epoch %d as rank %d/%d", self.member, epoch, rank, world)
+        self._connect(ann, decision, place)
         return True
 
-    def _handshake(self, ann: dict[str, Any]) -> bool:
-        """Join → go through the control plane, before anyone creates the epoch's group.
-        False if the epoch went on without us (stale announcement, no-go, or no answer in
-        time). Shared with peers whose group member is another process (SGLang)."""
+    def _connect(self, ann: dict[str, Any], decision: dict[str, Any], place: Seat) -> None:
+        """This process's end of its slice's group, over the transport the go decided."""
+        store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
+        self._store = dial_store(store, timeout_s)
+        name = agreed_transport(ann, decision, place.slice)
+        transport = make_transport(name, host=self._host, timeout_s=timeout_s,
+                                   device=self.device, **ann.get("transport_opts", {}))
+        transport.connect(self._store, place.group, place.rank, place.world)
+        self._transport, self._group_id = transport, (store, epoch)
+        logger.info("weights: %s joined epoch %d as rank %d/%d of %s over %s", self.member,
+                    epoch, place.rank, place.world, place.group, name)
+
+    def _handshake(self, ann: dict[str, Any]) -> dict[str, Any] | None:
+        """Join → go through the control plane, before anyone creates the epoch's group; the
+        join says which device this end's buckets would live on. The go decision (it names
+        the epoch's transport), or None if the epoch went on without us (stale announcement,
+        no-go, or no answer in time). Shared with peers whose group member is another
+        process (SGLang)."""
         store, epoch, timeout_s = ann["store"], int(ann["epoch"]), float(ann["timeout_s"])
         current = self._control.get_key(GROUP_KEY, 0, 0.0)
         if current is not None and current[1].get("store") == store \
                 and current[1].get("epoch", -1) >= epoch:
             logger.info("weights: %s skips epoch %d, already decided", self.member, epoch)
-            return False
-        self._control.set_key(join_key(self.member), {"epoch": epoch, "store": store})
+            return None
+        self._control.set_key(join_key(self.member), {"epoch": epoch, "store": store,
+                                                      "device": describe_device(self.device)})
         decision = await_key(
             self._control, GROUP_KEY,
             lambda v: v.get("store") == store and v.get("epoch", -1) >= epoch,
             time.monotonic() + 2 * timeout_s, current[0] if current else 0, self._stop,
             self._poll_s)
-        return decision is not None and decision.get("epoch") == epoch \
-            and bool(decision.get("go"))
+        go = decision is not None and decision.get("epoch") == epoch and bool(decision.get("go"))
+        return decision if go else None
 
     def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
         """Every bucket into the pool: all receives are posted first (they complete in
@@ -220,6 +238,29 @@ class WeightReceiver:
                         index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
         return pool
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held in receive pools now (0 after :meth:`release_buffers`)."""
+        return sum(pool.nbytes for pool in list(self._pools) if pool is not None)
+
+    def release_buffers(self, timeout_s: float) -> bool:
+        """Let go of the receive pools now (from another thread): an engine going to sleep
+        (``launcher.colocate``) gives its device memory back, and with an ``ipc`` or
+        ``nccl`` group the pools are on the device. Waits for an update being served to end,
+        up to ``timeout_s`` (False then, nothing released). The next update allocates new
+        pools; an adopting engine must hold none of these tensors any more (asleep, its
+        weights are in host copies)."""
+        if not self._serving.acquire(timeout=timeout_s):
+            return False
+        try:
+            on_cuda = any(p is not None and p.device.type == "cuda" for p in self._pools)
+            self._pools = [None] * len(self._pools)
+            if on_cuda:
+                torch.cuda.empty_cache()
+            return True
+        finally:
+            self._serving.release()
+
     def _leave(self) -> None:
         """Drop the group (aborting any broadcast still pending into the pool) and the pool
         with it, so that no aborted receive can write into buffers a later update reads."""
@@ -227,3 +268,13 @@ class WeightReceiver:
             self._transport.close()
         self._transport, self._group_id, self._store = None, None, None
         self._pools = [None] * len(self._pools)  # an adopted pool lives on in the engine
+
+
+def agreed_transport(ann: dict[str, Any], decision: dict[str, Any], index: int = 0) -> str:
+    """The transport of slice ``index``'s group: the go decision's (``weights.transport =
+    "auto"`` is decided there per slice, from the devices the joins reported), else the
+    announcement's."""
+    transports = decision.get("transports") or []
+    if index < len(transports):
+        return str(transports[index])
+    return str(decision.get("transport") or ann["transport"])

@@ -40,10 +40,12 @@ class SimWork:
 
 class SimTransport:
     """One end of a simulated group; see :class:`asyncrl.weights.transport.WeightTransport`.
-    It needs no store, no address and no peers (``host`` and ``timeout_s`` are unused):
+    It needs no store, no address and no peers (``host``, ``timeout_s`` and ``device`` are
+    unused: its buffers stay on the CPU):
     :meth:`connect` only records the rank."""
 
-    def __init__(self, *, host: str, timeout_s: float, s_per_byte: float) -> None:
+    def __init__(self, *, host: str, timeout_s: float, s_per_byte: float,
+                 device: torch.device | None = None) -> None:
         self.rank, self.world = 0, 1
         self._s_per_byte = float(s_per_byte)
         self._wire_free_at = 0.0

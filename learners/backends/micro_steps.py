@@ -39,6 +39,7 @@ from learners.mismatch import (
     mismatch_metrics,
     mismatch_sums,
     reduce_mismatch,
+    warn_if_all_rejected,
     warn_if_mismatched,
 )
 from learners.packing import micro_batches, token_logprobs_and_entropy
@@ -116,14 +117,32 @@ class MicroSteps:
             proximal, ref = self.frozen_logprobs(micro)
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
-                chunk_tokens=self.cfg.logprob_chunk_tokens)
-            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref)
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
+                entropy_grad=self.cfg.loss.entropy_coeff > 0)
+            micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref,
+                                                   entropy)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
             self.runner.backward(micro_loss * scale)
             loss_sum += micro_loss.detach()
             stats.append(micro_stats)
             mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))
+        self.drop_gradient_if_all_rejected(mismatch)
         return loss_sum, stats, mismatch
+
+    def drop_gradient_if_all_rejected(self, mismatch: Tensor | None) -> None:
+        """When the rollout correction rejected every token of the step (on every rank), the
+        gradients are zero; dropping them (``None``) makes a torch optimizer skip every
+        parameter: no momentum, no weight decay, the step trains nothing (the warning and
+        ``mismatch/kept_tokens = 0`` say so). DeepSpeed keeps its gradients in ZeRO's own
+        buffers, out of reach here: it steps on the zero gradient (Adam's momentum still
+        moves). COLLECTIVE when a correction mask is on."""
+        if self.cfg.loss.correction.mask == "none" or mismatch is None:
+            return
+        counts = mismatch[[0, 6]].clone()
+        dist.all_reduce(counts)
+        if counts[0] > 0 and counts[0] == counts[1]:
+            for parameter in self.model.parameters():
+                parameter.grad = None
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This rank's micro-batches, padded with zero-weight ones to the most any rank has:
@@ -152,13 +171,15 @@ class MicroSteps:
     def mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
         high = self.cfg.loss.clip_eps_high
         return mismatch_sums(logprobs, batch.behaviour_logprobs, batch.loss_mask,
-                             self.cfg.clip_eps, self.cfg.clip_eps if high is None else high)
+                             self.cfg.clip_eps, self.cfg.clip_eps if high is None else high,
+                             self.cfg.loss.correction, self.cfg.loss.policy_loss)
 
     def mismatch_metrics(self, sums: Tensor) -> dict[str, float]:
         """Global train-vs-rollout mismatch from this rank's sums; warns past the bound."""
         metrics = mismatch_metrics(reduce_mismatch(sums))
         if self.rank == 0:
             warn_if_mismatched(metrics, self.cfg.loss.mismatch_warn_abs_logp)
+            warn_if_all_rejected(metrics)
         return metrics
 
     def max_over_ranks(self, value: float) -> float:

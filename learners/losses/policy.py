@@ -55,18 +55,21 @@ def ppo_clip_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages
 
 def decoupled_ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor,
                              behaviour_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                             clip_low: float, clip_high: float, weight_cap: float
-                             ) -> tuple[Tensor, dict[str, Tensor]]:
+                             clip_low: float, clip_high: float, weight_cap: float,
+                             weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): clip against the PROXIMAL policy, correct for the behaviour one.
 
     ``w = min(exp(logp_prox − logp_μ), C)`` (detached), ``r = exp(logp − logp_prox)``,
     ``ℓ = −w·min(r·A, clip(r)·A)``. The trust region is centred on recent learner weights,
     not on a possibly several-versions-stale engine policy; ``w`` is the importance weight
     from the stale behaviour to the proximal policy, truncated at ``C`` for bounded variance.
+    ``weight``: a behaviour weight to use instead of ``w`` (the rollout correction's,
+    :mod:`.correction`); ``is_capped_frac`` still reports where ``w`` would be capped.
     """
     ratio = torch.exp(logprobs - proximal_logprobs)
     raw_weight = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
-    weight = raw_weight.clamp(max=weight_cap)
+    if weight is None:
+        weight = raw_weight.clamp(max=weight_cap)
     surrogate, stats = _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
     stats["is_capped_frac"] = masked_mean((raw_weight > weight_cap).to(ratio.dtype), mask)
     return weight * surrogate, stats
@@ -137,10 +140,12 @@ def ppo_clip_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tens
 
 
 def policy_token_loss(cfg: LearnerConfig, logprobs: Tensor, behaviour_logprobs: Tensor,
-                      advantages: Tensor, mask: Tensor, proximal_logprobs: Tensor | None = None
+                      advantages: Tensor, mask: Tensor, proximal_logprobs: Tensor | None = None,
+                      behaviour_weight: Tensor | None = None
                       ) -> tuple[Tensor, dict[str, Tensor]]:
     """The per-token loss named by ``cfg.loss.policy_loss`` (``decoupled_ppo`` needs
-    ``proximal_logprobs``). ``ε_low = cfg.clip_eps``, ``ε_high = cfg.loss.clip_eps_high``."""
+    ``proximal_logprobs``; ``behaviour_weight`` replaces its truncated weight).
+    ``ε_low = cfg.clip_eps``, ``ε_high = cfg.loss.clip_eps_high``."""
     loss = cfg.loss
     low = cfg.clip_eps
     high = low if loss.clip_eps_high is None else loss.clip_eps_high
@@ -151,7 +156,8 @@ def policy_token_loss(cfg: LearnerConfig, logprobs: Tensor, behaviour_logprobs: 
         if proximal_logprobs is None:
             raise ValueError("decoupled_ppo needs proximal_logprobs")
         return decoupled_ppo_token_loss(logprobs, proximal_logprobs, behaviour_logprobs,
-                                        advantages, mask, low, high, loss.tis_cap)
+                                        advantages, mask, low, high, loss.tis_cap,
+                                        behaviour_weight)
     if kind == "tis":
         return tis_token_loss(logprobs, behaviour_logprobs, advantages, mask, loss.tis_cap)
     if kind == "gspo":

@@ -75,11 +75,13 @@ def _server_url(cfg: Config, index: int) -> str:
 
 def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) -> Engine:
     """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
+    from asyncrl.tokens import special_tokens
     from rollouters.engines.sglang_engine import SglangEngine, SglangServer
 
     r = cfg.rollout
     timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
-                "update_timeout_s": 2 * cfg.weights.timeout_s}  # a join waits for the others
+                "update_timeout_s": 2 * cfg.weights.timeout_s,  # a join waits for the others
+                "eos_ids": special_tokens(model_dir).eos_ids}
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
     server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed, list(r.sglang.args),
@@ -100,9 +102,10 @@ def make_weight_receiver(engine: Engine, control: ControlPlane, member: str,
     own = getattr(engine, "weight_receiver", None)
     if own is not None:
         return own(control, member)
+    device = getattr(engine, "weights_device", None)  # buckets land there over nccl or ipc
     adopt = getattr(engine, "adopt_weights", None)
     if adopt is not None:  # zero-copy commit: the engine keeps the received tensors
-        return WeightReceiver(control, member, adopt, host=host, adopt=True)
+        return WeightReceiver(control, member, adopt, host=host, adopt=True, device=device)
     return WeightReceiver(control, member,
                           lambda named, version: engine.load_weights(named.items(), version),
-                          host=host)
+                          host=host, device=device)

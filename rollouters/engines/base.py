@@ -8,6 +8,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl.colocate import Sleeper  # the engines' side of launcher.colocate
+
+__all__ = ["Completion", "Engine", "Sleeper", "check_generate_args"]
+
 
 @dataclass
 class Completion:
@@ -47,3 +51,4 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds (processes, threads, sockets); idempotent."""
+

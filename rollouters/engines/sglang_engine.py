@@ -4,10 +4,14 @@
 Request and response shapes follow SGLang 0.5.x, ``python/sglang/srt/managers/io_struct.py``
 (``GenerateReqInput``, ``InitWeightsUpdateGroupReqInput``,
 ``UpdateWeightsFromDistributedReqInput``, ``PauseGenerationReqInput``,
-``UpdateWeightVersionReqInput``) served by ``srt/entrypoints/http_server.py``. SGLang does
-not install on our CPU machines: tests use a schema-checking fixture, and a real server where
-one exists. Weights never pass through this process: SGLang receives them itself from the
-learner's broadcast (see :class:`SglangWeightPeer` for what that asks of the learner side).
+``UpdateWeightVersionReqInput``, ``UpdateWeightsFromTensorReqInput``) served by
+``srt/entrypoints/http_server.py``. SGLang does not install on our CPU machines: tests use a
+schema-checking fixture, and a real server where one exists. Over ``gloo`` and ``nccl``
+weights never pass through this process: SGLang receives them itself from the learner's
+broadcast (see :class:`SglangWeightPeer` for what that asks of the learner side). Over
+``ipc`` this process lands them on the GPU it shares with the server and hands the server
+CUDA IPC handles (``/update_weights_from_tensor``); that path builds SGLang's request as its
+``io_struct`` defines it but has not met a real SGLang server.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.weights.plan import BucketPlan
-from asyncrl.weights.receiver import WeightReceiver
+from asyncrl.weights.receiver import WeightReceiver, agreed_transport
+from asyncrl.weights.slices import Seat
+from asyncrl.weights.transport import transport_kind
 from buffers.protocol import ControlPlane
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
@@ -122,8 +128,13 @@ class SglangEngine:
 
     def __init__(self, url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0,
                  update_timeout_s: float = 600.0, pause_mode: PauseMode = "in_place",
-                 version: int = 0, server: SglangServer | None = None) -> None:
+                 version: int = 0, server: SglangServer | None = None,
+                 eos_ids: tuple[int, ...] = ()) -> None:
         self.url = url.rstrip("/")
+        # Sent as stop_token_ids on every request: SGLang would otherwise stop only at the EOS
+        # its own files name, and a tokenizer's EOS that generation_config leaves out
+        # (<|im_end|> vs <|endoftext|>) would run the row to max_new_tokens.
+        self.eos_ids = tuple(eos_ids)
         self.timeout_s = timeout_s
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
@@ -164,9 +175,11 @@ class SglangEngine:
         logprobs are SGLang's own, so the importance ratios stay right either way."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         rows = [list(p) for p in prompts for _ in range(n)]
-        body = {"input_ids": rows, "return_logprob": True,
-                "sampling_params": {"temperature": 0.0 if greedy else temperature,
-                                    "max_new_tokens": max_new_tokens}}
+        sampling: dict[str, Any] = {"temperature": 0.0 if greedy else temperature,
+                                    "max_new_tokens": max_new_tokens}
+        if self.eos_ids:
+            sampling["stop_token_ids"] = list(self.eos_ids)
+        body = {"input_ids": rows, "return_logprob": True, "sampling_params": sampling}
         started = self.version
         answer = self._post("/generate", body, self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
@@ -221,6 +234,16 @@ class SglangEngine:
         if load_format is not None:
             body["load_format"] = load_format
         self._post("/update_weights_from_distributed", body, self.update_timeout_s)
+
+    def update_weights_from_tensor(self, serialized: list[str], flush_cache: bool,
+                                   weight_version: str | None = None) -> None:
+        """Load named tensors the server maps from this process's GPU memory (CUDA IPC),
+        one serialized list per tensor-parallel rank; returns once loaded."""
+        body: dict[str, Any] = {"serialized_named_tensors": serialized, "load_format": None,
+                                "flush_cache": flush_cache, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        self._post("/update_weights_from_tensor", body, self.update_timeout_s)
 
     def update_weight_version(self, version: int) -> None:
         """Set the server's label without aborting anything (we pause ourselves)."""
@@ -287,7 +310,7 @@ class SglangWeightPeer(WeightReceiver):
     * its side of the group uses the store layout of SGLang's ``init_custom_process_group``
       (rendezvous at ``master_address:master_port``, which is our store; keys under
       ``PrefixStore(group_name)`` then torch's ``f"{group_name}/"`` and ``"cpu/"`` prefixes):
-      :meth:`asyncrl.weights.gloo.GlooTransport.connect` builds exactly that chain;
+      :meth:`asyncrl.weights.group.GroupTransport.connect` builds exactly that chain;
     * buckets are packed without padding (``align = 1``,
       :func:`asyncrl.weights.broadcaster.broadcast_align`), because SGLang's
       ``FlattenedTensorBucket`` concatenates the tensors' bytes back to back;
@@ -306,6 +329,7 @@ class SglangWeightPeer(WeightReceiver):
         self.pause_s: list[float] = []  # per update: pause → resume, for metrics and benches
         self._version_in_flight = -1
         self._group_name: str | None = None  # the server's current group
+        self._by_tensor = False  # this epoch's transport hands tensors over (ipc)
 
     def _serve(self, ann: dict[str, Any]) -> None:
         self._version_in_flight = int(ann.get("version", -1))  # read by _receive below
@@ -314,24 +338,41 @@ class SglangWeightPeer(WeightReceiver):
     def _applied(self, named: dict[str, torch.Tensor], version: int) -> None:
         self.engine.set_version(version)
 
-    def _join(self, ann: dict[str, Any], rank: int, world: int) -> bool:
-        """The same handshake as :class:`WeightReceiver`, then the server joins the group."""
-        if not self._handshake(ann):
+    def _join(self, ann: dict[str, Any], place: Seat) -> bool:
+        """The same handshake as :class:`WeightReceiver`, then the server joins the group of
+        its slice (with one learner rank sending: the epoch's group)."""
+        decision = self._handshake(ann)
+        if decision is None:
             return False
+        backend = transport_kind(agreed_transport(ann, decision, place.slice)).torch_backend
+        self._by_tensor = backend is None
+        if self._by_tensor:  # ipc: this process receives, the server maps our buffers
+            self._connect(ann, decision, place)
+            return True
         store, epoch = ann["store"], int(ann["epoch"])
         host, port = store.rsplit(":", 1)
-        self._group_name = ann["group"]
-        self.engine.init_weights_update_group(host, int(port), rank, world, ann["group"],
-                                              ann.get("transport", "gloo"))
+        self._group_name = place.group
+        self.engine.init_weights_update_group(host, int(port), place.rank, place.world,
+                                              place.group, backend)
         self._group_id = (store, epoch)
-        logger.info("weights: SGLang %s joined %s as rank %d/%d", self.member, ann["group"],
-                    rank, world)
+        logger.info("weights: SGLang %s joined %s as rank %d/%d over %s", self.member,
+                    place.group, place.rank, place.world, backend)
         return True
 
     def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
-        """Pause, one request per bucket (the server receives it), resume; no tensors here."""
-        assert self._group_name is not None
+        """Pause, one request per bucket (the server receives it), resume; no tensors here.
+        Over ipc: every bucket lands in this process's pool first, then the paused server
+        loads them bucket by bucket from handles to that pool."""
         version = self._version_in_flight
+        if self._by_tensor:
+            named = super()._receive(plan)
+            started = time.monotonic()
+            with self.engine.paused():
+                for request in tensor_requests(plan, named, version):
+                    self.engine.update_weights_from_tensor(**request)
+            self.pause_s.append(time.monotonic() - started)
+            return {}
+        assert self._group_name is not None
         requests = sglang_requests(plan)
         started = time.monotonic()
         with self.engine.paused():
@@ -355,6 +396,37 @@ class SglangWeightPeer(WeightReceiver):
             except SglangError as exc:
                 logger.warning("weights: SGLang %s could not drop %s: %s", self.member, name,
                                exc)
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(named, output_str=True)``: torch's
+    multiprocessing pickler (CUDA tensors become IPC handles) in base64. Only CUDA tensors
+    can reach another process this way over HTTP (CPU ones travel as file descriptors)."""
+    import base64
+    import io
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions it uses
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(named)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def tensor_requests(plan: BucketPlan, named: dict[str, torch.Tensor], version: int,
+                    tp_size: int = 1) -> list[dict[str, Any]]:
+    """The ``/update_weights_from_tensor`` arguments of one update, one per bucket: that
+    bucket's named tensors (``load_format`` None: a list of ``(name, tensor)``), the same
+    for every tensor-parallel rank; the last flushes the cache and sets the version."""
+    out = []
+    count = len(plan.bucket_nbytes)
+    for index in range(count):
+        last = index == count - 1
+        payload = serialize_named_tensors([(s.name, named[s.name]) for s in plan.in_bucket(index)])
+        out.append({"serialized": [payload] * tp_size, "flush_cache": last,
+                    "weight_version": str(version) if last else None})
+    return out
 
 
 def sglang_requests(plan: BucketPlan) -> list[dict[str, list[Any]]]:

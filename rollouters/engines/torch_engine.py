@@ -4,12 +4,17 @@ Slow next to vLLM, but exact, dependency-free and CPU-friendly: the reference en
 and for the tiny-model runs. The lock is held per decode step, not per call, so a weight update
 lands between two steps of an in-flight batch; ``Completion.versions`` records, per token, the
 version whose forward pass produced it.
+
+For ``launcher.colocate`` the engine can sleep (:meth:`TorchEngine.sleep`): it lets the calls
+in flight finish, moves its weights to host memory and makes new calls wait until
+:meth:`TorchEngine.wake_up`, so the learner can have the device meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +58,13 @@ class TorchEngine:
         self.on_step = on_step
         self._version = version
         self._lock = threading.Lock()
+        # Sleep (launcher.colocate): generate calls in flight, and the offloaded weights:
+        # id(parameter) → (parameter, its host copy). Empty while awake.
+        self._phase = threading.Condition()
+        self._active = 0
+        self._asleep = False
+        self._offloaded: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._caches: weakref.WeakSet = weakref.WeakSet()  # the KV caches of calls in flight
         self._lora = LoraMerger()  # base copies of the weights LoRA updates merge into
         self._generator = torch.Generator(self.device)
         if seed is None:
@@ -68,6 +80,18 @@ class TorchEngine:
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+        with self._phase:  # asleep: wait for the wake (launcher.colocate)
+            self._phase.wait_for(lambda: not self._asleep)
+            self._active += 1
+        try:
+            return self._generate(prompts, n, temperature, max_new_tokens, greedy)
+        finally:
+            with self._phase:
+                self._active -= 1
+                self._phase.notify_all()
+
+    def _generate(self, prompts: list[list[int]], n: int, temperature: float,
+                  max_new_tokens: int, greedy: bool) -> list[list[Completion]]:
         temperature = 1.0 if greedy else temperature
         rows = [p for p in prompts for _ in range(n)]
         input_ids, batch = self._left_pad(rows)
@@ -120,6 +144,7 @@ class TorchEngine:
         batch.logprobs.append(logp.gather(-1, token[:, None])[:, 0])
         batch.versions.append(version)
         batch.finished = batch.finished | torch.isin(token, self._eos)
+        self._caches.add(out.past_key_values)
         return out.past_key_values
 
     def _completions(self, batch: _Batch) -> list[Completion]:
@@ -134,6 +159,13 @@ class TorchEngine:
             result.append(Completion(tokens=row_tokens[:length], logprobs=row_logprobs[:length],
                                      versions=batch.versions[:length], finish_reason=reason))
         return result
+
+    @property
+    def weights_device(self) -> torch.device:
+        """Where weight updates should land: the model's device. Over ``nccl`` the buckets
+        arrive there, over ``ipc`` they are copied there from the learner's memory on the same
+        GPU, so :meth:`adopt_weights` can keep them without another copy."""
+        return self.device
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy named tensors into the model in place, then set :attr:`version`.
@@ -168,7 +200,8 @@ class TorchEngine:
         parameter as it is (other dtype or device, not contiguous) and buffers are copied.
         All names and shapes are checked first, so a bad update changes nothing. LoRA
         adapters are merged, as by :meth:`load_weights` (the merge makes new tensors: nothing
-        of the receiver's buffers is kept).
+        of the receiver's buffers is kept). Asleep (:meth:`sleep`) nothing is adopted: the
+        tensors are copied into the host copies, and the device stays free until the wake.
         """
         adapters, items = split_adapters(weights.items())
         with self._lock, torch.no_grad():
@@ -179,7 +212,7 @@ class TorchEngine:
             adopted = 0
             for name, tensor in items:
                 target = targets[name]
-                if (name in params and tensor.dtype == target.dtype
+                if (name in params and not self._offloaded and tensor.dtype == target.dtype
                         and tensor.device == target.device and tensor.is_contiguous()):
                     params[name].data = tensor
                     adopted += 1
@@ -196,7 +229,11 @@ class TorchEngine:
             return
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in merged.items():
-            params[name].data = tensor
+            offloaded = self._offloaded.get(id(params[name]))
+            if offloaded is None:
+                params[name].data = tensor
+            else:  # asleep: the host copy is what the wake brings back
+                self._offloaded[id(params[name])] = (params[name], _to_host(tensor))
 
     @staticmethod
     def _check(items: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
@@ -217,6 +254,75 @@ class TorchEngine:
             return {name: t.detach().clone() for name, t in self._named_tensors().items()}
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        named = dict(self.model.named_parameters(remove_duplicate=False))
+        """Every parameter and buffer by name; asleep, a parameter's host copy stands for it
+        (a weight update then lands there, and the wake brings it to the device)."""
+        named = {name: self._offloaded.get(id(p), (p, p))[1]
+                 for name, p in self.model.named_parameters(remove_duplicate=False)}
         named.update(self.model.named_buffers(remove_duplicate=False))
         return named
+
+    # --- sleep and wake (launcher.colocate) ------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Wait for the generate calls in flight to end (their KV caches die with them), then
+        move every parameter to a host copy and release its device storage; later generate
+        calls wait for :meth:`wake_up`. Buffers (rotary tables) stay: they are small. On CUDA
+        the allocator's cached blocks go back to the device, for the learner to use."""
+        with self._phase:
+            self._asleep = True
+            self._phase.wait_for(lambda: self._active == 0)
+        with self._lock, torch.no_grad():
+            for param in self.model.parameters():  # tied weights: one parameter, moved once
+                if id(param) not in self._offloaded:
+                    self._offloaded[id(param)] = (param, _to_host(param.data))
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.debug("asleep: %.1f MB of weights in host memory", self.memory()["host_bytes"] / 1e6)
+
+    def wake_up(self) -> None:
+        """Bring every parameter back to the device from its host copy (which is let go),
+        then let generation go on."""
+        with self._lock, torch.no_grad():
+            for param, host in self._offloaded.values():
+                param.data = host.to(self.device, copy=True)
+            self._offloaded = {}
+        with self._phase:
+            self._asleep = False
+            self._phase.notify_all()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds: its parameters on the device (``weights_bytes``), their
+        host copies while asleep (``host_bytes``), the KV caches of calls in flight
+        (``kv_bytes``); on CUDA also everything the process has allocated on the device
+        (``device_allocated_bytes``)."""
+        with self._lock:
+            weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+            host = sum(h.untyped_storage().nbytes() for _, h in self._offloaded.values())
+        kv = sum(t.untyped_storage().nbytes() for cache in list(self._caches)
+                 for t in _cache_tensors(cache))
+        held = {"weights_bytes": weights, "host_bytes": host, "kv_bytes": kv}
+        if self.device.type == "cuda":   # all this process holds there (receive pools too)
+            held["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        return held
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory, in storage of its own (pinned for a CUDA tensor:
+    the wake's copy back is then a DMA); on CPU too a new allocation, so the moves are real."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                       pin_memory=tensor.is_cuda)
+    return host.copy_(tensor)
+
+
+def _cache_tensors(cache: object) -> list[torch.Tensor]:
+    """The key and value tensors of an HF KV cache (``DynamicCache``: one entry per layer)."""
+    found = []
+    for layer in getattr(cache, "layers", ()):
+        found += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                  if isinstance(t, torch.Tensor)]
+    return found

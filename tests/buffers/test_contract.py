@@ -197,6 +197,57 @@ def test_batches_taken_ahead_are_served_by_version_and_drop_exactly(backend):
     assert (status["dropped_stale"], status["consumed"], status["depth"]) == (0, 4, 0)
 
 
+def _old_group_in_flight(backend, mode: str) -> tuple[BufferClient, BufferClient]:
+    """s = 1, one group per step. Two groups granted at version 0; one is in and trained,
+    the other (``long``) still generating when a version-1 group ``b`` is in at version 1."""
+    d = backend.start(groups_per_step=1, max_staleness=1, staleness_mode=mode)
+    learner, producer = d.client(), d.client()
+    assert producer.acquire("w", 2, 0).granted == 2
+    assert producer.put("w", make_group("a", version=0)).accepted
+    assert served(learner, 1, version=0) == ["a"]  # leaves long (v0): fresh at v1
+    learner.publish_version(1)
+    assert producer.acquire("w", 1, 1).granted == 1
+    assert producer.put("w", make_group("b", version=1)).accepted
+    return learner, producer
+
+
+def test_drop_mode_trains_past_a_group_in_flight_and_drops_it_late(backend):
+    learner, producer = _old_group_in_flight(backend, "drop")
+    assert served(learner, 1, version=1) == ["b"]
+    assert producer.put("w", make_group("long", version=0)).accepted
+    assert learner.get_batch("learner", 1, 2, timeout_s=0.2) is None
+    assert learner.status()["dropped_stale"] == 1   # 2 - 0 > s: the long answer is lost
+
+
+def test_pace_mode_waits_for_the_old_group_and_drops_nothing(backend):
+    """Training ``b`` at version 1 would leave ``long`` (granted at 0) stale at version 2:
+    the take waits, counted as pace_held_s, until ``long`` is in; then it is served first."""
+    learner, producer = _old_group_in_flight(backend, "pace")
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(learner.get_batch, "learner", 1, 1, 20.0)
+        with pytest.raises(FutureTimeout):
+            waiting.result(timeout=0.5)  # b is there, but the learner may not step past long
+        eventually(lambda: producer.status()["pace_held_s"] > 0, what="pace_held_s grows")
+        assert producer.put("w", make_group("long", version=0)).accepted
+        batch = waiting.result(timeout=10)
+    assert ids(batch) == ["long"] and batch.dropped_stale == 0
+    assert batch.stats["pace_held_s"] > 0
+    learner.ack("learner", batch)
+    learner.publish_version(2)
+    assert served(learner, 1, version=2) == ["b"]
+    status = producer.status()
+    assert (status["dropped_stale"], status["consumed"]) == (0, 3)
+    assert status["staleness_mode"] == "pace" and status["staleness_hist"] == {"1": 2, "0": 1}
+
+
+def test_pace_mode_stops_waiting_for_a_released_group(backend):
+    learner, producer = _old_group_in_flight(backend, "pace")
+    assert learner.get_batch("learner", 1, 1, timeout_s=0.3) is None
+    producer.release("w", 1)  # the long one failed: nothing old is in flight any more
+    assert served(learner, 1, version=1) == ["b"]
+    assert producer.status()["dropped_stale"] == 0
+
+
 def test_run_done_stops_grants_and_puts(backend):
     c = backend.start().client()
     c.acquire("w", 1, 0)
@@ -549,6 +600,23 @@ def test_heartbeat_timeout_releases_a_dead_producers_in_flight(backend):
     assert c.status()["members"]["dead"]["alive"] is True
 
 
+def test_pace_mode_stops_waiting_for_a_dead_producers_group(backend):
+    """The group a dead producer held holds the learner only until the producer is reaped."""
+    d = backend.start(groups_per_step=1, max_staleness=0, heartbeat_timeout_s=0.3,
+                      staleness_mode="pace")
+    c = d.client()
+    c.heartbeat("dead", "rollout", {})
+    assert c.acquire("dead", 1, 0).granted == 1
+    c.publish_version(1)  # (as if the step were trained by another consumer)
+    assert c.acquire("alive", 1, 1).granted == 1
+    assert c.put("alive", make_group("b", version=1)).accepted
+    assert c.get_batch("learner", 1, 1, timeout_s=0.1) is None  # "dead"'s v0 would go stale
+    eventually(lambda: c.acquire("alive", 0, 1) is not None and
+               c.get_batch("learner", 1, 1, timeout_s=0.1) is not None,
+               what="the take served once the dead producer's grant is gone")
+    assert c.status()["dropped_stale"] == 0
+
+
 def test_get_key_long_poll_wakes_on_set(backend):
     d = backend.start()
     waiter, setter = d.client(), d.client()
@@ -588,7 +656,7 @@ def test_status_has_every_documented_key(backend):
     expected = {"version", "run_status", "run_id", "max_staleness", "groups_per_step",
                 "max_groups", "depth", "accepted", "in_flight", "consumed", "dropped_stale",
                 "rejected", "gate_open", "gate_allowance", "gate_closed_s", "staleness_hist",
-                "members", "uptime_s", "keys"}
+                "members", "uptime_s", "keys", "staleness_mode", "pace_held_s"}
     assert expected <= status.keys()
     assert set(status["members"]["learner-0"]) >= {"role", "alive", "last_seen_s_ago", "info"}
     assert status["gate_open"] is True and status["gate_allowance"] == 4

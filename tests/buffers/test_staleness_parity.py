@@ -119,3 +119,88 @@ def test_zmq_broker_agrees_with_python(s: int, gps: int) -> None:
         state.version, state.accepted, state.dropped_stale = v, a, d
         state.in_flight = Counter({"a": f - f // 2, "b": f // 2})
         assert state.allowance() == gate.allowance(v, a - d, f), (s, v, a, d, f)
+
+
+# --- pace (buffer.staleness_mode = "pace") -------------------------------------------------
+
+PACE_PROBE = """
+-- ARGV[5..6]: [[version, [[oldest, groups], ...]], ...] and grant operations, as JSON.
+local cases, ops = cjson.decode(ARGV[5]), cjson.decode(ARGV[6])
+local allowed, totals = {}, {}
+for _, case in ipairs(cases) do
+  local left = {}
+  for _, pair in ipairs(case[2]) do left[pair[1]] = (left[pair[1]] or 0) + pair[2] end
+  table.insert(allowed, pace_allows(case[1], left) and 1 or 0)
+end
+for _, op in ipairs(ops) do
+  local kind, p, x = op[1], op[2], op[3]
+  if kind == 'grant' then
+    add_in_flight(p, op[4])
+    grant(p, x, op[4])
+  elseif kind == 'settle' then
+    add_in_flight(p, -1)
+    settle_grant(p, x)
+    trim_grants(p)
+  else
+    add_in_flight(p, -x)
+    release_grants(p, x)
+    trim_grants(p)
+  end
+  local flat, now = redis.call('HGETALL', K_INFLIGHTV), {}
+  for i = 1, #flat, 2 do table.insert(now, flat[i] .. '=' .. flat[i + 1]) end
+  table.sort(now)
+  table.insert(totals, table.concat(now, ','))
+end
+return {allowed, totals}
+"""
+
+
+def pace_cases() -> list[tuple[int, dict[int, int]]]:
+    import random
+
+    rng = random.Random(0)
+    return [(rng.randrange(0, 7), {v: rng.randrange(0, 4) for v in
+                                   rng.sample(range(NO_VERSION, 8), rng.randrange(0, 5))})
+            for _ in range(300)]
+
+
+PACE_OPS = [("grant", "a", 0, 3), ("grant", "b", 1, 2), ("settle", "a", 2), ("grant", "a", 2, 2),
+            ("settle", "a", 0), ("release", "b", 1), ("settle", "b", -1), ("settle", "a", 5),
+            ("release", "a", 5), ("grant", "b", 3, 1), ("settle", "b", 3)]
+
+
+def python_grants() -> list[str]:
+    from buffers.inflight_versions import InFlightVersions
+
+    record, in_flight, out = InFlightVersions(), Counter(), []
+    for kind, p, x, *n in PACE_OPS:
+        if kind == "grant":
+            in_flight[p] += n[0]
+            record.grant(p, x, n[0])
+        else:
+            in_flight[p] = max(0, in_flight[p] - (1 if kind == "settle" else x))
+            record.settle(p, x) if kind == "settle" else record.release(p, x)
+            record.keep_at_most(p, in_flight[p])
+        out.append(",".join(sorted(f"{v}|{q}={c}" for q in record.producers()
+                                   for v, c in record._by_producer[q].items())))
+    return out
+
+
+def test_lua_pace_agrees_with_python(redis_server) -> None:
+    from asyncrl.staleness import pace_allows
+
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
+    keys = RedisKeys(f"asyncrl:parity:{uuid.uuid4().hex}")
+    probe = client.register_script(PRELUDE + PACE_PROBE)
+    cases = pace_cases()
+    args = [json.dumps([[v, [[o, n] for o, n in left.items()]] for v, left in cases]),
+            json.dumps([list(op) for op in PACE_OPS])]
+    try:
+        for s, gps in GATES:
+            client.delete(*keys.all())
+            allowed, totals = probe(keys=keys.all(), args=[s, gps, 1000, 30_000, *args])
+            assert allowed == [int(pace_allows(v, s, gps, left)) for v, left in cases], (s, gps)
+            assert totals == python_grants(), (s, gps)
+    finally:
+        client.delete(*keys.all())
+        client.close()

@@ -57,6 +57,14 @@ def test_generate_sends_token_ids_and_parses_logprobs(server) -> None:
     assert out[1][1].tokens == [(5 + 3) % 50, 9, 10]
 
 
+def test_the_models_eos_ids_are_sent_as_stop_token_ids(server) -> None:
+    url, fake = server
+    SglangEngine(url, eos_ids=(151645, 151643)).generate([[1]], n=1, temperature=1.0,
+                                                         max_new_tokens=2)
+    _, body = fake.calls[0]
+    assert body["sampling_params"]["stop_token_ids"] == [151645, 151643]
+
+
 def test_greedy_sends_temperature_zero(server) -> None:
     url, fake = server
     SglangEngine(url).generate([[1]], n=1, temperature=1.0, max_new_tokens=1, greedy=True)
@@ -208,8 +216,11 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     url, _ = server
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
                              f"rollout.url={url}", "rollout.workers=1"])
-    engine = make_engine(cfg, tmp_path, 0)
+    from asyncrl.models import EOS_ID, prepare_model_dir
+
+    engine = make_engine(cfg, prepare_model_dir(cfg.model, tmp_path, 0), 0)
     assert isinstance(engine, SglangEngine) and engine.url == url
+    assert engine.eos_ids == (EOS_ID,)   # the model's own, sent as stop_token_ids
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
     control = ZmqBufferClient(address, 10.0)

@@ -17,7 +17,6 @@ import math
 import random
 import re
 import sys
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted([*ROOT.glob("configs/*.toml"), *ROOT.glob("examples/**/*.toml")])
 FREE_FORM = {"workflow.env_args"}
 SEED = 37
-BUDGET_S = 4.0
-MAX_MUTATIONS = 600
+# A fixed number, not a time budget: under load a budget tried 28 mutations and failed its
+# own floor (a flaky test: the first one imports torch). 250 take about 2 s.
+MUTATIONS = 250
 CLI_SAMPLE = 6
 UNKNOWN = "zz_unknown"
 VALUES: list[Any] = [True, False, 0, -1, 0.5, -0.5, 10**12, 2**63 - 1, 1e300, math.inf,
@@ -91,7 +91,7 @@ def _mutations() -> list[tuple[Path, str, Any]]:
     keys = _leaves(Config)
     every = [(path, key, value) for path in CONFIGS for key in keys for value in VALUES]
     rng.shuffle(every)
-    return every[:MAX_MUTATIONS]
+    return every[:MUTATIONS]
 
 
 def _assert_names_the_key(message: str, key: str) -> None:
@@ -109,11 +109,8 @@ def test_mutated_configs_are_refused_by_key_or_work(monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(ROOT)  # the examples' data and plugins are relative to the repository
     monkeypatch.setattr(sys, "path", list(sys.path))
     raws = {path: tomllib.loads(path.read_text()) for path in CONFIGS}
-    deadline = time.monotonic() + BUDGET_S
     tried = refused = 0
     for path, key, value in _mutations():
-        if time.monotonic() > deadline:
-            break
         tried += 1
         try:
             cfg = validate_config(_set(raws[path], key, value), source=str(path))
@@ -127,7 +124,7 @@ def test_mutated_configs_are_refused_by_key_or_work(monkeypatch: pytest.MonkeyPa
             check_startup(cfg)
         except ConfigError as exc:
             _assert_names_the_key(str(exc), key)
-    assert tried >= 100 and refused >= tried // 2, (tried, refused)
+    assert tried == MUTATIONS and refused >= tried // 2, (tried, refused)
 
 
 def test_a_sample_through_the_cli_reports_one_line_per_key(

@@ -282,3 +282,13 @@ def test_status_prints_the_dashboard_with_curves_from_the_run_dir(tmp_path: Path
     print_status(status, MonitorConfig(), tmp_path, out)
     assert "curves · steps 1–43" in out.getvalue()
     assert max(len(line) for line in out.getvalue().splitlines()) <= 120  # not a terminal
+
+
+def test_pace_mode_shows_the_learners_wait_as_such() -> None:
+    from asyncrl.monitor import progress_line
+
+    status, history = snapshot()
+    assert "pace" not in screen(status, history)          # drop mode: nothing to show
+    paced = {**status, "staleness_mode": "pace", "pace_held_s": 12.5}
+    assert re.search(r"pace\s+learner held 12\.5s", screen(paced, history))
+    assert "paced 12.5s" in progress_line(paced)

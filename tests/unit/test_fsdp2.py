@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.config.schema import LearnerConfig, LossConfig
+from asyncrl.config.schema import CorrectionConfig, LearnerConfig, LossConfig
 from asyncrl.net import free_port
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
@@ -29,6 +29,11 @@ VARIANTS = {
     "kl": CFG.model_copy(update={"loss": LossConfig(kl_coef=0.5, kl_estimator="k3")}),
     "decoupled": CFG.model_copy(update={"loss": LossConfig(policy_loss="decoupled_ppo",
                                                            aggregation="group", tis_cap=1.5)}),
+    # A band no token's ratio hits (exactly 1): every token rejected, the step trains nothing.
+    "all_rejected": CFG.model_copy(update={"loss": LossConfig(correction=CorrectionConfig(
+        mask="token", mask_low=1.0, mask_high=1.0))}),
+    # The entropy bonus differentiates the entropy of the packed forward.
+    "entropy": CFG.model_copy(update={"packing": True, "loss": LossConfig(entropy_coeff=0.5)}),
 }
 # 1 rank vs 2 ranks again, with per-sample units, the reference and the GAE critic sharded over
 # both ranks.
@@ -246,6 +251,24 @@ def test_decoupled_ppo_runs(variant_runs: dict[str, Path]) -> None:
         assert metrics["mismatch/tokens"] == metrics["perf/trained_tokens"]
         assert metrics["actor/ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert run["version"] == STEPS
+
+
+def test_all_rejected_steps_train_nothing(variant_runs: dict[str, Path],
+                                          tiny_model_dir: Path) -> None:
+    run = _load(variant_runs["all_rejected"] / "rank0.pt")
+    initial = _initial_state(tiny_model_dir)
+    assert all(torch.equal(run["state"][n], initial[n]) for n in initial)   # not one bit moved
+    for metrics in run["metrics"]:
+        assert metrics["mismatch/masked_fraction"] == 1.0
+        assert metrics["mismatch/kept_tokens"] == 0.0 < metrics["mismatch/tokens"]
+    assert run["version"] == STEPS   # the steps still count: the learner's clock goes on
+
+
+def test_entropy_bonus_trains(variant_runs: dict[str, Path], tiny_model_dir: Path) -> None:
+    run = _load(variant_runs["entropy"] / "rank0.pt")
+    initial = _initial_state(tiny_model_dir)
+    assert max((run["state"][n] - initial[n]).abs().max().item() for n in initial) > 1e-4
+    assert all(0.0 < m["actor/entropy"] <= np.log(VOCAB) + 1e-5 for m in run["metrics"])
 
 
 def test_verl_named_metrics(runs: dict[int, Path]) -> None:

@@ -252,3 +252,43 @@ def test_reinforce_literal() -> None:
     assert per_token.tolist() == [[3.0, -2.0]]
     assert logprobs.grad.tolist() == [[-3.0, 1.0]]
     assert stats["clip_frac"].item() == 0.0
+
+
+def test_entropy_bonus_moves_the_gradient_towards_higher_entropy() -> None:
+    """``−η·H`` in the loss: its gradient is the plain loss's minus ``η·∇H``, and a descent
+    step on it raises the entropy where the plain loss alone would lower it."""
+    from asyncrl.config.schema import LearnerConfig, LossConfig
+    from learners.losses.objective import objective
+    from learners.fused_logprobs import plain_logprobs_entropy
+
+    def _entropy(logits: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        return plain_logprobs_entropy(logits, logits.argmax(-1), entropy_grad=grad)[1]
+
+    torch.manual_seed(0)
+    logits0 = torch.randn(1, 3, 5, dtype=torch.float64) * 2.0
+    targets = logits0.argmax(-1)          # reinforce the likeliest tokens: entropy falls
+
+    class Batch:
+        behaviour_logprobs = torch.log_softmax(logits0, -1).gather(-1, targets[..., None])[..., 0]
+        advantages = torch.ones(1, 3, dtype=torch.float64)
+        loss_mask = torch.ones(1, 3)
+        group_index = torch.tensor([0])
+        group_tokens = None
+
+    def step(coeff: float) -> tuple[torch.Tensor, float]:
+        logits = logits0.clone().requires_grad_(True)
+        logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        entropy = _entropy(logits, grad=True)
+        cfg = LearnerConfig(loss=LossConfig(policy_loss="reinforce", entropy_coeff=coeff))
+        loss, _, _ = objective(cfg, Batch(), logprobs, entropy=entropy)
+        loss.backward()
+        after = _entropy(logits.detach() - 0.5 * logits.grad).sum().item()
+        return logits.grad, after
+
+    entropy_grad_logits = logits0.clone().requires_grad_(True)
+    _entropy(entropy_grad_logits, grad=True).sum().backward()
+    plain, plain_after = step(0.0)
+    bonus, bonus_after = step(2.0)
+    assert torch.allclose(bonus - plain, -2.0 * entropy_grad_logits.grad)
+    before = _entropy(logits0).sum().item()
+    assert plain_after < before < bonus_after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 
@@ -73,3 +74,55 @@ def test_fifo_never_exceeds_bound(s: int, gps: int) -> None:
 def test_rejects_bad_parameters(s: int, gps: int) -> None:
     with pytest.raises(ValueError):
         StalenessGate(s, gps)
+
+
+def test_pace_waits_for_what_would_go_stale_by_hand() -> None:
+    from asyncrl.staleness import pace_allows
+
+    # s = 1, one group per step, learner at version 3 (about to make 4): a group of version
+    # 2 left behind would be stale at 4; one of version 3 may wait one step, one only.
+    assert not pace_allows(3, 1, 1, {2: 1})
+    assert pace_allows(3, 1, 1, {3: 1})
+    assert not pace_allows(3, 1, 1, {3: 2})           # two of them, one step to serve them
+    assert pace_allows(3, 1, 1, {4: 5, 7: 9, NO_VERSION: 40})  # fresh enough, or versionless
+    # s = 2: taking a fresher group now may leave more old ones than later batches hold.
+    assert pace_allows(2, 2, 1, {1: 1, 2: 1})
+    assert not pace_allows(2, 2, 1, {1: 2})           # k = 1: one step for two groups
+    assert not pace_allows(2, 2, 1, {2: 3})           # k = 2: two steps for three
+    assert pace_allows(2, 2, 2, {1: 2, 2: 2})
+
+
+@pytest.mark.parametrize(("s", "gps", "lengths_seed"), [(1, 2, 0), (2, 1, 1), (3, 3, 2),
+                                                         (0, 2, 3)])
+def test_pace_never_waits_forever_and_never_goes_stale(s: int, gps: int,
+                                                       lengths_seed: int) -> None:
+    """A simulated run: the gate admits, groups finish after random (long-tailed) times, the
+    learner takes the oldest finished groups (earliest deadline first) only when
+    :func:`pace_allows` says so. Every group is trained within s, none dropped, and the
+    learner keeps stepping (no deadlock)."""
+    import random
+
+    from asyncrl.staleness import pace_allows
+
+    rng = random.Random(lengths_seed)
+    gate = StalenessGate(s, gps)
+    version = accepted = 0
+    running: list[tuple[int, int]] = []   # (finish time, granted version)
+    done: list[int] = []                  # finished groups' versions
+    for tick in range(2000):
+        for _ in range(gate.allowance(version, accepted, len(running))):
+            running.append((tick + int(rng.paretovariate(1.2)), version))
+        for item in [r for r in running if r[0] <= tick]:
+            running.remove(item)
+            done.append(item[1])
+            accepted += 1
+        if len(done) < gps:
+            continue
+        batch = sorted(done)[:gps]
+        left = Counter(sorted(done)[gps:]) + Counter(v for _, v in running)
+        if pace_allows(version, s, gps, left):
+            assert all(version - v <= s for v in batch)
+            for v in batch:
+                done.remove(v)
+            version += 1
+    assert version > 100

@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 40): one script for the lent GPU machine (one H100 or H200,
+# torch and transformers pre-installed, no vLLM, no package registry, at most 64 MiB carried).
+# Every session lent a GPU runs it first and records its table in bench/RESULTS.md.
+#
+#   bash bench/gpu_check.sh [--out DIR] [--budget-s 450] [--dry-run]
+#
+# Steps, each under its own `timeout` and all under --budget-s (default 450 s, so the whole
+# script stays under 8 minutes; a step that no longer fits is skipped and says so):
+#   env                   torch, CUDA, the GPU (nvidia-smi)
+#   gpu_tests             the gpu-marked tests of tests/unit and tests/integration (the ipc
+#                         transport's among them), if pytest is there
+#   ipc_transfer          bench/weight_sync.py --transport ipc, the Qwen2-0.5B shape in bf16,
+#                         1 and 2 engines on the learner's GPU: time and GB/s of the sync
+#                         against a raw cudaMemcpy (device-to-device copy_) of the same bytes
+#   learner_mfu           bench/learner_throughput.py on CUDA: tokens/s, MFU, peak GiB
+#   colocated_quickstart  the quickstart with launcher.colocate = true on CUDA, if this tree's
+#                         config has that key (the colocated mode); otherwise skipped
+# Writes DIR/gpu_check.json and DIR/gpu_check.md (one table), the steps' logs in DIR/logs and
+# their raw JSON beside them. DIR: --out, else $OUT (the device tool's), else ./gpu-check.
+#
+# Python: $PYTHON, else python3. The project's dependencies that the machine lacks come as
+# wheels in ./wheels (carried, a few MiB), installed with `pip install --no-index --no-deps
+# --target` into DIR/pydeps; nothing is downloaded there. Prepare them beforehand where a
+# registry is reachable, for the GPU machine's Python (3.12 so far), e.g.
+#   pip download --only-binary :all: --python-version 3.12 -d wheels pydantic pyzmq orjson \
+#       xxhash rich prometheus-client pytest
+# (with their dependencies: --no-deps is not passed to the download).
+#
+# Without CUDA it refuses (exit 2) unless --dry-run, which checks on any machine that every
+# step's Python pieces import, and writes the same JSON and table (nothing measured).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${OUT:-$PWD/gpu-check}"
+BUDGET_S=450
+DRY=0
+PY="${PYTHON:-python3}"
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --budget-s) BUDGET_S="$2"; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "bench/gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$ROOT" || exit 2
+mkdir -p "$OUT_DIR/logs" || exit 2
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+STEPS="$OUT_DIR/steps.tsv"
+: > "$STEPS"
+START=$(date +%s)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ -d "$ROOT/wheels" ] && ls "$ROOT"/wheels/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target "$OUT_DIR/pydeps" "$ROOT"/wheels/*.whl \
+    > "$OUT_DIR/logs/wheels.log" 2>&1 || echo "bench/gpu_check.sh: wheels did not install (logs/wheels.log)" >&2
+  export PYTHONPATH="$PYTHONPATH:$OUT_DIR/pydeps"
+fi
+
+if [ "$DRY" = 0 ]; then
+  torch_is="$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'torch ' + torch.__version__)" 2>&1 | tail -n 1)"
+  if [ "$torch_is" != cuda ]; then
+    echo "bench/gpu_check.sh: no CUDA device here ($torch_is): this check is for the GPU" \
+         "machine; --dry-run checks its pieces on any machine" >&2
+    exit 2
+  fi
+fi
+
+# record NAME STATUS SECONDS DETAIL
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"; }
+
+# step NAME LIMIT_S COMMAND...: run it under `timeout` if it still fits the budget.
+step() {
+  local name="$1" limit="$2"; shift 2
+  local left=$(( BUDGET_S - ($(date +%s) - START) ))
+  if [ "$left" -lt "$limit" ]; then
+    record "$name" skipped 0 "needs up to ${limit} s, ${left} s of the budget left"
+    return
+  fi
+  local began=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/logs/$name.log" 2>&1
+  local rc=$? took=$(( $(date +%s) - began ))
+  case "$rc" in
+    0) record "$name" ok "$took" "" ;;
+    124|137) record "$name" timeout "$took" "over ${limit} s; see logs/$name.log" ;;
+    *) record "$name" failed "$took" "exit $rc: $(tail -n 1 "$OUT_DIR/logs/$name.log" | tr '\t' ' ' | cut -c1-160)" ;;
+  esac
+}
+
+has_pytest() { "$PY" -c "import pytest" 2>/dev/null; }
+has_colocate() {
+  "$PY" -c "import sys; from asyncrl.config.schema import LauncherConfig; sys.exit(0 if 'colocate' in LauncherConfig.model_fields else 1)" 2>/dev/null
+}
+
+ENV_PY='
+import json, subprocess, sys, torch
+info = {"python": sys.version.split()[0], "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+try:
+    import transformers
+    info["transformers"] = transformers.__version__
+except ImportError:
+    info["transformers"] = None
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    info.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
+                gpu_gib=round(props.total_memory / 2**30, 1))
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                         "--format=csv,noheader"], capture_output=True,
+                                        text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["driver"] = None
+json.dump(info, open(sys.argv[1], "w"), indent=2)
+print(info)
+'
+
+PIECES_PY='
+import importlib, sys
+for name in ("tests.unit.test_weight_ipc", "asyncrl.weights.ipc", "asyncrl.weights.group",
+             "bench.weight_sync", "bench.learner_throughput", "asyncrl.cli"):
+    importlib.import_module(name)
+    print("imports:", name)
+'
+
+if [ "$DRY" = 1 ]; then  # one process: the environment, and the pieces of every step import
+  step pieces 120 "$PY" -c "$ENV_PY$PIECES_PY" "$OUT_DIR/env.json"
+  if has_colocate; then
+    record colocated_quickstart dry 0 "launcher.colocate is in the config: the run would start"
+  else
+    record colocated_quickstart skipped 0 "launcher.colocate is not in this tree's config"
+  fi
+  has_pytest || record pytest missing 0 "no pytest here: carry its wheels for gpu_tests"
+else
+  step env 60 "$PY" -c "$ENV_PY" "$OUT_DIR/env.json"
+  if has_pytest; then  # every gpu-marked test module of tests/unit and tests/integration
+    mapfile -t GPU_TESTS < <(grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py)
+    step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
+  else
+    record gpu_tests skipped 0 "pytest is not installed (carry its wheels in ./wheels)"
+  fi
+  step ipc_transfer 170 "$PY" bench/weight_sync.py --transport ipc --shape qwen2-0.5b \
+    --dtype bfloat16 --engines 1 2 --bucket-mb 512 --rounds 3 --json "$OUT_DIR/ipc_transfer.json"
+  step learner_mfu 130 "$PY" bench/learner_throughput.py --device cuda --groups 16 \
+    --max-len 1024 --micro-batch-tokens 16384 --layout padded --warmup 1 --steps 2 \
+    --json "$OUT_DIR/learner_mfu.json"
+  if has_colocate; then
+    step colocated_quickstart 150 "$PY" -m asyncrl.cli up configs/quickstart.toml \
+      --set launcher.colocate=true --set learner.device=cuda --set rollout.device=cuda \
+      --set learner.total_steps=30 --set run.output_dir="$OUT_DIR/runs"
+  else
+    record colocated_quickstart skipped 0 "launcher.colocate is not in this tree's config"
+  fi
+fi
+
+"$PY" - "$OUT_DIR" "$DRY" "$(( $(date +%s) - START ))" <<'REPORT'
+"""Assemble gpu_check.json and gpu_check.md from the steps and their JSON outputs."""
+import json
+import sys
+from pathlib import Path
+
+out, dry, total_s = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+
+
+def load(name):
+    path = out / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+steps = [dict(zip(("name", "status", "seconds", "detail"), line.split("\t", 3)))
+         for line in (out / "steps.tsv").read_text().splitlines() if line]
+runs = sorted((out / "runs").glob("**/metrics.jsonl")) if (out / "runs").exists() else []
+last = runs[-1].read_text().splitlines()[-1] if runs and runs[-1].read_text().strip() else None
+report = {"dry_run": dry, "total_s": total_s, "env": load("env.json"), "steps": steps,
+          "ipc_transfer": load("ipc_transfer.json"), "learner_mfu": load("learner_mfu.json"),
+          "colocated_last_record": json.loads(last) if last else None}
+(out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
+env = report["env"] or {}
+lines = [f"# GPU check{' (dry run)' if dry else ''}: {env.get('gpu', 'no GPU')}, "
+         f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {total_s} s", "",
+         "| step | status | s | result |", "|---|---|---|---|"]
+results = {}
+for row in report["ipc_transfer"] or []:
+    results.setdefault("ipc_transfer", []).append(
+        f"{row['engines']} engine(s), {row['mb']:.0f} MB: sync {row['sync_s']:.3f} s "
+        f"{row['sync_gbs']:.1f} GB/s vs memcpy {row['raw_s']:.3f} s {row['raw_gbs']:.1f} GB/s "
+        f"({row['ratio']:.0%})")
+for row in report["learner_mfu"] or []:
+    mfu = f"MFU {100 * row['mfu']:.1f} %" if "mfu" in row else "MFU n/a"
+    results.setdefault("learner_mfu", []).append(
+        f"{row['layout']}: {row['tokens_per_s']:,.0f} tokens/s, {mfu}, "
+        f"peak {row.get('peak_gib', float('nan')):.1f} GiB")
+if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
+    record = report["colocated_last_record"]
+    keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
+            or "gib" in k.lower()]
+    results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in keys)]
+for s in steps:
+    text = "; ".join(results.get(s["name"], [])) or s["detail"]
+    lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | {text} |")
+(out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+REPORT
+status=$?
+[ "$status" = 0 ] || exit "$status"
+# exit status: 0 when every step that ran succeeded (skips are reported, not failures)
+if cut -f2 "$STEPS" | grep -qE '^(failed|timeout)$'; then exit 1; fi
+exit 0
