@@ -390,16 +390,78 @@ class BufferConfig(Section):
 
 
 class VllmRolloutConfig(Section):
-    """The in-process vLLM engine (``rollout.engine = "vllm"``)."""
+    """vLLM (``rollout.engine = "vllm"``): how it runs, what it serves with, how it samples."""
 
+    mode: Literal["async", "inprocess"] = Field(
+        "async", description="async: vLLM's AsyncLLM, its engine core in a process of its own "
+                             "(scheduling overlapped with the forward; tensor/data parallelism); "
+                             "inprocess: LLMEngine stepped in the worker's own process, one "
+                             "process per engine (small CPU machines, CI).")
     kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB,
                                     description="KV cache size (MB); 0 sizes it from "
                                                 "gpu_memory_utilization.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
                                           description="On GPU: fraction of the device's memory "
                                                       "the engine may take.")
-    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start; "
-                                                  "turn off for long GPU runs).")
+    enforce_eager: bool | None = Field(None, description="No CUDA graphs / torch.compile; unset "
+                                                         "follows the device: eager on CPU, "
+                                                         "CUDA graphs on GPU.")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_PROCESSES,
+                                      description="GPUs one engine shards the model over (async "
+                                                  "mode).")
+    data_parallel_size: int = Field(1, ge=1, le=MAX_PROCESSES,
+                                    description="Engine replicas behind one worker's AsyncLLM "
+                                                "(async mode).")
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_GROUPS,
+                                     description="Rows one engine step may hold; unset: 256 or "
+                                                 "one batch (groups_per_batch x group_size), "
+                                                 "whichever is more.")
+    max_model_len: int | None = Field(None, ge=1, le=MAX_TOKENS,
+                                      description="Longest prompt + response; unset: the "
+                                                  "model's own.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (behaviour logprobs "
+                                                      "are then of the truncated distribution).")
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Top-k sampling; 0: off.")
+    stop: list[str] = Field(default_factory=list,
+                            description="Stop strings (loads the tokenizer to detokenize).")
+    stop_token_ids: list[int] = Field(default_factory=list,
+                                      description="Token ids that end a row, besides the "
+                                                  "model's EOS ids.")
+    engine_args: dict[str, Any] = Field(default_factory=dict,
+                                        description="Anything else, passed to vLLM's "
+                                                    "EngineArgs as it is (each key must be one "
+                                                    "of its fields).")
+
+    @model_validator(mode="after")
+    def _check_vllm(self) -> VllmRolloutConfig:
+        if self.mode == "inprocess" and self.tensor_parallel_size * self.data_parallel_size > 1:
+            raise ValueError("rollout.vllm.mode = 'inprocess' runs one worker: "
+                             "tensor_parallel_size and data_parallel_size must be 1 (use "
+                             "mode = 'async')")
+        known = vllm_engine_arg_names()
+        unknown = sorted(set(self.engine_args) - known) if known else []
+        if unknown:
+            raise ValueError(f"rollout.vllm.engine_args.{unknown[0]}: not a field of vLLM's "
+                             "EngineArgs")
+        return self
+
+
+def vllm_engine_arg_names() -> set[str]:
+    """The field names of vLLM's ``EngineArgs``, read from its source without importing vLLM
+    (seconds, and torch); empty where vLLM is not installed (the engine checks again)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    source = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(source.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            return {item.target.id for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return set()
 
 
 class SglangRolloutConfig(Section):

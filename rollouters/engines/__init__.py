@@ -43,16 +43,7 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
                                 timeout_s=cfg.rollout.request_timeout_s)
     device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
     if kind == "vllm":
-        from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
-
-        r = cfg.rollout
-        opts = VLLMOptions(eos_ids=special.eos_ids, dtype=cfg.model.dtype,
-                           device="cpu" if device == "cpu" else "cuda", seed=seed,
-                           kv_cache_memory_mb=r.vllm.kv_cache_memory_mb,
-                           gpu_memory_utilization=r.vllm.gpu_memory_utilization,
-                           enforce_eager=r.vllm.enforce_eager,
-                           max_num_seqs=max(256, r.groups_per_batch * r.group_size))
-        return VLLMEngine(model_dir, opts)
+        return _vllm_engine(cfg, model_dir, device, seed, special.eos_ids)
     if kind == "torch":
         from asyncrl.models import load_causal_lm
         from rollouters.engines.torch_engine import TorchEngine
@@ -61,6 +52,36 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
                            eos_ids=special.eos_ids, pad_id=special.pad_id, device=device,
                            seed=seed)
     raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
+VLLM_WEIGHT_BACKENDS = {"gloo": "asyncrl_gloo", "auto": "asyncrl_gloo", "sim": "asyncrl_gloo",
+                        "nccl": "nccl", "ipc": "ipc"}
+"""vLLM's weight-transfer backend for each ``weights.transport``: our registered gloo backend
+(:mod:`rollouters.engines.vllm_gloo`, CPU and GPU alike) or vLLM's own ``nccl`` and ``ipc``."""
+
+
+def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
+                 eos_ids: tuple[int, ...]) -> Engine:
+    """``[rollout.vllm]`` as engine options; ``mode`` picks AsyncLLM or the in-process one."""
+    from rollouters.engines.vllm_options import DEFAULT_MAX_NUM_SEQS, VLLMOptions
+
+    r, v = cfg.rollout, cfg.rollout.vllm
+    opts = VLLMOptions(
+        eos_ids=eos_ids, dtype=cfg.model.dtype, device="cpu" if device == "cpu" else "cuda",
+        seed=seed, kv_cache_memory_mb=v.kv_cache_memory_mb,
+        gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+        max_num_seqs=v.max_num_seqs or max(DEFAULT_MAX_NUM_SEQS, r.groups_per_batch * r.group_size),
+        max_model_len=v.max_model_len, tensor_parallel_size=v.tensor_parallel_size,
+        data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
+        stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
+        weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport], extra=dict(v.engine_args))
+    if v.mode == "inprocess":
+        from rollouters.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+
+    return AsyncVLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
 
 
 def _server_url(cfg: Config, index: int) -> str:

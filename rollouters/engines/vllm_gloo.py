@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -142,3 +143,62 @@ def update_info(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
 def send_tensors(group: ProcessGroup, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     for _, tensor in tensors:
         _broadcast(group, tensor.detach().to("cpu").contiguous())
+
+
+def alongside(remote: Callable[[], object], local: Callable[[], None], timeout_s: float,
+              what: str) -> None:
+    """Run ``remote()`` (the engine's half of a collective: an RPC, an HTTP call) on a helper
+    thread while ``local()`` runs here: both sides must be in the collective at once. The
+    remote half must return within ``timeout_s`` of the local one (``weights.timeout_s``)."""
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            remote()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=call, name=f"vllm-{what}", daemon=True)
+    thread.start()
+    try:
+        local()
+    finally:
+        thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    if thread.is_alive():
+        raise TimeoutError(f"vLLM {what} did not return in {timeout_s}s (weights.timeout_s)")
+
+
+class GlooSender:
+    """This process as rank 0 of a gloo transfer group with one engine's ``workers``.
+
+    ``init(init_info)`` and ``update(update_info)`` are the engine's own calls (vLLM's
+    ``init_weight_transfer_engine`` / ``update_weights``, in-process, over ZMQ or HTTP): the
+    sender does its half of each beside them."""
+
+    def __init__(self, host: str, workers: int, timeout_s: float) -> None:
+        self.host = host
+        self.world = 1 + workers
+        self.timeout_s = timeout_s
+        self.group: ProcessGroup | None = None
+
+    def join(self, init: Callable[[dict], object]) -> None:
+        listen = free_listen_socket(self.host)
+        port = listen.getsockname()[1]
+        info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
+                "world_size": self.world, "timeout_s": self.timeout_s}
+        groups: list[ProcessGroup] = []
+        alongside(lambda: init(info),
+                  lambda: groups.append(open_sender_group(listen, self.world, self.timeout_s)),
+                  self.timeout_s, "init_weight_transfer_engine")
+        self.group = groups[0]
+        logger.info("asyncrl_gloo: transfer group of %d on %s:%d", self.world, self.host, port)
+
+    def send(self, tensors: Sequence[tuple[str, torch.Tensor]],
+             update: Callable[[dict], object]) -> None:
+        if self.group is None:
+            raise RuntimeError("asyncrl_gloo: join() first")
+        group = self.group
+        alongside(lambda: update(update_info(tensors)), lambda: send_tensors(group, tensors),
+                  self.timeout_s, "update_weights")

@@ -115,7 +115,8 @@ def test_update_changes_outputs_as_weights_dictate(engine, tiny_model_dir: Path,
 def test_in_flight_update_tags_each_token(engine, tiny_model_dir: Path,
                                           reference_state: dict) -> None:
     """An update after step 2 of a running batch: tokens 0-2 are version 0, the rest version 1,
-    and the tokens are those the torch reference makes with the same switch (old KV kept)."""
+    and the tokens are those the torch reference makes with the same switch (the patch leaves
+    the KV cache as it was, so recomputing it under the new weights changes nothing)."""
     patched = _patched(reference_state)
     reference = _reference_engine(tiny_model_dir, reference_state)
     for target in (engine, reference):
