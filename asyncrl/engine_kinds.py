@@ -49,7 +49,7 @@ class EngineKind:
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("torch", merges_adapters=True),
     EngineKind("vllm", table="vllm"),
-    EngineKind("vllm-server", needs_url=True),
+    EngineKind("vllm-server", table="vllm"),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
     EngineKind("sim", threads=True),
 )}

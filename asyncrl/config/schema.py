@@ -390,16 +390,18 @@ class BufferConfig(Section):
 
 
 class VllmRolloutConfig(Section):
-    """vLLM (``rollout.engine = "vllm"``): how it runs, what it serves with, how it samples."""
+    """vLLM (``rollout.engine = "vllm"``, and ``"vllm-server"``: the servers a worker launches
+    itself, and the sampling keys): how it runs, what it serves with, how it samples."""
 
     mode: Literal["async", "inprocess"] = Field(
         "async", description="async: vLLM's AsyncLLM, its engine core in a process of its own "
                              "(scheduling overlapped with the forward; tensor/data parallelism); "
                              "inprocess: LLMEngine stepped in the worker's own process, one "
                              "process per engine (small CPU machines, CI).")
-    kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB,
-                                    description="KV cache size (MB); 0 sizes it from "
-                                                "gpu_memory_utilization.")
+    kv_cache_memory_mb: int | None = Field(None, ge=0, le=MAX_MB,
+                                           description="KV cache size (MB); 0 sizes it from "
+                                                       "gpu_memory_utilization; unset follows "
+                                                       "the device: 64 on CPU, 0 on GPU.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
                                           description="On GPU: fraction of the device's memory "
                                                       "the engine may take.")
@@ -431,6 +433,10 @@ class VllmRolloutConfig(Section):
                                         description="Anything else, passed to vLLM's "
                                                     "EngineArgs as it is (each key must be one "
                                                     "of its fields).")
+    server_start_timeout_s: Seconds = Field(600.0, gt=0, description="vllm-server without "
+                                                                   "url: how long a launched "
+                                                                   "server may take to get "
+                                                                   "ready.")
 
     @model_validator(mode="after")
     def _check_vllm(self) -> VllmRolloutConfig:
@@ -482,9 +488,9 @@ class RolloutConfig(Section):
     (``[rollout.vllm]``, ``[rollout.sglang]``); only the one ``engine`` names is read."""
 
     engine: Literal["torch", "vllm", "vllm-server", "sglang", "sim"] = Field(
-        "torch", description="Inference engine: pure-torch reference, in-process vLLM, an "
-                             "external vLLM OpenAI server fleet at `url` (attached, not "
-                             "started), SGLang servers (at `url`, or one launched per worker), "
+        "torch", description="Inference engine: pure-torch reference, vLLM (see "
+                             "[rollout.vllm]), vLLM OpenAI servers (at `url`, or one launched "
+                             "per worker), SGLang servers (at `url`, or one launched per worker), "
                              "or `sim`: calibrated waits instead of compute (see [sim]); sim "
                              "workers run as threads of one process.")
     url: Name = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"

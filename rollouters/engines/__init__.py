@@ -10,7 +10,7 @@ dependency and slow to import.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -37,10 +37,7 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
 
     special = special_tokens(model_dir)  # the model's own EOS and pad ids
     if kind == "vllm-server":
-        from rollouters.engines.vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine(_server_url(cfg, index), eos_ids=special.eos_ids,
-                                timeout_s=cfg.rollout.request_timeout_s)
+        return _vllm_server_engine(cfg, model_dir, index, seed, special.eos_ids)
     device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
     if kind == "vllm":
         return _vllm_engine(cfg, model_dir, device, seed, special.eos_ids)
@@ -60,13 +57,12 @@ VLLM_WEIGHT_BACKENDS = {"gloo": "asyncrl_gloo", "auto": "asyncrl_gloo", "sim": "
 (:mod:`rollouters.engines.vllm_gloo`, CPU and GPU alike) or vLLM's own ``nccl`` and ``ipc``."""
 
 
-def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
-                 eos_ids: tuple[int, ...]) -> Engine:
-    """``[rollout.vllm]`` as engine options; ``mode`` picks AsyncLLM or the in-process one."""
+def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...]) -> Any:
+    """``[rollout.vllm]`` as the options both vLLM engine kinds take."""
     from rollouters.engines.vllm_options import DEFAULT_MAX_NUM_SEQS, VLLMOptions
 
     r, v = cfg.rollout, cfg.rollout.vllm
-    opts = VLLMOptions(
+    return VLLMOptions(
         eos_ids=eos_ids, dtype=cfg.model.dtype, device="cpu" if device == "cpu" else "cuda",
         seed=seed, kv_cache_memory_mb=v.kv_cache_memory_mb,
         gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
@@ -75,13 +71,43 @@ def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
         data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
         stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
         weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport], extra=dict(v.engine_args))
-    if v.mode == "inprocess":
+
+
+def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
+                 eos_ids: tuple[int, ...]) -> Engine:
+    """``rollout.vllm.mode`` picks AsyncLLM or the in-process LLMEngine."""
+    opts = _vllm_options(cfg, device, seed, eos_ids)
+    if cfg.rollout.vllm.mode == "inprocess":
         from rollouters.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
     from rollouters.engines.vllm_async import AsyncVLLMEngine
 
     return AsyncVLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
+
+
+def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
+                        eos_ids: tuple[int, ...]) -> Engine:
+    """Attach to ``rollout.url``'s server, or launch one with ``[rollout.vllm]``'s knobs on
+    ``rollout.device`` (only a launched server needs the device here)."""
+    from asyncrl.devices import resolve_device
+    from rollouters.engines.vllm_server import VLLMServerEngine
+
+    r = cfg.rollout
+    device = "cpu" if r.url.strip() else \
+        str(resolve_device(r.device, index, "rollout.device"))
+    opts = _vllm_options(cfg, device, seed, eos_ids)
+    sampling = {"top_p": opts.top_p, "top_k": opts.top_k, "stop": list(opts.stop),
+                "stop_token_ids": list(opts.stop_token_ids)}
+    if r.url.strip():
+        return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
+                                timeout_s=r.request_timeout_s, sampling=sampling)
+    from rollouters.engines.vllm_fleet import VLLMServer
+
+    server = VLLMServer(model_dir, opts, cfg.run_dir / f"vllm-{index}.log",
+                        r.vllm.server_start_timeout_s)
+    return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
+                            sampling=sampling, server=server)
 
 
 def _server_url(cfg: Config, index: int) -> str:

@@ -20,6 +20,7 @@ from rollouters.engines.base import Completion
 # Smallest attention head size vLLM's CPU attention kernels support.
 CPU_MIN_HEAD_DIM = 32
 DEFAULT_MAX_NUM_SEQS = 256
+CPU_KV_CACHE_MB = 64  # a KV cache in bytes on CPU: a GPU fraction means nothing on a shared host
 
 
 @dataclass
@@ -27,14 +28,15 @@ class VLLMOptions:
     """What an engine needs beyond the model directory (mapped from ``[rollout.vllm]``).
 
     ``enforce_eager`` None follows the device: eager on CPU (vLLM's CPU backend has no CUDA
-    graphs), CUDA graphs on GPU (vLLM's default, the fast decode). ``weight_backend`` is the
+    graphs), CUDA graphs on GPU (vLLM's default, the fast decode). ``kv_cache_memory_mb`` None
+    follows it too: 64 MB on CPU, ``gpu_memory_utilization`` on GPU. ``weight_backend`` is the
     name vLLM's weight-transfer factory knows (our gloo backend on CPU)."""
 
     eos_ids: tuple[int, ...]  # any of them ends a row (asyncrl.tokens)
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
-    kv_cache_memory_mb: int = 64
+    kv_cache_memory_mb: int | None = None
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -96,10 +98,18 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         "weight_transfer_config": {"backend": opts.weight_backend}}
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
-    if opts.kv_cache_memory_mb > 0:
-        kwargs["kv_cache_memory_bytes"] = opts.kv_cache_memory_mb << 20
+    kv_mb = kv_cache_mb(opts)
+    if kv_mb:
+        kwargs["kv_cache_memory_bytes"] = kv_mb << 20
     kwargs.update(opts.extra)
     return kwargs
+
+
+def kv_cache_mb(opts: VLLMOptions) -> int:
+    """The KV cache's size in MB; 0: sized from ``gpu_memory_utilization``."""
+    if opts.kv_cache_memory_mb is not None:
+        return opts.kv_cache_memory_mb
+    return CPU_KV_CACHE_MB if opts.device == "cpu" else 0
 
 
 def _extension_cls() -> str:

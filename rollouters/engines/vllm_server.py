@@ -57,14 +57,20 @@ class ServerError(RuntimeError):
 class VLLMServerEngine:
     """Implements :class:`~rollouters.engines.base.Engine` against one vLLM server.
 
-    ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``.
+    ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``. ``sampling``: more
+    sampling parameters for every request (``top_p``, ``top_k``, ``stop``, ``stop_token_ids``
+    besides the EOS ids). ``server``: one this worker launched (:mod:`vllm_fleet`), stopped by
+    :meth:`close`.
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
+                 server: Any = None) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
+        self.sampling = dict(sampling or {})
         self.timeout_s = timeout_s
+        self._server = server
         self._host = host  # address the transfer group's store binds (the server dials it)
         self._update_lock = threading.Lock()
         self._sender: Any = None  # a vllm_gloo.GlooSender, from the first update on
@@ -82,10 +88,12 @@ class VLLMServerEngine:
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
-        params = {"n": n, "temperature": 0.0 if greedy else temperature,
+        extra_stops = list(self.sampling.get("stop_token_ids", ()))
+        params = {**self.sampling, "n": n, "temperature": 0.0 if greedy else temperature,
                   "max_tokens": max_new_tokens, "logprobs": 0,
-                  "stop_token_ids": list(self.eos_ids),
-                  "ignore_eos": True, "detokenize": False}  # exactly these ids, every server
+                  "stop_token_ids": [*self.eos_ids, *extra_stops],
+                  "ignore_eos": True,  # exactly these ids, every server
+                  "detokenize": bool(self.sampling.get("stop"))}
         workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
         with ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
             return list(pool.map(lambda p: self._generate_one(p, params), prompts))
@@ -140,6 +148,8 @@ class VLLMServerEngine:
                             ServerError)
 
     def close(self) -> None:
-        """Forget the transfer group (the server keeps running: it is not ours)."""
+        """Forget the transfer group; stop the server if this worker launched it."""
         self._sender = None
+        if self._server is not None:
+            self._server.stop()
 
