@@ -56,7 +56,10 @@ class StandaloneVLLM:
         return [n for row in rows for n in row]
 
     def close(self) -> None:
-        self.llm.shutdown()
+        async def shutdown() -> None:  # on the loop, where vLLM's output handler runs
+            self.llm.shutdown()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
@@ -69,8 +72,8 @@ def measure(model_dir: Path, vocab: int, args: Any) -> tuple[dict, list[dict]]:
     from rollouters.engines.vllm_async import AsyncVLLMEngine
     from rollouters.engines.vllm_options import VLLMOptions, engine_kwargs
 
-    # EOS outside the vocabulary: no row finishes early, both engines do the same work.
-    opts = VLLMOptions(eos_ids=(vocab,), dtype=args.dtype or "float32", device=args.device,
+    # No stop token: no row finishes early, both engines do the same work.
+    opts = VLLMOptions(eos_ids=(), dtype=args.dtype or "float32", device=args.device,
                        max_num_seqs=max(args.batch))
     ours = AsyncVLLMEngine(model_dir, opts)
     bare = {k: v for k, v in engine_kwargs(model_dir, opts).items()

@@ -168,10 +168,15 @@ class AsyncVLLMEngine:
         return torch.tensor(values)
 
     def close(self) -> None:
-        """Shut the engine core down and stop the loop; idempotent."""
+        """Shut the engine core down and stop the loop; idempotent. The shutdown runs on the
+        loop, where vLLM's output handler task runs (cancelling it elsewhere is unsafe)."""
         if self._llm is not None:
-            self._llm.shutdown()
+            self._run(_shutdown(self._llm))
             self._llm = None
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()
