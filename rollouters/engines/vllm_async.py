@@ -69,7 +69,6 @@ class AsyncVLLMEngine:
         self._llm: Any = None
         try:
             self._llm = self._run(self._start(engine_args(model_dir, opts, asynchronous=True)))
-            self._sender.join(lambda info: self._run(self._init_transfer(info)))
         except BaseException:
             self.close()
             raise
@@ -146,6 +145,8 @@ class AsyncVLLMEngine:
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         timeout = self.update_timeout_s
         with self._update_lock:
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: self._run(self._init_transfer(info)))
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
                 self._run(self._llm.start_weight_update(), timeout)

@@ -86,8 +86,6 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
         self._engine.set_weight_version(str(version))  # labels are ours from the start
         self._sender = GlooSender("127.0.0.1", 1, update_timeout_s)
-        self._sender.join(lambda info: self._engine.collective_rpc(
-            "init_weight_transfer_engine", kwargs={"init_info": info}))
         logger.info("vLLM engine ready (%s, %s)", model_dir, opts.device)
 
     @property
@@ -169,6 +167,9 @@ class VLLMEngine:
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         rpc = self._engine.collective_rpc
         with self._lock:
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: rpc("init_weight_transfer_engine",
+                                                   kwargs={"init_info": info}))
             rpc("start_weight_update")
             self._sender.send(tensors, lambda info: rpc("update_weights",
                                                         kwargs={"update_info": info}))

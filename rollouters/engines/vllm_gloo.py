@@ -75,7 +75,10 @@ class GlooWeightTransfer(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.group: ProcessGroup | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = init_info.rank_offset + self.parallel_config.rank
+        # Unique across data-parallel replicas, as vLLM's NCCL backend counts them.
+        config = self.parallel_config
+        rank = init_info.rank_offset + config.data_parallel_index * config.world_size + \
+            config.rank
         self.group = _init_group(init_info.master_address, init_info.master_port, rank,
                                  init_info.world_size, init_info.timeout_s)
         logger.info("asyncrl_gloo: joined %s:%d as rank %d/%d", init_info.master_address,
@@ -96,13 +99,21 @@ class GlooWeightTransfer(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """Receive and load each tensor. If one fails (a name or shape the model refuses),
+        the layer-wise reload is finalized before the error goes up: vLLM's worker then ends
+        the update without finishing it, and layers left on the meta device would fail the
+        next step; finalizing gives every layer that received nothing its old weights back."""
         if self.group is None:
             raise RuntimeError("asyncrl_gloo: init_weight_transfer_engine was not called")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
-                                           update_info.shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            _broadcast(self.group, tensor)
-            self.model.load_weights([(name, tensor.to(self.device))])
+        try:
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
+                                               update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                _broadcast(self.group, tensor)
+                self.model.load_weights([(name, tensor.to(self.device))])
+        except BaseException:
+            self.finish_weight_update()
+            raise
 
     def shutdown(self) -> None:
         self.group = None
@@ -147,27 +158,35 @@ def send_tensors(group: ProcessGroup, tensors: Sequence[tuple[str, torch.Tensor]
 
 def alongside(remote: Callable[[], object], local: Callable[[], None], timeout_s: float,
               what: str) -> None:
-    """Run ``remote()`` (the engine's half of a collective: an RPC, an HTTP call) on a helper
-    thread while ``local()`` runs here: both sides must be in the collective at once. The
-    remote half must return within ``timeout_s`` of the local one (``weights.timeout_s``)."""
-    errors: list[BaseException] = []
+    """Run ``remote()`` (the engine's half of a collective: an RPC, an HTTP call) and
+    ``local()`` (this process's half) at once, each on a helper thread, until both return or
+    either fails: a remote half that refuses at once (a bad name, a shape) is reported at once,
+    not after the local half's collective times out. The local half, blocked in gloo, then
+    ends at the group's own timeout (``weights.timeout_s``); its group is dropped."""
+    done = threading.Condition()
+    results: dict[str, BaseException | None] = {}
 
-    def call() -> None:
+    def run(name: str, fn: Callable[[], object]) -> None:
+        error: BaseException | None = None
         try:
-            remote()
+            fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            errors.append(exc)
+            error = exc
+        with done:
+            results[name] = error
+            done.notify_all()
 
-    thread = threading.Thread(target=call, name=f"vllm-{what}", daemon=True)
-    thread.start()
-    try:
-        local()
-    finally:
-        thread.join(timeout_s)
-    if errors:
-        raise errors[0]
-    if thread.is_alive():
-        raise TimeoutError(f"vLLM {what} did not return in {timeout_s}s (weights.timeout_s)")
+    for name, fn in (("remote", remote), ("local", local)):
+        threading.Thread(target=run, args=(name, fn), name=f"vllm-{what}-{name}",
+                         daemon=True).start()
+    with done:
+        finished = done.wait_for(lambda: len(results) == 2 or any(results.values()),
+                                 timeout_s)
+    for name in ("remote", "local"):  # the engine's error says more than a gloo timeout
+        if results.get(name) is not None:
+            raise results[name]  # type: ignore[misc]
+    if not finished:
+        raise TimeoutError(f"vLLM {what} did not finish in {timeout_s}s (weights.timeout_s)")
 
 
 class GlooSender:
@@ -197,8 +216,15 @@ class GlooSender:
 
     def send(self, tensors: Sequence[tuple[str, torch.Tensor]],
              update: Callable[[dict], object]) -> None:
+        """One update's broadcast beside the engine's ``update(update_info)``. A failed one
+        leaves the group in an unknown state: it is dropped, and the next update (after the
+        sender's eviction and rejoin) joins a fresh one."""
         if self.group is None:
             raise RuntimeError("asyncrl_gloo: join() first")
         group = self.group
-        alongside(lambda: update(update_info(tensors)), lambda: send_tensors(group, tensors),
-                  self.timeout_s, "update_weights")
+        try:
+            alongside(lambda: update(update_info(tensors)),
+                      lambda: send_tensors(group, tensors), self.timeout_s, "update_weights")
+        except BaseException:
+            self.group = None
+            raise

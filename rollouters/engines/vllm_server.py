@@ -125,10 +125,10 @@ class VLLMServerEngine:
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         with self._update_lock:
             if self._sender is None:
-                sender = GlooSender(self._host, 1, self.timeout_s)
-                sender.join(lambda info: self._request(
+                self._sender = GlooSender(self._host, 1, self.timeout_s)
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: self._request(
                     "POST", "/init_weight_transfer_engine", {"init_info": info}))
-                self._sender = sender
             self._request("POST", "/pause?mode=keep")
             try:
                 self._request("POST", "/start_weight_update")
