@@ -238,6 +238,11 @@ class DataConfig(Section):
                            description="Validate on the first N held-out rows; 0 = all.")
     name: Name = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
                                       "or the env name.")
+    max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS,
+                                          description="Samples whose prompt is longer (in "
+                                                      "tokens) are skipped, each episode "
+                                                      "counted in rollout/episodes_prompt_"
+                                                      "too_long, never cut; unset: no limit.")
 
     @model_validator(mode="after")
     def _check_template(self) -> DataConfig:
