@@ -6,7 +6,8 @@ Both are vLLM's ``AsyncLLM`` on the same model directory, engine arguments, prom
 (``generate`` → Completions with per-token logprobs and versions; worker extension and the
 weight-transfer backend loaded), standalone is a bare ``AsyncLLM`` driven from its own event
 loop, one request per prompt, outputs only collected. Both engines are up at once and every
-timed call alternates between them, so both see the same machine load.
+timed call alternates between them, so both see the same machine load; the whole is done
+twice, each engine started first once (:func:`measure`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class StandaloneVLLM:
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self.llm = None  # freed now, not at interpreter exit (its __del__ shuts down again)
 
 
 def save_model(model: torch.nn.Module, directory: Path) -> Path:
@@ -69,24 +71,42 @@ def save_model(model: torch.nn.Module, directory: Path) -> Path:
 
 
 def measure(model_dir: Path, vocab: int, args: Any) -> tuple[dict, list[dict]]:
-    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    """Both start orders: the engine started first ran ~10 % slower in either role here (its
+    worker's CPU binding, most likely), so each order is one session and the figure is the
+    geometric mean of the two sessions' ratios."""
     from rollouters.engines.vllm_options import VLLMOptions, engine_kwargs
 
     # No stop token: no row finishes early, both engines do the same work.
     opts = VLLMOptions(eos_ids=(), dtype=args.dtype or "float32", device=args.device,
                        max_num_seqs=max(args.batch))
-    ours = AsyncVLLMEngine(model_dir, opts)
     bare = {k: v for k, v in engine_kwargs(model_dir, opts).items()
             if k not in ("worker_extension_cls", "weight_transfer_config")}
-    standalone = StandaloneVLLM(bare)
     rows = []
-    try:
-        for batch in args.batch:
-            rows.append(_measure_batch(ours, standalone, opts, batch, vocab, args))
-    finally:
-        ours.close()
-        standalone.close()
+    for first in ("ours", "standalone"):
+        rows += [dict(row, first=first) for row in _session(model_dir, opts, bare, first,
+                                                            vocab, args)]
+    for batch in args.batch:
+        ratios = [r["ratio"] for r in rows if r["batch"] == batch]
+        rows.append({"batch": batch, "first": "both", "prompt_len": args.prompt_len,
+                     "new_tokens": args.new_tokens,
+                     "ratio": statistics.geometric_mean(ratios)})
     return {"device": args.device, "engine args": bare}, rows
+
+
+def _session(model_dir: Path, opts: Any, bare: dict, first: str, vocab: int,
+             args: Any) -> list[dict]:
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+
+    engines: dict[str, Any] = {}
+    try:
+        for name in (first, "standalone" if first == "ours" else "ours"):
+            engines[name] = AsyncVLLMEngine(model_dir, opts) if name == "ours" \
+                else StandaloneVLLM(bare)
+        return [_measure_batch(engines["ours"], engines["standalone"], opts, batch, vocab,
+                               args) for batch in args.batch]
+    finally:
+        for engine in engines.values():
+            engine.close()
 
 
 def _measure_batch(ours: Any, standalone: StandaloneVLLM, opts: Any, batch: int, vocab: int,
@@ -129,9 +149,11 @@ def _measure_batch(ours: Any, standalone: StandaloneVLLM, opts: Any, batch: int,
 def report(info: dict, rows: list[dict]) -> None:
     print(f"vLLM AsyncLLM, {info['device']}: rollout engine vs standalone, same prompts, "
           "model, engine args and sampling params")
-    print("| batch | prompt | new tokens | ours tokens/s | standalone tokens/s | ours/standalone |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | prompt | new tokens | started first | ours tokens/s | standalone tokens/s "
+          "| ours/standalone |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | "
-              f"{r['ours_tokens_per_s']:.0f} | {r['standalone_tokens_per_s']:.0f} | "
-              f"{100 * r['ratio']:.1f} % |")
+        ours = f"{r['ours_tokens_per_s']:.0f}" if "ours_tokens_per_s" in r else ""
+        bare = f"{r['standalone_tokens_per_s']:.0f}" if "standalone_tokens_per_s" in r else ""
+        print(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['first']} | "
+              f"{ours} | {bare} | {100 * r['ratio']:.1f} % |")
