@@ -53,3 +53,35 @@ def test_sampling_knobs_reach_sampling_params() -> None:
     assert (params.n, params.temperature, params.max_tokens) == (4, 0.7, 9)
     assert (params.top_p, params.top_k, params.stop) == (0.9, 20, ["</answer>"])
     assert params.stop_token_ids == [3, 7, 11] and params.ignore_eos
+
+
+def test_the_config_reaches_the_options_and_a_launched_servers_flags(tmp_path: Path) -> None:
+    """``[rollout.vllm]`` → engine options (as make_engine builds them) → the api_server flags
+    of a server a worker launches itself; ``weights.transport`` picks vLLM's backend name."""
+    from rollouters.engines import _vllm_options
+    from rollouters.engines.vllm_launch import serving_flags
+
+    cfg = load_config(None, ["rollout.engine=vllm-server", "rollout.vllm.tensor_parallel_size=2",
+                             "rollout.vllm.max_model_len=512", "rollout.vllm.top_p=0.9",
+                             "rollout.vllm.engine_args.enable_chunked_prefill=false",
+                             "rollout.vllm.engine_args.max_num_batched_tokens=96"])
+    opts = _vllm_options(cfg, "cuda", seed=5, eos_ids=(3,))
+    assert (opts.tensor_parallel_size, opts.max_model_len, opts.top_p) == (2, 512, 0.9)
+    assert opts.weight_backend == "asyncrl_gloo" and opts.max_num_seqs == 256
+    flags = serving_flags(opts)
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert pairs["--tensor-parallel-size"] == "2" and pairs["--max-model-len"] == "512"
+    assert pairs["--seed"] == "5" and "--kv-cache-memory-bytes" not in flags  # GPU: by fraction
+    assert "--no-enable-chunked-prefill" in flags and "--enforce-eager" not in flags
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "96"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_vllm_backends_without_a_sender_are_refused_naming_the_key(
+        backend: str, tiny_model_dir: Path) -> None:
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    from rollouters.engines.vllm_engine import VLLMEngine
+
+    for engine in (VLLMEngine, AsyncVLLMEngine):
+        with pytest.raises(ValueError, match="weights.transport"):
+            engine(tiny_model_dir, VLLMOptions(eos_ids=(3,), weight_backend=backend))
