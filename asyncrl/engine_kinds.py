@@ -48,12 +48,19 @@ class EngineKind:
     """Can free its device memory between generation phases and take it back
     (``sleep``/``wake_up``, :class:`~rollouters.engines.base.Sleeper`): what
     ``launcher.colocate`` needs of it."""
+    records_routing: bool = False
+    """It can return the experts each token was routed to (``learner.routing_replay``)."""
+    routing_note: str = "does not record the experts it routes each token to"
+    """Why not, for the config error, where it does not."""
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("torch", merges_adapters=True, sleeps=True),
-    EngineKind("vllm", table="vllm"),
-    EngineKind("vllm-server", needs_url=True),
+    EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True),
+    EngineKind("vllm", table="vllm", routing_note=(
+        "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
+        "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
+        "refused on the CPU install; not wired up for GPUs)")),
+    EngineKind("vllm-server", table="vllm"),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
     EngineKind("sim", threads=True),
 )}

@@ -21,8 +21,10 @@
  *                 (a trained token without a version): the caller words these
  *                 (asyncrl.wire.VALUE_ERRORS)
  * A group that breaks a rule raises GroupError(reason, detail) with decode_group's reason and
- * message, checked in decode_group's order: size, packing, frame count, header, array sizes,
- * values. tests/buffers/test_group_check.py holds both paths to the same outcome.
+ * message, checked in decode_group's order: size, packing, frame count (at least the five fixed
+ * frames), header (its optional "extras" declarations last), frame count (five plus one per
+ * extra), array sizes, extra sizes, values. tests/buffers/test_group_check.py holds both paths
+ * to the same outcome.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +36,14 @@
 #define ALIGNED_FLAG 0x8000u
 #define MAX_FRAMES 0x7fff
 #define FRAMES 5 /* header + the four arrays of asyncrl/wire/group.py's _ARRAYS */
+#define MAX_EXTRAS 16 /* asyncrl.wire.group.MAX_EXTRAS */
+#define MAX_EXTRA_DIMS 8 /* asyncrl.wire.group.MAX_EXTRA_DIMS */
+#define MAX_LAID (FRAMES + MAX_EXTRAS)
+
+/* asyncrl.wire.group.EXTRA_DTYPES, in its order; the digit is the item size. */
+static const char *EXTRA_DTYPES[] = {"u1", "i1", "u2", "i2", "u4", "i4", "f2", "f4"};
+#define NUM_EXTRA_DTYPES (sizeof(EXTRA_DTYPES) / sizeof(EXTRA_DTYPES[0]))
+#define EXTRA_DTYPE_LIST "u1, i1, u2, i2, u4, i4, f2, f4"
 
 /* _ARRAYS' names and item sizes, in frame order (frames 1-4), for the size check's message. */
 static const char *ARRAY_NAMES[FRAMES - 1] = {"tokens", "logprobs", "loss_mask", "versions"};
@@ -57,11 +67,11 @@ static int reject(const char *reason, PyObject *detail) {
     return -1;
 }
 
-/* The packed layout: frame count, offsets and sizes of the first FRAMES frames. */
+/* The packed layout: frame count, offsets and sizes of the first MAX_LAID frames. */
 typedef struct {
     unsigned count;
-    Py_ssize_t offsets[FRAMES];
-    uint32_t sizes[FRAMES];
+    Py_ssize_t offsets[MAX_LAID];
+    uint32_t sizes[MAX_LAID];
 } Layout;
 
 static int walk(const unsigned char *data, Py_ssize_t size, Layout *layout) {
@@ -79,7 +89,7 @@ static int walk(const unsigned char *data, Py_ssize_t size, Layout *layout) {
         uint32_t length = load_u32(data + 2 + 4 * i);
         if (aligned)
             end = (end + ALIGN - 1) / ALIGN * ALIGN;
-        if (i < FRAMES) {
+        if (i < MAX_LAID) {
             layout->offsets[i] = end;
             layout->sizes[i] = length;
         }
@@ -118,12 +128,21 @@ static int field_error(void) {
     return reject("header", detail);
 }
 
+/* One declared extra: borrowed from the parsed header, which outlives the check. */
+typedef struct {
+    PyObject *name, *dtype, *shape;
+    long long nbytes; /* prod(shape) * item size, unless too_big */
+    int too_big;      /* past 64 bits: no frame can hold it */
+} Extra;
+
 /* What the header's lists hold, as decode_header computes them. */
 typedef struct {
     Py_ssize_t rewards, lengths, reasons;
     int nonfinite_reward, nonpositive_length;
     long long tokens;  /* sum(lengths) while it fits */
     PyObject *big_tokens; /* sum(lengths) as a Python int once it does not (owned) */
+    Py_ssize_t num_extras;
+    Extra extras[MAX_EXTRAS];
 } Fields;
 
 typedef int (*ItemCheck)(PyObject *item, Fields *fields);
@@ -215,6 +234,108 @@ static int check_id(PyObject *header, const char *key) {
     return text == NULL ? -1 : 0;
 }
 
+/* A shape dimension: type(d) is int and d >= 0; *dim its value (LLONG_MAX past 64 bits). */
+static int shape_dim(PyObject *item, long long *dim) {
+    if (!PyLong_CheckExact(item))
+        return 0;
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow < 0 || (overflow == 0 && value < 0))
+        return 0;
+    *dim = overflow > 0 ? LLONG_MAX : value;
+    return 1;
+}
+
+/* The declared size of a valid shape, as math.prod(shape) * item size. */
+static void extra_size(Extra *extra, int itemsize) {
+    long long total = itemsize;
+    int zero = 0, too_big = 0;
+    for (Py_ssize_t i = 0; i < PyList_Size(extra->shape); i++) {
+        long long dim = 0;
+        shape_dim(PyList_GetItem(extra->shape, i), &dim); /* checked valid already */
+        if (dim == 0)
+            zero = 1;
+        else if (too_big || total > LLONG_MAX / dim)
+            too_big = 1;
+        else
+            total *= dim;
+    }
+    extra->nbytes = zero ? 0 : total;
+    extra->too_big = !zero && too_big;
+}
+
+/* _extra_spec: one declaration's rules, in its order. */
+static int check_extra(PyObject *entry, Extra *extra) {
+    if (!PyDict_Check(entry))
+        return reject("extras", PyUnicode_FromString("an extra is not an object"));
+    PyObject *name = PyDict_GetItemString(entry, "name"); /* borrowed; missing: None */
+    PyObject *dtype = PyDict_GetItemString(entry, "dtype");
+    PyObject *shape = PyDict_GetItemString(entry, "shape");
+    name = name != NULL ? name : Py_None;
+    dtype = dtype != NULL ? dtype : Py_None;
+    shape = shape != NULL ? shape : Py_None;
+    if (!PyUnicode_Check(name) || PyUnicode_GetLength(name) == 0)
+        return reject("extras", PyUnicode_FromFormat(
+            "extra name %R is not a non-empty string", name));
+    int itemsize = 0;
+    for (size_t i = 0; PyUnicode_Check(dtype) && i < NUM_EXTRA_DTYPES; i++) {
+        if (PyUnicode_CompareWithASCIIString(dtype, EXTRA_DTYPES[i]) == 0)
+            itemsize = EXTRA_DTYPES[i][1] - '0';
+    }
+    if (PyErr_Occurred())
+        return -1;
+    if (itemsize == 0)
+        return reject("extras", PyUnicode_FromFormat(
+            "extra %R: dtype %R is not one of " EXTRA_DTYPE_LIST, name, dtype));
+    int valid = PyList_Check(shape) && PyList_Size(shape) <= MAX_EXTRA_DIMS;
+    for (Py_ssize_t i = 0; valid && i < PyList_Size(shape); i++) {
+        long long dim = 0;
+        valid = shape_dim(PyList_GetItem(shape, i), &dim);
+        if (valid < 0)
+            return -1;
+    }
+    if (!valid)
+        return reject("extras", PyUnicode_FromFormat(
+            "extra %R: shape %R is not a list of at most %d non-negative integers", name,
+            shape, MAX_EXTRA_DIMS));
+    extra->name = name;
+    extra->dtype = dtype;
+    extra->shape = shape;
+    extra_size(extra, itemsize);
+    return 0;
+}
+
+/* decode_extras on `header.get("extras") or []`. */
+static int check_extras(PyObject *header, Fields *fields) {
+    PyObject *extras = PyDict_GetItemString(header, "extras"); /* borrowed */
+    int present = extras != NULL ? PyObject_IsTrue(extras) : 0;
+    if (present <= 0)
+        return present;
+    if (!PyList_Check(extras))
+        return reject("extras", PyUnicode_FromString("extras is not a list"));
+    Py_ssize_t count = PyList_Size(extras);
+    if (count > MAX_EXTRAS)
+        return reject("extras", PyUnicode_FromFormat("%zd extras, at most %d", count,
+                                                     MAX_EXTRAS));
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Extra *extra = &fields->extras[i];
+        if (check_extra(PyList_GetItem(extras, i), extra) < 0)
+            return -1;
+        for (Py_ssize_t j = 0; j < i; j++) {
+            int same = PyObject_RichCompareBool(fields->extras[j].name, extra->name, Py_EQ);
+            if (same < 0)
+                return -1;
+            if (same)
+                return reject("extras", PyUnicode_FromFormat("extra %R is declared twice",
+                                                             extra->name));
+        }
+        fields->num_extras = i + 1;
+    }
+    return 0;
+}
+
 /* decode_header's rules, in its order, on the parsed header; sets *run_id (new reference). */
 static int check_header(PyObject *header, PyObject *schema, Fields *fields, PyObject **run_id) {
     if (!PyDict_Check(header))
@@ -246,12 +367,24 @@ static int check_header(PyObject *header, PyObject *schema, Fields *fields, PyOb
         return -1;
     if (present && !PyDict_Check(metadata))
         return reject("header", PyUnicode_FromString("metadata is not an object"));
+    if (check_extras(header, fields) < 0)
+        return -1;
     PyObject *run = PyDict_GetItemString(header, "run_id");
     *run_id = run != NULL ? PyObject_Str(run) : PyUnicode_FromString("");
     return *run_id == NULL ? -1 : 0;
 }
 
-/* check_array_sizes: frames 1-4 against the header's token count. */
+/* check_frame_count after the header: the five fixed frames and one per declared extra. */
+static int check_count(const Layout *layout, const Fields *fields) {
+    Py_ssize_t expected = FRAMES + fields->num_extras;
+    if ((Py_ssize_t)layout->count == expected)
+        return 0;
+    return reject("frames", PyUnicode_FromFormat("expected %zd frames, got %u", expected,
+                                                 layout->count));
+}
+
+/* check_array_sizes and check_extra_sizes: frames 1-4 against the header's token count, then
+ * each extra's frame against its declared shape. */
 static int check_sizes(const Layout *layout, const Fields *fields) {
     for (int i = 1; i < FRAMES; i++) {
         long long size = layout->sizes[i], item = ITEM_SIZES[i - 1];
@@ -264,6 +397,15 @@ static int check_sizes(const Layout *layout, const Fields *fields) {
                                                          size, fields->big_tokens));
         return reject("length", PyUnicode_FromFormat("%s: %lld bytes for %lld tokens", name,
                                                      size, fields->tokens));
+    }
+    for (Py_ssize_t i = 0; i < fields->num_extras; i++) { /* check_extra_sizes */
+        const Extra *extra = &fields->extras[i];
+        long long size = layout->sizes[FRAMES + i];
+        if (!extra->too_big && size == extra->nbytes)
+            continue;
+        return reject("length", PyUnicode_FromFormat("extra %R: %lld bytes for shape %R of %U",
+                                                     extra->name, size, extra->shape,
+                                                     extra->dtype));
     }
     return 0;
 }
@@ -293,7 +435,7 @@ static PyObject *check_payload(const unsigned char *data, Py_ssize_t size, PyObj
     Layout layout = {0};
     if (walk(data, size, &layout) < 0)
         return NULL;
-    if (layout.count != FRAMES) {
+    if (layout.count < FRAMES) {
         reject("frames", PyUnicode_FromFormat("expected %d frames, got %u", FRAMES,
                                               layout.count));
         return NULL;
@@ -315,7 +457,8 @@ static PyObject *check_payload(const unsigned char *data, Py_ssize_t size, PyObj
     }
     Fields fields = {0};
     PyObject *run_id = NULL, *result = NULL;
-    if (check_header(header, schema, &fields, &run_id) == 0 && check_sizes(&layout, &fields) == 0) {
+    if (check_header(header, schema, &fields, &run_id) == 0 && check_count(&layout, &fields) == 0
+            && check_sizes(&layout, &fields) == 0) {
         long min_version = -1;
         const char *reason = NULL;
         scan_tokens(data + layout.offsets[2], data + layout.offsets[3], data + layout.offsets[4],
@@ -369,6 +512,12 @@ PyMODINIT_FUNC PyInit__groupscan(void) {
             Py_DECREF(module);
             return NULL;
         }
+    }
+    /* buffers.group_check compares it with asyncrl.wire's: an extension built before extras
+     * existed (an install not redone after a pull) is not used. */
+    if (PyModule_AddIntConstant(module, "MAX_EXTRAS", MAX_EXTRAS) < 0) {
+        Py_DECREF(module);
+        return NULL;
     }
     Py_INCREF(GroupError);
     if (PyModule_AddObject(module, "GroupError", GroupError) < 0) {

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from asyncrl.wire import SCHEMA_VERSION, WireError, decode_group, oversized, value_error
+from asyncrl.wire.group import MAX_EXTRAS
 from buffers.packing import unpack_group
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,10 @@ try:  # the C scan reads little-endian values, as the wire format is
 except ImportError:  # not built: no compiler when the package was installed
     _groupscan = None
 # An extension built from an older _groupscan.c (an install not redone after a pull) has no
-# `check`: it is not used, and describe() says so.
-STALE = _groupscan is not None and not hasattr(_groupscan, "check")
+# `check`, or no MAX_EXTRAS (built before groups carried extras): it is not used, and
+# describe() says so.
+STALE = _groupscan is not None and (not hasattr(_groupscan, "check")
+                                    or getattr(_groupscan, "MAX_EXTRAS", None) != MAX_EXTRAS)
 COMPILED = _groupscan is not None and not STALE and sys.byteorder == "little"
 
 

@@ -65,12 +65,13 @@ def end_of_step(world: int, role: RankRole, version: int, stopping: bool,
     stopping as well (``BufferLost.stopping``)."""
     import torch
 
+    from learners.balance import HEADER_COLUMNS
     from learners.dist import gather_rows
 
     gone = lost.cause is not None
     if world == 1:
         return stopping, None, gone
-    shares = torch.zeros(world, 2, dtype=torch.float64)
+    shares = torch.zeros(world, HEADER_COLUMNS, dtype=torch.float64)
     ready = False
     if not (stopping or gone):
         prepared = role.next_shares(version)
@@ -83,4 +84,5 @@ def end_of_step(world: int, role: RankRole, version: int, stopping: bool,
         return bool(flags[0]), None, True
     if flags[0]:
         return True, None, False
-    return False, (flags[3:].reshape(world, 2).to(torch.int64) if flags[1] else None), False
+    header = flags[3:].reshape(world, HEADER_COLUMNS).to(torch.int64)
+    return False, (header if flags[1] else None), False

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,10 +52,16 @@ def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
     return [batch.select(rows) if rows else batch.as_pad() for rows in shares]
 
 
+HEADER_COLUMNS = 3
+"""A share's header: ``[rows, width, routing columns]`` (the last: ``layers × top_k`` of its
+``routing``, 0 without: ``learner.routing_replay``)."""
+
+
 @dataclass(frozen=True)
 class PackedShares:
     """A global batch split for ``world`` ranks and packed, ready for :func:`scatter_batch`:
-    ``header[r] = [rows, width]`` of rank r's share, ``buffers[r]`` its bytes."""
+    ``header[r] = [rows, width, routing columns]`` of rank r's share, ``buffers[r]`` its
+    bytes."""
 
     world: int
     header: torch.Tensor
@@ -66,7 +72,8 @@ def pack_shares(batch: TrainBatch, world: int) -> PackedShares:
     """Rank 0's half of :func:`scatter_batch` that involves no other rank: the token-balanced
     split, and each share's fields padded to the largest share and laid end to end."""
     shares = split_batch(batch, world)
-    header = torch.tensor([[s.num_samples, s.input_ids.shape[1]] for s in shares])
+    header = torch.tensor([[s.num_samples, s.input_ids.shape[1], _routing_columns(s)]
+                           for s in shares])
     layout = _layout(*(int(v) for v in header.max(dim=0).values))
     return PackedShares(world, header, [_pack(share, layout) for share in shares])
 
@@ -97,7 +104,8 @@ def scatter_batch(batch: TrainBatch | PackedShares | None, rank: int, world: int
         if packed.world != world:
             raise ValueError(f"shares packed for {packed.world} ranks, the world is {world}")
     if header is None:
-        header = packed.header if packed is not None else torch.zeros(world, 2, dtype=torch.int64)
+        header = (packed.header if packed is not None
+                  else torch.zeros(world, HEADER_COLUMNS, dtype=torch.int64))
         dist.broadcast(header, src=0)
     elif packed is not None and not torch.equal(header, packed.header):
         raise ValueError(f"agreed header {header.tolist()} is not the packed shares' "
@@ -105,11 +113,11 @@ def scatter_batch(batch: TrainBatch | PackedShares | None, rank: int, world: int
     layout = _layout(*(int(v) for v in header.max(dim=0).values))
     out = torch.zeros(sum(nbytes for _, _, _, nbytes in layout), dtype=torch.uint8)
     _scatter(out, packed.buffers if packed is not None else None)
-    rows, width = (int(v) for v in header[rank])
+    rows, width, _ = (int(v) for v in header[rank])
     received, offset = {}, 0
     for name, dtype, shape, nbytes in layout:
         value = out[offset:offset + nbytes].view(dtype).reshape(shape)
-        value = value[:rows, :width] if len(shape) == 2 else value[:rows]
+        value = value[:rows, :width] if len(shape) >= 2 else value[:rows]
         received[name] = value.bool() if name in _BOOL else value
         offset += nbytes
     return TrainBatch(**received)
@@ -124,24 +132,39 @@ _WIRE = {"input_ids": (torch.int64, True), "attention_mask": (torch.int64, True)
          "group_tokens": (torch.float32, False), "sample_mask": (torch.uint8, False)}
 _BOOL = ("loss_mask", "sample_mask")
 # Every field in that order, widest dtype first: each offset stays a multiple of its itemsize.
-_ORDER = sorted((f.name for f in fields(TrainBatch)),
-                key=lambda name: -_WIRE[name][0].itemsize)
+_ORDER = sorted(_WIRE, key=lambda name: -_WIRE[name][0].itemsize)
 
 
-def _layout(rows: int, width: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
-    """(name, wire dtype, padded shape, bytes) of every field, in buffer order."""
+def _layout(rows: int, width: int, routing: int = 0
+            ) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(name, wire dtype, padded shape, bytes) of every field, in buffer order; ``routing``
+    (columns per token) last, when the batch carries it: int16, so it cannot misalign the
+    wider fields before it."""
     out = []
     for name in _ORDER:
         dtype, per_token = _WIRE[name]
         shape = (rows, width) if per_token else (rows,)
         out.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+    if routing:
+        shape = (rows, width, routing)
+        out.append(("routing", torch.int16, shape, math.prod(shape) * 2))
     return out
+
+
+def _routing_columns(share: TrainBatch) -> int:
+    return math.prod(share.routing.shape[2:]) if share.routing is not None else 0
 
 
 def _pack(share: TrainBatch, layout) -> torch.Tensor:
     """One share as the byte buffer :func:`scatter_batch` sends."""
-    return torch.cat([_padded(getattr(share, name), shape, dtype).reshape(-1).view(torch.uint8)
+    return torch.cat([_padded(_field(share, name), shape, dtype).reshape(-1).view(torch.uint8)
                       for name, dtype, shape, _ in layout])
+
+
+def _field(share: TrainBatch, name: str) -> torch.Tensor:
+    """A field as it travels: ``routing`` with its layers and top-k as one axis."""
+    value = getattr(share, name)
+    return value.flatten(2) if name == "routing" else value
 
 
 def _padded(value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,7 @@ The last real position (``t = L-1``) and the padding predict nothing: mask 0, ta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -26,6 +26,7 @@ from torch import Tensor
 
 from asyncrl.wire import TrajectoryGroup
 from learners.losses.advantages import batch_advantages
+from learners.routing_replay import collate_routing
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class TrainBatch:
     #                              rows are later split across ranks and micro-batches
     sample_mask: Tensor          # [B] bool, False on a zero-weight pad row (a rank or
     #                              micro-batch with no sample of its own; trains and counts nothing)
+    routing: Tensor | None = None  # [B, T, layers, top_k] int16: the engine's experts for
+    #                              input_ids[b, t] (learners.routing_replay), or None
 
     @property
     def num_samples(self) -> int:
@@ -64,7 +67,8 @@ class TrainBatch:
         return self.attention_mask.sum(-1)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return TrainBatch(**{f.name: _apply(getattr(self, f.name), lambda v: v.to(device))
+                             for f in fields(self)})
 
     def select(self, rows: Sequence[int]) -> TrainBatch:
         """The rows ``rows`` (in that order), trimmed to their longest; the slices a rank or a
@@ -75,8 +79,8 @@ class TrainBatch:
         width = max(int(self.lengths[index].max()), 1)
         out = {}
         for f in fields(self):
-            value = getattr(self, f.name)[index]
-            out[f.name] = value[:, :width] if value.dim() == 2 else value
+            value = _apply(getattr(self, f.name), lambda v: v[index])
+            out[f.name] = _apply(value, lambda v: v[:, :width] if v.dim() >= 2 else v)
         return TrainBatch(**out)
 
     def as_pad(self) -> TrainBatch:
@@ -87,6 +91,11 @@ class TrainBatch:
         return replace(row, loss_mask=torch.zeros_like(row.loss_mask),
                        advantages=torch.zeros_like(row.advantages),
                        sample_mask=torch.zeros_like(row.sample_mask))
+
+
+def _apply(value: Tensor | None, fn: Callable[[Tensor], Tensor]) -> Tensor | None:
+    """``fn(value)``, or None for a field the batch does not carry (``routing``)."""
+    return None if value is None else fn(value)
 
 
 def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
@@ -131,6 +140,7 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
         group_index=group_index,
         group_tokens=_group_tokens(loss_mask, group_index),
         sample_mask=torch.ones(len(samples), dtype=torch.bool),
+        routing=collate_routing(groups, width),
     )
 
 

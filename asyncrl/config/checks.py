@@ -128,7 +128,20 @@ def _weights_transport(cfg: Config) -> Iterator[str]:
                "'auto' or 'gloo')")
 
 
+def _routing_replay(cfg: Config) -> Iterator[str]:
+    """Routing replay needs an MoE model and an engine that records routing."""
+    if not cfg.learner.routing_replay:
+        return
+    if not cfg.model.path and not cfg.model.tiny.num_experts:
+        yield ("learner.routing_replay = true needs an MoE model: model.tiny.num_experts = 0 "
+               "builds a dense one (no router to replay)")
+    kind = engine_kind(cfg.rollout.engine)
+    if not kind.records_routing:
+        yield (f"learner.routing_replay = true: rollout.engine = {kind.name!r} "
+               f"{kind.routing_note}")
+
+
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff, _colocate, _weights_transport)
+    _restart_backoff, _colocate, _weights_transport, _routing_replay)
 """Every cross-section rule, in the order their problems are reported."""

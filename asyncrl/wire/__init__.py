@@ -2,6 +2,8 @@
 
 from asyncrl.wire.group import (
     SCHEMA_VERSION,
+    EXTRA_DTYPES,
+    ExtraSpec,
     GroupHeader,
     Rejections,
     TrajectoryGroup,
@@ -16,6 +18,8 @@ from asyncrl.wire.group import (
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EXTRA_DTYPES",
+    "ExtraSpec",
     "GroupHeader",
     "Rejections",
     "TrajectoryGroup",

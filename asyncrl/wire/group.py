@@ -9,7 +9,16 @@ Frames (ZMQ multipart, or the fields of one Redis stream entry), all little-endi
  2    logprobs        float32, behaviour logprob of each token (0 where not generated)
  3    loss_mask       uint8, 1 on tokens the policy generated and is trained on
  4    versions        int32, policy version that produced each token (-1 if none)
+ 5..  extras          optional named arrays, one frame each, in the order the header's
+                      ``extras`` declares them (name, dtype, shape)
 ====  ==============  ============================================================
+
+Extras (:data:`EXTRA_DTYPES`, at most :data:`MAX_EXTRAS`) carry what only some runs need: the
+experts an MoE engine routed each token to (``routing``), images. A group without extras has
+no ``extras`` key and is byte for byte what it was before extras existed, so the schema version
+did not change; a reader from before extras refuses a group with them (``frames``: more than
+five), it never misreads one. Each extra's frame must hold exactly ``prod(shape)`` items of its
+dtype; what the arrays mean is for their consumer to check.
 
 No pickle: a receiver never executes what it decodes. Bad input raises :class:`WireError`
 with a short ``reason`` that receivers count (:class:`Rejections`); it never crashes them.
@@ -32,6 +41,10 @@ from asyncrl.staleness import staleness
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+MAX_EXTRAS = 16
+MAX_EXTRA_DIMS = 8
+EXTRA_DTYPES: tuple[str, ...] = ("u1", "i1", "u2", "i2", "u4", "i4", "f2", "f4")
+"""The dtypes an extra may declare: numpy's codes, little-endian on the wire."""
 _ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("tokens", np.dtype("<i4")),
     ("logprobs", np.dtype("<f4")),
@@ -64,6 +77,8 @@ class TrajectoryGroup:
     versions: np.ndarray
     run_id: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    """Named optional arrays (:data:`EXTRA_DTYPES`), one wire frame each."""
 
     @property
     def size(self) -> int:
@@ -103,14 +118,21 @@ class TrajectoryGroup:
                      run_id: str = "", metadata: dict[str, Any] | None = None
                      ) -> TrajectoryGroup:
         """Build from per-sample dicts with keys tokens, logprobs, loss_mask, versions,
-        reward, finish_reason (arrays of one sample's full sequence)."""
+        reward, finish_reason (arrays of one sample's full sequence), and optionally
+        ``extras``: per-token arrays by name (first axis the sample's tokens), concatenated
+        over the samples; every sample must then carry the same names."""
         arrays = {name: np.concatenate([np.asarray(s[name], dtype=dt) for s in samples])
                   for name, dt in _ARRAYS}
+        names = {tuple(s.get("extras") or ()) for s in samples}
+        if len(names) > 1:
+            raise ValueError(f"samples carry different extras: {sorted(names)}")
+        extras = {name: np.concatenate([np.asarray(s["extras"][name]) for s in samples])
+                  for name in next(iter(names), ())}
         return cls(group_id=group_id, prompt_id=prompt_id, run_id=run_id,
                    rewards=[float(s["reward"]) for s in samples],
                    finish_reasons=[str(s["finish_reason"]) for s in samples],
                    lengths=[len(s["tokens"]) for s in samples],
-                   metadata=dict(metadata or {}), **arrays)
+                   metadata=dict(metadata or {}), extras=extras, **arrays)
 
 
 def encode_group(group: TrajectoryGroup) -> list[bytes]:
@@ -132,11 +154,25 @@ def encode_group_views(group: TrajectoryGroup) -> list[bytes | memoryview]:
         "lengths": [int(n) for n in group.lengths],
         "metadata": group.metadata,
     }
+    arrays = [np.ascontiguousarray(getattr(group, name), dtype=dtype) for name, dtype in _ARRAYS]
+    if group.extras:  # absent otherwise: a group without extras is as before they existed
+        extras = [_wire_extra(name, array) for name, array in group.extras.items()]
+        header["extras"] = [spec for spec, _ in extras]
+        arrays += [array for _, array in extras]
     frames: list[bytes | memoryview] = [orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)]
-    for name, dtype in _ARRAYS:
-        array = np.ascontiguousarray(getattr(group, name), dtype=dtype)
-        frames.append(memoryview(array).cast("B"))
+    frames += [memoryview(array.reshape(-1)).cast("B") for array in arrays]
     return frames
+
+
+def _wire_extra(name: str, array: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
+    """An extra's header entry and its contiguous little-endian array; ValueError for a
+    dtype the wire does not carry (a sender's bug, not a malformed message)."""
+    array = np.asarray(array)
+    code = f"{array.dtype.kind}{array.dtype.itemsize}"
+    if code not in EXTRA_DTYPES:
+        raise ValueError(f"extra {name!r}: dtype {array.dtype} is not one of {EXTRA_DTYPES}")
+    array = np.ascontiguousarray(array, dtype=np.dtype("<" + code))
+    return {"name": name, "dtype": code, "shape": list(array.shape)}, array
 
 
 @dataclass(frozen=True)
@@ -150,10 +186,24 @@ class GroupHeader:
     finish_reasons: list[str]
     lengths: list[int]
     metadata: dict[str, Any]
+    extras: tuple[ExtraSpec, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return sum(self.lengths)
+
+
+@dataclass(frozen=True)
+class ExtraSpec:
+    """One extra as the header declares it, validated."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype("<" + self.dtype).itemsize
 
 
 def decode_header(frame: bytes | memoryview) -> GroupHeader:
@@ -188,12 +238,49 @@ def decode_header(frame: bytes | memoryview) -> GroupHeader:
     if not isinstance(metadata, dict):
         raise WireError("header", "metadata is not an object")
     return GroupHeader(run_id=str(header.get("run_id", "")), rewards=rewards,
-                       finish_reasons=reasons, lengths=lengths, metadata=metadata, **ids)
+                       finish_reasons=reasons, lengths=lengths, metadata=metadata,
+                       extras=decode_extras(header.get("extras") or []), **ids)
 
 
-def check_frame_count(count: int) -> None:
-    if count != 1 + len(_ARRAYS):
-        raise WireError("frames", f"expected {1 + len(_ARRAYS)} frames, got {count}")
+def decode_extras(extras: Any) -> tuple[ExtraSpec, ...]:
+    """The header's ``extras`` declarations (already ``or []``), validated in order; raises
+    :class:`WireError` ``extras``. ``buffers/_groupscan.c`` words every rule the same."""
+    if not isinstance(extras, list):
+        raise WireError("extras", "extras is not a list")
+    if len(extras) > MAX_EXTRAS:
+        raise WireError("extras", f"{len(extras)} extras, at most {MAX_EXTRAS}")
+    specs: list[ExtraSpec] = []
+    for entry in extras:
+        spec = _extra_spec(entry)
+        if any(spec.name == seen.name for seen in specs):
+            raise WireError("extras", f"extra {spec.name!r} is declared twice")
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _extra_spec(entry: Any) -> ExtraSpec:
+    if not isinstance(entry, dict):
+        raise WireError("extras", "an extra is not an object")
+    name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+    if not isinstance(name, str) or not name:
+        raise WireError("extras", f"extra name {name!r} is not a non-empty string")
+    if not isinstance(dtype, str) or dtype not in EXTRA_DTYPES:
+        raise WireError("extras", f"extra {name!r}: dtype {dtype!r} is not one of "
+                                  f"{', '.join(EXTRA_DTYPES)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_EXTRA_DIMS
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise WireError("extras", f"extra {name!r}: shape {shape!r} is not a list of at most "
+                                  f"{MAX_EXTRA_DIMS} non-negative integers")
+    return ExtraSpec(name, dtype, tuple(shape))
+
+
+def check_frame_count(count: int, extras: int | None = None) -> None:
+    """Before the header (``extras`` None): at least the five fixed frames; after it: the
+    five and one per declared extra."""
+    expected = 1 + len(_ARRAYS) + (extras or 0)
+    wrong = count < expected if extras is None else count != expected
+    if wrong:
+        raise WireError("frames", f"expected {expected} frames, got {count}")
 
 
 def check_array_sizes(sizes: Sequence[int], num_tokens: int) -> None:
@@ -201,6 +288,14 @@ def check_array_sizes(sizes: Sequence[int], num_tokens: int) -> None:
     for (name, dtype), nbytes in zip(_ARRAYS, sizes):
         if nbytes != num_tokens * dtype.itemsize:
             raise WireError("length", f"{name}: {nbytes} bytes for {num_tokens} tokens")
+
+
+def check_extra_sizes(sizes: Sequence[int], extras: Sequence[ExtraSpec]) -> None:
+    """Each extra's frame size in bytes against its declared shape and dtype."""
+    for spec, nbytes in zip(extras, sizes):
+        if nbytes != spec.nbytes:
+            raise WireError("length", f"extra {spec.name!r}: {nbytes} bytes for shape "
+                                      f"{list(spec.shape)!r} of {spec.dtype}")
 
 
 def decode_group(frames: Sequence[bytes | memoryview], check_values: bool = True
@@ -214,15 +309,21 @@ def decode_group(frames: Sequence[bytes | memoryview], check_values: bool = True
     group is not paid twice on the learner's fetch path."""
     check_frame_count(len(frames))
     header = decode_header(frames[0])
-    check_array_sizes([len(memoryview(f)) for f in frames[1:]], header.num_tokens)
+    check_frame_count(len(frames), len(header.extras))
+    sizes = [len(memoryview(f)) for f in frames[1:]]
+    fixed = len(_ARRAYS)
+    check_array_sizes(sizes[:fixed], header.num_tokens)
+    check_extra_sizes(sizes[fixed:], header.extras)
     arrays = {name: np.frombuffer(frame, dtype=dtype)
               for (name, dtype), frame in zip(_ARRAYS, frames[1:])}
     if check_values:
         check_array_values(**arrays)
+    extras = {spec.name: np.frombuffer(frame, dtype="<" + spec.dtype).reshape(spec.shape)
+              for spec, frame in zip(header.extras, frames[1 + fixed:])}
     return TrajectoryGroup(run_id=header.run_id, rewards=header.rewards,
                            finish_reasons=header.finish_reasons, lengths=header.lengths,
                            metadata=header.metadata, group_id=header.group_id,
-                           prompt_id=header.prompt_id, **arrays)
+                           prompt_id=header.prompt_id, extras=extras, **arrays)
 
 
 def check_array_values(tokens: np.ndarray, logprobs: np.ndarray, loss_mask: np.ndarray,

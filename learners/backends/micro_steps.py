@@ -44,6 +44,7 @@ from learners.mismatch import (
 )
 from learners.packing import micro_batches, token_logprobs_and_entropy
 from learners.packing import token_logprobs as packed_or_padded_logprobs
+from learners.routing_replay import RoutingReplay
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class MicroSteps:
         self.cfg, self.device, self.model, self.runner = cfg, device, model, runner
         self.reference, self.reference_is_base = reference, reference_is_base
         self.rank = dist.get_rank()
+        # The policy's forwards (proximal and trained; not a reference model of its own)
+        # route as the engine did, micro-batch by micro-batch.
+        self.replay = RoutingReplay(model, cfg.packing) if cfg.routing_replay else None
 
     def global_units(self, batch: TrainBatch) -> Tensor:
         """The step's aggregation units over every rank's share (tokens, samples or groups)."""
@@ -114,6 +118,8 @@ class MicroSteps:
         plan = self.micro_batches(batch)
         for index, micro in enumerate(plan):
             self.runner.begin_micro(index == len(plan) - 1)
+            if self.replay is not None:  # through the backward: recomputation routes alike
+                self.replay.use(micro)
             proximal, ref = self.frozen_logprobs(micro)
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
@@ -123,6 +129,8 @@ class MicroSteps:
                                                    entropy)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
             self.runner.backward(micro_loss * scale)
+            if self.replay is not None:  # no other forward replays this micro-batch's routing
+                self.replay.use(None)
             loss_sum += micro_loss.detach()
             stats.append(micro_stats)
             mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -22,6 +22,9 @@ class Completion:
     logprobs: list[float]  # behaviour logprobs, after temperature
     versions: list[int]
     finish_reason: str  # "stop" (EOS) or "length"
+    routing: Any = None
+    """``[prompt + tokens, layers, top_k]`` numpy array: the experts each position was routed
+    to (:mod:`asyncrl.moe_routing`), from an engine asked to record them; else None."""
 
 
 def check_generate_args(prompts: list[list[int]], n: int, temperature: float,

@@ -16,13 +16,14 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from asyncrl.weights.lora_wire import split_adapters
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.lora_merge import LoraMerger
+from rollouters.engines.routing import RoutingRecorder, maybe_record
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +38,25 @@ class _Batch:
     tokens: list[torch.Tensor]  # one (B,) tensor per step
     logprobs: list[torch.Tensor]
     versions: list[int]
+    routing: list[torch.Tensor] = field(default_factory=list)  # per forward, when recorded
 
 
 class TorchEngine:
     """Implements :class:`~rollouters.engines.base.Engine` over an ``nn.Module`` causal LM.
 
     ``on_step(step)`` (optional) is called after each decode step, outside the lock: a test hook
-    to interleave weight loads deterministically.
+    to interleave weight loads deterministically. ``record_routing``: each completion carries
+    the experts its tokens were routed to (an MoE model; :mod:`rollouters.engines.routing`).
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Sequence[int], pad_id: int,
                  version: int = 0,
                  device: str | torch.device = "cpu", seed: int | None = None,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 record_routing: bool = False) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self._routing = RoutingRecorder(self.model) if record_routing else None
         self.eos_ids = tuple(eos_ids)  # any of them ends a row (asyncrl.tokens)
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.pad_id = pad_id
@@ -104,6 +109,8 @@ class TorchEngine:
                 break
             input_ids = torch.where(batch.finished, self.pad_id, batch.tokens[-1])[:, None]
         completions = self._completions(batch)
+        if self._routing is not None:
+            self._routing.attach(completions, batch.routing, [len(r) for r in rows])
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, _Batch]:
@@ -129,7 +136,8 @@ class TorchEngine:
             ones = torch.ones_like(batch.attention_mask[:, :1])
             batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)
             batch.next_position = batch.next_position + 1
-        with self._lock, torch.inference_mode():
+        with (self._lock, torch.inference_mode(),
+              maybe_record(self._routing, batch.routing, input_ids.shape)):
             out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask,
                              position_ids=positions, past_key_values=past, use_cache=True,
                              logits_to_keep=1)

@@ -13,9 +13,15 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from asyncrl.moe_routing import ROUTING, merge_routing, pad_routing
 from asyncrl.wire.group import TrajectoryGroup
 from rollouters.engines.base import Completion
 from rollouters.tasks.sample import Sample
+
+
+class PromptTooLong(ValueError):
+    """A sample's prompt is longer than ``data.max_prompt_tokens``: the episode is skipped and
+    counted (``rollout/episodes_prompt_too_long``), never run on a cut prompt."""
 
 
 @runtime_checkable
@@ -58,6 +64,7 @@ class Trajectory:
     reward: float = 0.0
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
+    routing: Any = None  # the experts of a prefix of the tokens (asyncrl.moe_routing), or None
 
     def add_context(self, tokens: Sequence[int]) -> None:
         """Prompt, environment or tool tokens: in the sequence, not trained on."""
@@ -75,6 +82,8 @@ class Trajectory:
         self.versions.extend(completion.versions)
         self.steps.append(Step(start, len(self.tokens), reward))
         self.finish_reason = completion.finish_reason
+        if completion.routing is not None:
+            self.routing = merge_routing(self.routing, completion.routing)
         return self.steps[-1]
 
     @property
@@ -87,9 +96,12 @@ class Trajectory:
 
     def as_sample(self) -> dict[str, Any]:
         """The per-sample dict :meth:`TrajectoryGroup.from_samples` takes."""
-        return {"tokens": self.tokens, "logprobs": self.logprobs, "loss_mask": self.loss_mask,
-                "versions": self.versions, "reward": self.total_reward,
-                "finish_reason": self.finish_reason}
+        sample = {"tokens": self.tokens, "logprobs": self.logprobs, "loss_mask": self.loss_mask,
+                  "versions": self.versions, "reward": self.total_reward,
+                  "finish_reason": self.finish_reason}
+        if self.routing is not None:  # context added after the last turn: unrecorded
+            sample["extras"] = {ROUTING: pad_routing(self.routing, len(self.tokens))}
+        return sample
 
 
 def group_from_trajectories(group_id: str, prompt_id: str, trajectories: list[Trajectory],

@@ -213,16 +213,22 @@ def test_the_unaligned_packing_of_old_spill_files_reads_the_same() -> None:
 
 def test_random_corruptions_agree() -> None:
     """Bytes flipped anywhere (lengths, header, arrays): all three paths agree every time."""
-    rng = np.random.default_rng(7)
-    packed = pack_group(make_frames(tokens=9, samples=2))
+    reasons = corruption_outcomes(pack_group(make_frames(tokens=9, samples=2)), seed=7)
+    assert {"ok", "frames", "header"} <= reasons and reasons & {"logprob", "version"}
+
+
+def corruption_outcomes(packed: bytes, seed: int, tries: int = 400) -> set[str]:
+    """Flip 1-3 random bytes ``tries`` times; every path must agree each time. The reasons
+    (or "ok") seen."""
+    rng = np.random.default_rng(seed)
     reasons = set()
-    for _ in range(400):
+    for _ in range(tries):
         corrupt = bytearray(packed)
         for place in rng.integers(0, len(corrupt), rng.integers(1, 4)):
             corrupt[place] = int(rng.integers(0, 256))
         result = assert_agree(bytes(corrupt))
         reasons.add(result[0] if isinstance(result, tuple) else "ok")
-    assert {"ok", "frames", "header"} <= reasons and reasons & {"logprob", "version"}
+    return reasons
 
 
 def test_a_zmq_frame_is_checked_without_a_copy() -> None:
@@ -232,15 +238,17 @@ def test_a_zmq_frame_is_checked_without_a_copy() -> None:
     assert check_packed(zmq.Frame(packed)) == check_packed(packed)
 
 
-def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
-    """An install not redone after a pull keeps the old ``_groupscan`` (no ``check``): the
-    broker must fall back to the numpy path and say why, not fail every put."""
+@pytest.mark.parametrize("exported", ["scan", "check"])
+def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                              exported: str) -> None:
+    """An install not redone after a pull keeps the old ``_groupscan`` (no ``check``; or a
+    ``check`` from before extras, without ``MAX_EXTRAS``): the broker must fall back to the
+    numpy path and say why, not fail every put (or refuse every group with extras)."""
     import importlib.util
     import types
 
     old = types.ModuleType("buffers._groupscan")
-    old.scan = lambda packed: None  # what the previous source exported
+    setattr(old, exported, lambda *args: None)  # what a previous source exported
     monkeypatch.setitem(sys.modules, "buffers._groupscan", old)
     monkeypatch.setattr(buffers, "_groupscan", old, raising=False)
     spec = importlib.util.spec_from_file_location("group_check_copy", group_check.__file__)
@@ -251,3 +259,85 @@ def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch: pytest
     assert "older source" in copy.describe()
     packed = pack_group(make_frames())
     assert copy.check_packed(packed).run_id == "run-a"
+
+
+# --- optional frames (extras) -------------------------------------------------------------------
+
+def make_extra_frames(tokens: int = 12, samples: int = 3) -> list[bytes]:
+    """:func:`make_frames` with a uint8 ``routing`` extra ``[tokens, 2, 2]`` and an int16 one."""
+    group = decode_group(make_frames(tokens, samples))
+    rng = np.random.default_rng(1)
+    group.extras = {"routing": rng.integers(0, 4, (group.num_tokens, 2, 2), dtype=np.uint8),
+                    "pixels": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    return encode_group(group)
+
+
+def with_extras(frames: list[bytes], extras: object) -> list[bytes]:
+    return with_header(frames, extras=extras)
+
+
+def test_a_group_with_extras_agrees_and_decodes_them() -> None:
+    frames = make_extra_frames()
+    facts = assert_agree(pack_group(frames))
+    assert isinstance(facts, GroupFacts) and facts.run_id == "run-a"
+    group = decode_group(unpack_group(pack_group(frames)))
+    assert group.extras["routing"].shape == (36, 2, 2)
+    np.testing.assert_array_equal(group.extras["pixels"], np.arange(6).reshape(2, 3))
+
+
+ROUTING = {"name": "routing", "dtype": "u1", "shape": [36, 2, 2]}
+PIXELS = {"name": "pixels", "dtype": "i2", "shape": [2, 3]}
+
+
+@pytest.mark.parametrize("extras, reason", [
+    ([ROUTING, PIXELS], "ok"),
+    ([], "frames"),            # no extras declared: two frames too many
+    (None, "frames"),          # `or []`, as metadata
+    (0, "frames"),
+    ({"a": 1}, "extras"),      # not a list
+    ("routing", "extras"),
+    ([ROUTING], "frames"),     # one frame too many
+    ([ROUTING, PIXELS, PIXELS], "extras"),  # declared twice (before the count is checked)
+    ([ROUTING, {**PIXELS, "name": "p2"}, {**PIXELS, "name": "p3"}], "frames"),
+    ([ROUTING, [1]], "extras"),
+    ([ROUTING, {**PIXELS, "name": ""}], "extras"),
+    ([ROUTING, {**PIXELS, "name": 5}], "extras"),
+    ([ROUTING, {"dtype": "i2", "shape": [2, 3]}], "extras"),
+    ([ROUTING, {**PIXELS, "dtype": "f8"}], "extras"),
+    ([ROUTING, {**PIXELS, "dtype": ["i2"]}], "extras"),
+    ([ROUTING, {**PIXELS, "dtype": None}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [2, -3]}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [2, 3.0]}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [2, True]}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [1] * 9}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": "23"}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [2, -(10**30)]}], "extras"),
+    ([ROUTING, {**PIXELS, "shape": [3, 3]}], "length"),
+    ([ROUTING, {**PIXELS, "shape": [6]}], "ok"),     # the shape is the sender's; bytes agree
+    ([ROUTING, {**PIXELS, "dtype": "u2"}], "ok"),
+    ([ROUTING, {**PIXELS, "dtype": "f4"}], "length"),
+    ([ROUTING, {**PIXELS, "shape": [2, 3, 10**30]}], "extras"),  # orjson: a float
+    ([ROUTING, {**PIXELS, "shape": [2, 3, 2**63]}], "length"),   # past int64 in C
+    ([ROUTING, {**PIXELS, "shape": [2**63, 0]}], "length"),      # zero items, 12 bytes
+    ([ROUTING, {**PIXELS, "shape": [2**40, 2**40]}], "length"),
+    ([{**ROUTING, "shape": [37, 2, 2]}, PIXELS], "length"),
+    ([PIXELS, ROUTING], "length"),  # frames in declaration order
+    ([{**ROUTING, "extra": "key"}, PIXELS], "ok"),
+])
+def test_extras_rules_agree(extras: object, reason: str) -> None:
+    result = assert_agree(pack_group(with_extras(make_extra_frames(), extras)))
+    assert (result[0] if isinstance(result, tuple) else "ok") == reason
+
+
+def test_too_many_extras_agree() -> None:
+    frames = make_frames()
+    many = [{"name": f"x{i}", "dtype": "u1", "shape": [1]} for i in range(17)]
+    result = assert_agree(pack_group([*with_extras(frames, many), *[b"\0"] * 17]))
+    assert result[0] == "extras"
+    result = assert_agree(pack_group([*with_extras(frames, many[:16]), *[b"\0"] * 16]))
+    assert isinstance(result, GroupFacts)
+
+
+def test_random_corruptions_of_a_group_with_extras_agree() -> None:
+    reasons = corruption_outcomes(pack_group(make_extra_frames(tokens=9, samples=2)), seed=11)
+    assert {"ok", "frames", "header"} <= reasons

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -17,18 +17,26 @@ from tests.unit.test_zmq_buffer import make_group
 pytestmark = pytest.mark.timeout(120)
 
 
-def _check_share(rank: int, world: int, port: int, groups: int) -> None:
+def _check_share(rank: int, world: int, port: int, groups: int, routed: bool) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     try:
         batch = collate([make_group(f"g{i}", version=i, generated=2 + 3 * i)
                          for i in range(groups)], True, 0)
+        if routed:  # learner.routing_replay: [B, T, layers, top_k] travels too
+            routing = torch.arange(batch.input_ids.numel() * 6, dtype=torch.int16) % 7
+            batch = replace(batch, routing=routing.reshape(*batch.input_ids.shape, 3, 2))
         want = split_batch(batch, world)[rank]  # a pad row where a rank has no sample
         # the batch itself, then packed beforehand (as the learner's prefetch thread does)
         for outgoing in (batch, pack_shares(batch, world)):
             got = scatter_batch(outgoing if rank == 0 else None, rank, world)
             for f in fields(want):
                 mine, expected = getattr(got, f.name), getattr(want, f.name)
+                if expected is None:  # routing, when these groups carry none
+                    assert mine is None, f.name
+                    continue
+                if f.name == "routing":  # layers and top-k travel as one axis
+                    expected = expected.flatten(2)
                 assert mine.dtype == expected.dtype, f.name
                 assert torch.equal(mine, expected), (rank, f.name, mine, expected)
         if rank == 0:
@@ -38,9 +46,11 @@ def _check_share(rank: int, world: int, port: int, groups: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("groups", [5, 1])  # 1 group = 2 samples for 3 ranks: one pad share
-def test_each_rank_receives_its_share_field_for_field(groups: int) -> None:
-    mp.spawn(_check_share, args=(3, free_port(), groups), nprocs=3)
+@pytest.mark.parametrize("groups, routed", [(5, False), (1, False), (5, True)])
+def test_each_rank_receives_its_share_field_for_field(groups: int, routed: bool) -> None:
+    """1 group = 2 samples for 3 ranks: one pad share. ``routed``: with routing replay's
+    ``routing`` field."""
+    mp.spawn(_check_share, args=(3, free_port(), groups, routed), nprocs=3)
 
 
 class _Prefetched:

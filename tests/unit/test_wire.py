@@ -31,6 +31,25 @@ def test_round_trip_is_exact() -> None:
         assert getattr(back, name).dtype == getattr(group, name).dtype
 
 
+def test_extras_round_trip_with_dtype_and_shape() -> None:
+    """Optional frames (an MoE engine's routing) come back exactly; a group without them has
+    no ``extras`` key, so its bytes are those of a group from before extras existed."""
+    group = make_group()
+    assert b"extras" not in encode_group(group)[0] and len(encode_group(group)) == 5
+    routing = np.arange(14 * 2 * 2, dtype=np.uint8).reshape(14, 2, 2)
+    group.extras = {"routing": routing, "scale": np.array([0.5, -1.0], dtype=np.float32)}
+    frames = encode_group(group)
+    assert len(frames) == 7 and orjson.loads(frames[0])["extras"][0] == {
+        "name": "routing", "dtype": "u1", "shape": [14, 2, 2]}
+    back = decode_group(frames)
+    assert list(back.extras) == ["routing", "scale"]
+    np.testing.assert_array_equal(back.extras["routing"], routing)
+    assert back.extras["scale"].dtype == np.dtype("<f4")
+    with pytest.raises(ValueError, match="dtype"):
+        group.extras = {"flags": np.zeros(3, dtype=bool)}
+        encode_group(group)
+
+
 def test_staleness_uses_oldest_generated_token() -> None:
     group = make_group(versions=(3, 4))
     assert group.min_version() == 3
