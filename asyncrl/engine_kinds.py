@@ -60,7 +60,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
         "refused on the CPU install; not wired up for GPUs)")),
-    EngineKind("vllm-server", needs_url=True),
+    EngineKind("vllm-server", table="vllm"),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
     EngineKind("sim", threads=True),
 )}

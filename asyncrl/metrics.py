@@ -23,6 +23,8 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``response_length/mean``       generated tokens per trained sample (``/max``, ``/min``)
 ``perf/trained_tokens``        trained tokens in the step (all ranks)
 ``perf/trained_tokens_per_s``  trained tokens over the step's wall time
+``perf/compiles``              ``learner.compile``: graphs compiled during the step (0 once
+                               warm; rising every step means recompiles)
 ``val/test_score/<task>``      held-out greedy score (``eval.every_steps``): exact-match
                                accuracy (digit tasks) or mean return (workflows, whose
                                exact rate is ``val/success/<task>``);

@@ -12,6 +12,9 @@ prompt is ``--prompt-len`` random tokens and every row generates exactly ``--new
 tokens: EOS is an id outside the vocabulary, so a random model cannot stop a row early and all
 batch sizes do the same work per row.
 
+``--engine vllm`` compares the rollout engine on vLLM's ``AsyncLLM`` with vLLM run standalone
+on the same model, prompts and sampling parameters, in the same run (:mod:`bench.vllm_throughput`).
+
 For each ``--batch`` size: ``--warmup`` untimed calls, then ``--repeats`` timed ones (median
 reported). A call with ``max_new_tokens = 1`` (the prefill and one sampled token) is timed the
 same way, so ``decode ms/step`` = (call - prefill call) / (new tokens - 1). ``tokens/s`` counts
@@ -20,6 +23,7 @@ read once per decode step / decode step time: the floor of what a decode step mu
 compare with the device's memory bandwidth (the KV cache's reads are extra and not counted).
 
     python bench/engine_throughput.py --device cpu --small     # CPU check
+    python bench/engine_throughput.py --engine vllm --device cpu --small --batch 64
     python bench/engine_throughput.py --device cuda            # 0.5B shape, bf16
     python bench/engine_throughput.py --device cuda --batch 1 8 64 256 --json out.json
 """
@@ -119,8 +123,30 @@ def run(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     return info, rows
 
 
+def run_vllm(args: argparse.Namespace) -> None:
+    """``--engine vllm``: ours against standalone vLLM (:mod:`bench.vllm_throughput`)."""
+    import tempfile
+
+    from bench.vllm_throughput import measure as measure_vllm
+    from bench.vllm_throughput import report, save_model
+
+    shape = SMALL if args.small else FULL
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    args.dtype = str(dtype).removeprefix("torch.")
+    model = build_model(shape, args.prompt_len + args.new_tokens + 8, dtype)
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        model_dir = save_model(model, Path(tmp))
+        del model
+        info, rows = measure_vllm(model_dir, shape["vocab_size"], args)
+    report(info, rows)
+    if args.json:
+        args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=2, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                        help="vllm: the rollout engine on AsyncLLM against standalone vLLM")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="~6M-parameter model for a CPU")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
@@ -136,6 +162,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
+    if args.engine == "vllm":
+        run_vllm(args)
+        return
     info, rows = run(args)
     print(f"{info['device']}, torch {info['torch']}, {info['dtype']}, "
           f"{info['params'] / 1e6:.1f}M params, attention {info['attn_implementation']}, "

@@ -7,6 +7,14 @@ heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings: ~494M parameters); `
 groups of ``--group-size`` samples whose lengths spread like RL completions (prompt 16-64
 tokens, completion 8 to ``--max-len`` tokens, uniform), token-level PPO-clip.
 
+The learner's speed settings are flags: ``--attn`` (``model.attn_implementation``; default
+``auto``, which logs its pick), ``--logprob-chunk-tokens`` (``learner.logprob_chunk_tokens``;
+0 = the full logits), ``--compile`` (``learner.compile``, inductor), ``--liger``,
+``--offload params``, ``--activation-checkpointing``; ``--best`` = ``--compile`` with the
+defaults (auto attention, chunked logprobs) and packed micro-batches. ``--shape`` picks the
+model: ``0.5b`` (default), ``1.5b`` (Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads, 2 KV heads,
+MLP 8960, tied embeddings: ~1.54B parameters), ``small`` (= ``--small``).
+
 Both micro-batch layouts run in the same process on the same batch, interleaved step by step
 (packed, padded, packed, ...) so that both see the same machine load; ``ratio`` = padded
 time / packed time. ``tokens/s`` counts real tokens (prompt + completion) per second of
@@ -23,6 +31,9 @@ layouts run (``--layout`` one of them to read a single trainer's need).
     python bench/learner_throughput.py --layout padded --groups 2 --group-size 4 --max-len 256
                                                             # the 0.5B model on a 24 GiB CPU
     python bench/learner_throughput.py --device cuda        # GPU, bf16 (learner.mixed_precision)
+    python bench/learner_throughput.py --device cuda --shape 1.5b --best --groups 16 \
+        --max-len 1024 --micro-batch-tokens 16384                # issue 41's MFU goal
+    python bench/learner_throughput.py --small --attn sdpa   # packing's old CPU penalty
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from asyncrl.config.schema import LearnerConfig  # noqa: E402
 from asyncrl.net import free_port  # noqa: E402
 from asyncrl.wire import TrajectoryGroup  # noqa: E402
 from bench.qwen_shapes import FULL, SMALL  # noqa: E402
+from learners.packing import LOGPROB_CHUNK_TOKENS  # noqa: E402
 from learners.batching import collate  # noqa: E402
 from learners.dist import init_learner_group, shutdown_learner_group  # noqa: E402
 from learners.packing import plan_micro_batches  # noqa: E402
@@ -56,6 +68,12 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 # --layout: packing on/off. One layout halves the memory (one trainer and its AdamW state),
 # which is what lets the 0.5B model train on a 24 GiB CPU machine.
 LAYOUTS = {"both": (True, False), "packed": (True,), "padded": (False,)}
+# Qwen2.5-1.5B's shape (its config.json): the size issue 41's MFU goal is stated at.
+QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                 tie_word_embeddings=True)
+SHAPES = {"small": SMALL, "0.5b": FULL, "1.5b": QWEN_1_5B}
+ATTNS = ["auto", "sdpa", "flash_attention_2", "flex_attention", "eager", "varlen_sdpa"]
 
 
 def build_model(shape: dict, max_len: int, path: Path) -> int:
@@ -110,7 +128,7 @@ def peak_flops(args: argparse.Namespace) -> float | None:
 def run(args: argparse.Namespace) -> list[dict]:
     from learners.backends.fsdp2 import Fsdp2Trainer
 
-    shape = SMALL if args.small else FULL
+    shape = SHAPES[args.shape]
     device = init_learner_group(0, 1, master_port=free_port(), device=args.device)
     rows = []
     try:
@@ -123,8 +141,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             for packing in layouts:
                 cfg = LearnerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
                                     packing=packing,
-                                    activation_checkpointing=args.activation_checkpointing)
-                trainers[packing] = Fsdp2Trainer(tmp, cfg, device)
+                                    activation_checkpointing=args.activation_checkpointing,
+                                    logprob_chunk_tokens=args.logprob_chunk_tokens,
+                                    compile=args.compile, liger=args.liger,
+                                    offload=args.offload)
+                trainers[packing] = Fsdp2Trainer(tmp, cfg, device,
+                                                 attn_implementation=args.attn)
             times: dict[bool, list[float]] = {packing: [] for packing in layouts}
             peak_mem = {packing: 0 for packing in layouts}
             for step in range(args.warmup + args.steps):
@@ -145,6 +167,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for packing in layouts:
                 median = statistics.median(times[packing])
                 row = {"layout": "packed" if packing else "padded", "params": params,
+                       "shape": args.shape, "attn": trainers[packing].attn,
+                       "logprob_chunk_tokens": args.logprob_chunk_tokens,
+                       "compile": args.compile, "liger": args.liger, "offload": args.offload,
                        "sequences": len(lengths), "tokens": tokens,
                        "computed_tokens": computed_tokens(lengths, args.micro_batch_tokens,
                                                           packing),
@@ -165,7 +190,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--small", action="store_true", help="~5M-parameter model for a CPU")
+    parser.add_argument("--small", action="store_true", help="= --shape small (~5M params)")
+    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES),
+                        help="Qwen2-0.5B, Qwen2.5-1.5B or a ~5M-parameter model")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
@@ -177,15 +204,33 @@ def main() -> None:
                         help="micro-batch layouts to time (both: interleaved, with the ratio)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--attn", default="auto", choices=ATTNS,
+                        help="model.attn_implementation (auto logs its pick)")
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=LOGPROB_CHUNK_TOKENS,
+                        help="learner.logprob_chunk_tokens (0 = full logits)")
+    parser.add_argument("--compile", action="store_true", help="learner.compile (inductor)")
+    parser.add_argument("--liger", action="store_true", help="learner.liger (CUDA)")
+    parser.add_argument("--offload", default="none", choices=["none", "params"],
+                        help="learner.offload")
+    parser.add_argument("--best", action="store_true",
+                        help="--compile, packed micro-batches, default attention and logprobs")
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    if args.small:
+        args.shape = "small"
+    if args.best:
+        args.compile = True
+        args.layout = "packed" if args.layout == "both" else args.layout
     logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("learners.attention").setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
     rows = run(args)
-    print(f"model params (FLOP-counted) {rows[0]['params'] / 1e6:.1f}M, "
+    print(f"model params (FLOP-counted) {rows[0]['params'] / 1e6:.1f}M ({args.shape}), "
           f"{rows[0]['sequences']} sequences, {rows[0]['tokens']} tokens per step, "
-          f"micro_batch_tokens {args.micro_batch_tokens}")
+          f"micro_batch_tokens {args.micro_batch_tokens}; attention {rows[0]['attn']}, "
+          f"logprob chunks {args.logprob_chunk_tokens or 'off'}, compile {args.compile}, "
+          f"liger {args.liger}, offload {args.offload}")
     print("| layout | micro-batches | computed tokens | step s | tokens/s | speed-up vs padded "
           "| MFU | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.schema import LearnerConfig
+from learners.attention import attn_kwargs
 from learners.batching import TrainBatch
 from learners.losses.advantages import gae_advantages, outcome_token_rewards
 
@@ -31,9 +32,10 @@ class ValueModel(nn.Module):
     for GPT-2) + a scalar head; it declares the LM's decoder blocks, so it shards like the
     actor (:func:`learners.backends.fsdp2.decoder_blocks`)."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: str | Path, dtype: torch.dtype, attn: str = "sdpa") -> None:
         super().__init__()
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # attn: the learner's resolved model.attn_implementation (learners.attention).
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn_kwargs(attn))
         self.model = lm.base_model
         self._no_split_modules = list(lm._no_split_modules or ())
         self.head = nn.Linear(lm.config.hidden_size, 1, dtype=dtype)

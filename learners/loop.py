@@ -120,7 +120,8 @@ def _run(ctx: RankContext, model_dir: Path, device, stop: threading.Event,
     from learners.checkpoint import Checkpointer
 
     cfg = ctx.cfg
-    trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora)
+    trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora,
+                           attn_implementation=cfg.model.attn_implementation)
     checkpointer = Checkpointer(cfg)
     role = leaving.role = make_role(ctx, model_dir, evaluator)
     reached = reached_before(cfg, resume(ctx, checkpointer, trainer, role))

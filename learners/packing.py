@@ -4,13 +4,15 @@ A rank's share can be larger than one forward should hold (``learner.micro_batch
 the trainer runs it as micro-batches and accumulates gradients. Two layouts:
 
 - **packed** (``learner.packing = true``): a micro-batch's sequences are concatenated into ONE
-  row with ``position_ids`` restarting at 0 for each sequence and no 2-D attention mask. HF
-  transformers (5.x ``masking_utils.find_packed_sequence_indices``) then builds a block-diagonal
-  causal mask for ``sdpa``/``eager`` and uses varlen kernels for flash-attention, so no token
-  attends across sequences — but only without a KV cache (``use_cache=False``: with one,
-  the detection is skipped and sequences silently attend to each other)
-  (``tests/unit/test_packing.py`` checks the logprobs equal the padded ones). No padding is
-  computed at all.
+  row with ``position_ids`` restarting at 0 for each sequence and no 2-D attention mask. The
+  forward also carries the sequences' offsets (``cu_seq_lens_*``, ``learners.attention``):
+  the varlen kernels (``varlen_sdpa``, ``flash_attention_2``) attend within each sequence from
+  them; with ``sdpa``/``eager``/``flex_attention`` transformers (5.x
+  ``masking_utils.find_packed_sequence_indices``) builds a block-diagonal causal mask from
+  the positions instead. Either way no token attends across sequences — but only without a
+  KV cache (``use_cache=False``: with one, the detection is skipped and sequences silently
+  attend to each other) (``tests/unit/test_packing.py``, ``tests/unit/test_attention.py``
+  check the logprobs equal the padded ones). No padding is computed at all.
 - **padded**: rows right-padded to the micro-batch's longest, the budget counting padding.
 
 Either way the logprobs come back in the per-sequence ``[B, T]`` layout of
@@ -21,12 +23,15 @@ one sequence per row, whatever the layout of the forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
-from learners.step_metrics import token_entropy
+from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
+from learners.lora import hf_model
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, packing: bool) -> list[list[int]]:
@@ -81,30 +86,60 @@ def pack(batch: TrainBatch) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     return batch.input_ids[rows, cols].unsqueeze(0), cols.unsqueeze(0), (rows, cols)
 
 
-def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False) -> Tensor:
+# The LM head runs on this many tokens at a time (``learner.logprob_chunk_tokens``'s default;
+# 0 = the full logits at once): ``learners.fused_logprobs``.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False,
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> Tensor:
     """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (0 on padding when
     packed), by a packed or a padded forward (see the module docstring)."""
-    return token_logprobs_and_entropy(model, batch, packing, entropy=False)[0]
+    return token_logprobs_and_entropy(model, batch, packing, entropy=False,
+                                      chunk_tokens=chunk_tokens)[0]
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                               entropy: bool = True, entropy_grad: bool = False
+                               entropy: bool = True, entropy_grad: bool = False, *,
+                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS
                                ) -> tuple[Tensor, Tensor | None]:
-    """:func:`token_logprobs` and, from the same logits, the per-token entropy: detached, or
-    differentiable with ``entropy_grad`` (an entropy bonus in the loss)."""
-    if not packing:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                       use_cache=False).logits
-        return (_chosen_logprobs(logits, batch.targets),
-                _entropy(logits, entropy_grad) if entropy else None)
-    input_ids, position_ids, (rows, cols) = pack(batch)
-    # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers skips
-    # the packed-sequence detection and every token attends across sequences.
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    chosen = _chosen_logprobs(logits, batch.targets[rows, cols].unsqueeze(0)).squeeze(0)
-    logprobs = _unpack(chosen, batch, rows, cols)
-    return logprobs, (_unpack(_entropy(logits, entropy_grad)[0], batch, rows, cols)
-                      if entropy else None)
+    """:func:`token_logprobs` and, from the same forward, the per-token entropy (float32,
+    detached unless ``entropy_grad``: an entropy bonus differentiates it).
+
+    ``chunk_tokens > 0`` and a :func:`~learners.fused_logprobs.fusable` model: the LM head runs
+    that many tokens at a time and the ``[tokens, vocab]`` logits never exist whole
+    (``learners.fused_logprobs``); otherwise the full logits (the plain path, which the fused
+    one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
+    if packing:
+        input_ids, position_ids, (rows, cols) = pack(batch)
+        # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers
+        # skips the packed-sequence detection and every token attends across sequences.
+        # The sequence boundaries, for varlen kernels (learners.attention); others ignore them.
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False,
+                  **varlen_kwargs(batch.lengths)}
+        targets = batch.targets[rows, cols].unsqueeze(0)
+    else:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  "use_cache": False}
+        targets = batch.targets
+    logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
+                                      entropy and entropy_grad)
+    if not (entropy and entropy_grad):
+        ent = ent.detach()
+    if packing:
+        logprobs = _unpack(logprobs[0], batch, rows, cols)
+        ent = _unpack(ent[0], batch, rows, cols)
+    return logprobs, ent if entropy else None
+
+
+def _forward_logprobs(model: nn.Module, targets: Tensor, chunk_tokens: int,
+                      inputs: dict[str, Any], entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``."""
+    base = hf_model(model)
+    if chunk_tokens > 0 and fusable(base):
+        return head_logprobs(model, base.get_output_embeddings(), targets, chunk_tokens,
+                             **inputs)
+    return plain_logprobs_entropy(model(**inputs).logits, targets, entropy_grad)
 
 
 def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:
@@ -113,21 +148,5 @@ def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Te
     return out.index_put((rows, cols), packed)
 
 
-def _chosen_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``log_softmax(logits)[target]`` in float32 without keeping a second ``[.., V]`` tensor:
-    ``logit[target] − logsumexp(logits)``."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
-def _entropy(logits: Tensor, grad: bool = False) -> Tensor:
-    """``H = −Σ_v p·log p`` per position, float32; a gradient only with ``grad``."""
-    if grad:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return -(logprobs.exp() * logprobs).sum(-1)
-    with torch.no_grad():
-        return token_entropy(torch.log_softmax(logits.float(), dim=-1))
-
-
-__all__ = ["micro_batches", "pack", "plan_micro_batches", "token_logprobs",
+__all__ = ["LOGPROB_CHUNK_TOKENS", "micro_batches", "pack", "plan_micro_batches", "token_logprobs",
            "token_logprobs_and_entropy"]

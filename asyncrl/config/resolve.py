@@ -68,7 +68,7 @@ def _buffer_table(backend: str) -> str | None:
 
 def _engine_table(engine: str) -> str | None:
     """An engine kind reads the sub-table its descriptor names (``[rollout.vllm]`` is read by
-    ``vllm``, not by ``vllm-server``)."""
+    ``vllm`` and ``vllm-server``, not by ``torch``)."""
     return engine_kind(engine).table
 
 

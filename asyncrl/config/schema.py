@@ -158,6 +158,13 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     lora: LoraConfig = Field(default_factory=LoraConfig,
                              description="LoRA adapters (rank 0 = off: full training).")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "flex_attention", "eager",
+                                 "varlen_sdpa"] = Field(
+        "auto", description="The learner's attention kernel. Packed micro-batches run varlen "
+        "(no attention across sequences, no dense mask) with flash_attention_2, "
+        "flex_attention (CUDA only: no CPU backward) or varlen_sdpa (sdpa per sequence); "
+        "auto = flash_attention_2 where flash-attn and CUDA are, else varlen_sdpa (sdpa for "
+        "sliding-window models); the pick is logged (learners/attention.py).")
 
 
 class TaskConfig(Section):
@@ -248,6 +255,11 @@ class DataConfig(Section):
                            description="Validate on the first N held-out rows; 0 = all.")
     name: Name = Field("", description="Task name in val/test_score/<name>; empty: the file stem "
                                       "or the env name.")
+    max_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS,
+                                          description="Samples whose prompt is longer (in "
+                                                      "tokens) are skipped, each episode "
+                                                      "counted in rollout/episodes_prompt_"
+                                                      "too_long, never cut; unset: no limit.")
 
     @model_validator(mode="after")
     def _check_template(self) -> DataConfig:
@@ -405,16 +417,84 @@ class BufferConfig(Section):
 
 
 class VllmRolloutConfig(Section):
-    """The in-process vLLM engine (``rollout.engine = "vllm"``)."""
+    """vLLM (``rollout.engine = "vllm"``, and ``"vllm-server"``: the servers a worker launches
+    itself, and the sampling keys): how it runs, what it serves with, how it samples."""
 
-    kv_cache_memory_mb: int = Field(64, ge=0, le=MAX_MB,
-                                    description="KV cache size (MB); 0 sizes it from "
-                                                "gpu_memory_utilization.")
+    mode: Literal["async", "inprocess"] = Field(
+        "async", description="async: vLLM's AsyncLLM, its engine core in a process of its own "
+                             "(scheduling overlapped with the forward; tensor/data parallelism); "
+                             "inprocess: LLMEngine stepped in the worker's own process, one "
+                             "process per engine (small CPU machines, CI).")
+    kv_cache_memory_mb: int | None = Field(None, ge=0, le=MAX_MB,
+                                           description="KV cache size (MB); 0 sizes it from "
+                                                       "gpu_memory_utilization; unset follows "
+                                                       "the device: 64 on CPU, 0 on GPU.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1,
                                           description="On GPU: fraction of the device's memory "
                                                       "the engine may take.")
-    enforce_eager: bool = Field(True, description="No CUDA graphs / torch.compile (fast start; "
-                                                  "turn off for long GPU runs).")
+    enforce_eager: bool | None = Field(None, description="No CUDA graphs / torch.compile; unset "
+                                                         "follows the device: eager on CPU, "
+                                                         "CUDA graphs on GPU.")
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_PROCESSES,
+                                      description="GPUs one engine shards the model over (async "
+                                                  "mode).")
+    data_parallel_size: int = Field(1, ge=1, le=MAX_PROCESSES,
+                                    description="Engine replicas behind one worker's AsyncLLM "
+                                                "(async mode).")
+    max_num_seqs: int | None = Field(None, ge=1, le=MAX_GROUPS,
+                                     description="Rows one engine step may hold; unset: 256 or "
+                                                 "one batch (groups_per_batch x group_size), "
+                                                 "whichever is more.")
+    max_model_len: int | None = Field(None, ge=1, le=MAX_TOKENS,
+                                      description="Longest prompt + response; unset: the "
+                                                  "model's own.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (behaviour logprobs "
+                                                      "are then of the truncated distribution).")
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS, description="Top-k sampling; 0: off.")
+    stop: list[str] = Field(default_factory=list,
+                            description="Stop strings (loads the tokenizer to detokenize).")
+    stop_token_ids: list[int] = Field(default_factory=list,
+                                      description="Token ids that end a row, besides the "
+                                                  "model's EOS ids.")
+    engine_args: dict[str, Any] = Field(default_factory=dict,
+                                        description="Anything else, passed to vLLM's "
+                                                    "EngineArgs as it is (each key must be one "
+                                                    "of its fields).")
+    server_start_timeout_s: Seconds = Field(600.0, gt=0, description="vllm-server without "
+                                                                   "url: how long a launched "
+                                                                   "server may take to get "
+                                                                   "ready.")
+
+    @model_validator(mode="after")
+    def _check_vllm(self) -> VllmRolloutConfig:
+        if self.mode == "inprocess" and self.tensor_parallel_size * self.data_parallel_size > 1:
+            raise ValueError("rollout.vllm.mode = 'inprocess' runs one worker: "
+                             "tensor_parallel_size and data_parallel_size must be 1 (use "
+                             "mode = 'async')")
+        known = vllm_engine_arg_names()
+        unknown = sorted(set(self.engine_args) - known) if known else []
+        if unknown:
+            raise ValueError(f"rollout.vllm.engine_args.{unknown[0]}: not a field of vLLM's "
+                             "EngineArgs")
+        return self
+
+
+def vllm_engine_arg_names() -> set[str]:
+    """The field names of vLLM's ``EngineArgs``, read from its source without importing vLLM
+    (seconds, and torch); empty where vLLM is not installed (the engine checks again)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    source = Path(list(spec.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(source.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs":
+            return {item.target.id for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return set()
 
 
 class SglangRolloutConfig(Section):
@@ -435,9 +515,9 @@ class RolloutConfig(Section):
     (``[rollout.vllm]``, ``[rollout.sglang]``); only the one ``engine`` names is read."""
 
     engine: Literal["torch", "vllm", "vllm-server", "sglang", "sim"] = Field(
-        "torch", description="Inference engine: pure-torch reference, in-process vLLM, an "
-                             "external vLLM OpenAI server fleet at `url` (attached, not "
-                             "started), SGLang servers (at `url`, or one launched per worker), "
+        "torch", description="Inference engine: pure-torch reference, vLLM (see "
+                             "[rollout.vllm]), vLLM OpenAI servers (at `url`, or one launched "
+                             "per worker), SGLang servers (at `url`, or one launched per worker), "
                              "or `sim`: calibrated waits instead of compute (see [sim]); sim "
                              "workers run as threads of one process.")
     url: Name = Field("", description="vllm-server, sglang: base URL(s) of the server(s), comma-"
@@ -612,8 +692,15 @@ class LearnerConfig(Section):
                                  description="Groups consumed per optimizer step.")
     total_steps: int = Field(200, ge=1, le=MAX_STEPS,
                              description="Optimizer steps before the run ends.")
-    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW learning rate (1 or more diverges "
+    lr: float = Field(1e-3, gt=0, lt=1, description="AdamW peak learning rate (1 or more diverges "
                                                    "at once: the loss turns NaN).")
+    lr_warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps of linear "
+                                 "warmup from lr/lr_warmup_steps up to lr (0 = none).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="After warmup: constant lr, or a cosine or linear decay to "
+        "lr·lr_min_ratio at total_steps (learners/lr_schedule.py).")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="cosine, linear: the final "
+                                "learning rate as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(1.0, gt=0, le=1e6, description="Max global grad norm.")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
@@ -635,14 +722,33 @@ class LearnerConfig(Section):
                                                 "one micro-batch). Padding counts unless packing.")
     packing: bool = Field(False, description="Pack a micro-batch's sequences into one row "
                           "(positions restart per sequence, no attention across them) instead "
-                          "of padding rows. Pays with flash-attention on GPU; on CPU sdpa the "
-                          "block mask is slower than padding (bench/RESULTS.md).")
+                          "of padding rows. Pays with a varlen kernel (model.attn_implementation"
+                          " auto: flash_attention_2 or varlen_sdpa); with sdpa's dense block "
+                          "mask it is slower than padding (bench/RESULTS.md).")
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="FSDP2 parameter dtype for compute (gradients reduce and the "
         "optimizer steps in fp32): auto = bf16 on CUDA, fp32 on CPU.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's "
                                            "activations in backward: less memory, ~1/3 more "
                                            "compute.")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic "
+                          "shapes: micro-batch lengths do not recompile; perf/compiles counts "
+                          "the graphs compiled in a step).")
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="learner.compile's torch.compile backend; aot_eager and eager "
+        "skip code generation (debugging, quick tests).")
+    offload: Literal["none", "optimizer", "params"] = Field(
+        "none", description="FSDP2: \"optimizer\" keeps AdamW's moments in host memory (one "
+        "parameter's on the GPU at a time, in the step); \"params\" also the sharded weights "
+        "and gradients (CPUOffloadPolicy; the optimizer steps on the CPU). Larger models "
+        "train, slower.")
+    liger: bool = Field(False, description="Liger's Triton kernels for RMSNorm, SwiGLU and "
+                        "RoPE (CUDA; the liger-kernel package, in the gpu extra; refused "
+                        "without it).")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=0, le=1 << 20, description="Tokens per chunk through the LM head when "
+        "computing logprobs and entropy (learner, reference, proximal): the [tokens, vocab] "
+        "logits never exist whole; 0 = the full logits at once.")
     routing_replay: bool = Field(False, description="MoE models: the engine records the "
                                  "experts it routed each token to, they travel with the group, "
                                  "and the learner's forward uses them instead of its own "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 try:
     import deepspeed
@@ -49,7 +49,9 @@ except ImportError as exc:  # optional dependency
 from asyncrl.config.schema import LearnerConfig
 from asyncrl.devices import resolve_device
 from learners.backends.micro_steps import MicroSteps, merge_token_stats, save_hf_dir
+from learners.attention import attn_kwargs, resolve_attn_implementation
 from learners.batching import TrainBatch
+from learners.lr_schedule import LrSchedule
 from learners.step_metrics import step_metrics
 
 logger = logging.getLogger(__name__)
@@ -113,20 +115,31 @@ class DeepSpeedTrainer:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
-                 zero_overrides: dict[str, Any] | None = None) -> None:
+                 zero_overrides: dict[str, Any] | None = None,
+                 attn_implementation: str = "auto") -> None:
         if cfg.loss.advantage == "gae":
             raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.compile:
+            raise NotImplementedError("learner.compile is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.liger:
+            raise NotImplementedError("learner.liger is FSDP2-only; use learner.backend='fsdp2'")
+        if cfg.offload != "none":
+            raise NotImplementedError("learner.offload is FSDP2-only; use learner.backend="
+                                      "'fsdp2'")
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version
+        self.attn = resolve_attn_implementation(attn_implementation, self.device,
+                                                AutoConfig.from_pretrained(model_path))
         self.engine = self._build_engine(model_path, dtype, zero_overrides)
         # The HF module, for the no-grad forwards (ZeRO-3's gather hooks live on the module) and
         # the HF export.
         self.model: nn.Module = self.engine.module
         self.optimizer = self.engine.optimizer
+        self.lr_schedule = LrSchedule.from_config(cfg)   # a function of the version
         self.reference: nn.Module | None = None
         if cfg.loss.kl_coef > 0:
             self.reference = self._load(reference_path or model_path, dtype)
@@ -156,7 +169,8 @@ class DeepSpeedTrainer:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {Path(path) / DS_TAG}")
 
     def _load(self, path: str | Path, dtype: torch.dtype) -> nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                     **attn_kwargs(self.attn)).to(self.device)
         model.eval()   # no dropout: on-policy, the ratio against the engine must be 1
         return model
 
@@ -191,6 +205,7 @@ class DeepSpeedTrainer:
         # × world: ZeRO averages gradients over ranks; we want their sum (module docstring).
         loss_sum, stats, mismatch = self.steps.accumulate(
             batch, self.world / global_units.clamp(min=1.0))
+        self.lr_schedule.apply(self.optimizer, self.version)
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
         metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)

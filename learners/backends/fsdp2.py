@@ -30,11 +30,14 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from asyncrl.config.schema import LearnerConfig, LoraConfig
+from learners.attention import attn_kwargs, resolve_attn_implementation
 from learners.batching import TrainBatch
+from learners.compile_blocks import CompileCounter, compile_block
 from learners.critic import Critic, ValueModel
 from learners.backends.micro_steps import (
     MicroSteps,
@@ -43,6 +46,9 @@ from learners.backends.micro_steps import (
     save_hf_dir,
 )
 from asyncrl.devices import resolve_device
+from learners.liger import apply_liger, check_liger
+from learners.lr_schedule import LrSchedule
+from learners.offload import HostStateAdamW
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
@@ -64,7 +70,8 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
 
 
 def shard_model(model: nn.Module, world: int, device_type: str,
-                param_dtype: torch.dtype = torch.float32, checkpointing: bool = False) -> None:
+                param_dtype: torch.dtype = torch.float32, checkpointing: bool = False,
+                compile_backend: str | None = None, offload_params: bool = False) -> None:
     """``fully_shard`` each decoder block, then the root (which holds embeddings, norm, head).
 
     Blocks are found by class, as the model declares them in ``_no_split_modules`` (what
@@ -74,17 +81,39 @@ def shard_model(model: nn.Module, world: int, device_type: str,
     cast when gathered for compute, gradients are reduced in fp32 and AdamW steps in fp32.
     ``checkpointing`` wraps each block first so its activations are recomputed in backward
     (state-dict names are unchanged: torch's state-dict helpers strip the wrapper's prefix).
+    ``compile_backend``: each block is then compiled (``learner.compile``,
+    :mod:`learners.compile_blocks`), before it is sharded. ``offload_params``
+    (``learner.offload = "params"``): FSDP2's ``CPUOffloadPolicy``: the sharded parameters,
+    their gradients and the optimizer state live in host memory and AdamW steps on the CPU;
+    each block's parameters are copied to the device for its all-gather.
     """
     mesh = init_device_mesh(device_type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload_params \
+        else OffloadPolicy()
     for name in decoder_blocks(model):
         block = model.get_submodule(name)
         if checkpointing:
             parent, _, attr = name.rpartition(".")
             block = checkpoint_wrapper(block)
             setattr(model.get_submodule(parent), attr, block)
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        if compile_backend is not None:
+            compile_block(block, compile_backend)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
+
+
+def make_optimizer(params: list[nn.Parameter], cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """AdamW, its moments on the host with ``learner.offload = "optimizer"``
+    (:mod:`learners.offload`)."""
+    if cfg.offload == "optimizer":
+        return HostStateAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _compile_backend(cfg: LearnerConfig) -> str | None:
+    """``learner.compile_backend`` when ``learner.compile`` is on, else None."""
+    return cfg.compile_backend if cfg.compile else None
 
 
 def decoder_blocks(model: nn.Module) -> list[str]:
@@ -114,7 +143,7 @@ class Fsdp2Trainer:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, attn_implementation: str = "auto") -> None:
         self.cfg = cfg
         self.lora = lora if lora is not None and lora.rank else None
         self.rank = dist.get_rank()
@@ -123,10 +152,17 @@ class Fsdp2Trainer:
         self.device = resolve_device(device, self.rank) if isinstance(device, str) else device
         self.model_path = Path(model_path)
         self.version = version  # optimizer steps taken, i.e. the policy version of the weights
+        if cfg.liger:
+            check_liger(self.device)   # before any model is loaded
+        # model.attn_implementation, resolved once for the actor, the reference and the critic.
+        self.attn = resolve_attn_implementation(attn_implementation, self.device,
+                                                AutoConfig.from_pretrained(model_path))
         self.model = self._load_sharded(model_path, dtype, self.lora)
         # With LoRA only the adapters train: the frozen base has no optimizer state at all.
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(trainable, cfg)
+        # The rate follows the version, which a checkpoint restores: resumed runs continue it.
+        self.lr_schedule = LrSchedule.from_config(cfg)
         # The frozen reference: the base model (not a resumed checkpoint: pass reference_path).
         # Under LoRA the base weights ARE that model (frozen, never stepped): the policy with
         # its adapters off is the reference, at no memory and no extra all-gathers of its own.
@@ -139,18 +175,22 @@ class Fsdp2Trainer:
         # The critic (GAE only): a value head on a copy of the decoder, sharded the same way.
         self.critic: Critic | None = None
         if cfg.loss.advantage == "gae":
-            value_model = ValueModel(model_path, dtype).to(self.device)
+            value_model = ValueModel(model_path, dtype, self.attn).to(self.device)
+            if cfg.liger:
+                apply_liger(value_model.model)
             value_model.eval()   # no dropout, like the actor
             shard_model(value_model, self.world, self.device.type,
-                        compute_dtype(cfg, self.device), cfg.activation_checkpointing)
+                        compute_dtype(cfg, self.device), cfg.activation_checkpointing,
+                        _compile_backend(cfg), cfg.offload == "params")
             self.critic = Critic(value_model, cfg, self.world)
         self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
                                 self.reference, self.reference_is_base)
+        self.compiles = CompileCounter() if cfg.compile else None
         logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
-                    "loss %s/%s/%s, reference %s", self.rank, self.world,
+                    "attention %s, loss %s/%s/%s, reference %s", self.rank, self.world,
                     type(self.model).__name__, sum(p.numel() for p in self.model.parameters()),
                     sum(p.numel() for p in self.model.parameters() if p.requires_grad), version,
-                    cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
+                    self.attn, cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
                     "a copy" if self.reference is not None
                     else "the base (adapters off)" if self.reference_is_base else "no")
 
@@ -159,14 +199,17 @@ class Fsdp2Trainer:
         """The HF model at ``path``, LoRA-wrapped when ``lora`` is given (before sharding, so
         each adapter is sharded with its layer), with its HF model ``fully_shard``-ed. The
         adapters are made on CPU from a fixed seed, identical on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn_kwargs(self.attn))
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
+        if self.cfg.liger:
+            apply_liger(model)
         if lora is not None:
             model = wrap_lora(model, lora)
         model = model.to(self.device)
         shard_model(hf_model(model), self.world, self.device.type,
-                    compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing)
+                    compute_dtype(self.cfg, self.device), self.cfg.activation_checkpointing,
+                    _compile_backend(self.cfg), self.cfg.offload == "params")
         return model
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -185,6 +228,7 @@ class Fsdp2Trainer:
         scale = self.world / global_units.clamp(min=1.0)
         loss_sum, stats, mismatch = self.steps.accumulate(batch, scale)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.lr_schedule.apply(self.optimizer, self.version)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -193,6 +237,8 @@ class Fsdp2Trainer:
         metrics.update(critic_metrics)
         metrics["actor/grad_norm"] = float(_full(grad_norm))
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        if self.compiles is not None:   # graphs compiled during this step (0 once warm)
+            metrics["perf/compiles"] = self.steps.max_over_ranks(float(self.compiles.take()))
         metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
 
@@ -209,8 +255,7 @@ class Fsdp2Trainer:
         """
         if every_rank:
             sharded = get_model_state_dict(self.model, options=StateDictOptions())
-            state = {name: _full(value).detach().to("cpu", copy=True)
-                     for name, value in sharded.items()}
+            state = {name: _on_host(value) for name, value in sharded.items()}
         else:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(self.model, options=options)
@@ -235,6 +280,16 @@ class Fsdp2Trainer:
         if state is None:
             state = self.full_state_dict()
         save_hf_dir(self.model, state, self.model_path, path, self.version)
+
+
+def _on_host(value: Tensor) -> Tensor:
+    """A state-dict value, full and copied to host memory: a DTensor is all-gathered over its
+    mesh's device (from host memory first if ``learner.offload`` keeps it there), as torch's
+    own full state dict does. COLLECTIVE for a DTensor."""
+    mesh = getattr(value, "device_mesh", None)
+    if mesh is not None and value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    return _full(value).detach().to("cpu", copy=True)
 
 
 def _full(value: Tensor) -> Tensor:

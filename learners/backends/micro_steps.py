@@ -123,6 +123,7 @@ class MicroSteps:
             proximal, ref = self.frozen_logprobs(micro)
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
                 entropy_grad=self.cfg.loss.entropy_coeff > 0)
             micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref,
                                                    entropy)
@@ -163,16 +164,16 @@ class MicroSteps:
     def frozen_logprobs(self, batch: TrainBatch) -> tuple[Tensor | None, Tensor | None]:
         """Before the update: proximal logprobs under the current weights (decoupled PPO) and
         the reference's logprobs (KL). Collective (sharded all-gathers) whenever configured."""
-        packing = self.cfg.packing
+        packing, chunk = self.cfg.packing, self.cfg.logprob_chunk_tokens
         proximal = None
         if self.cfg.loss.policy_loss == "decoupled_ppo":
-            proximal = packed_or_padded_logprobs(self.model, batch, packing)
+            proximal = packed_or_padded_logprobs(self.model, batch, packing, chunk)
         ref = None
         if self.reference is not None:
-            ref = packed_or_padded_logprobs(self.reference, batch, packing)
+            ref = packed_or_padded_logprobs(self.reference, batch, packing, chunk)
         elif self.reference_is_base:
             with self.model.disable_adapter():
-                ref = packed_or_padded_logprobs(self.model, batch, packing)
+                ref = packed_or_padded_logprobs(self.model, batch, packing, chunk)
         return proximal, ref
 
     def mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:

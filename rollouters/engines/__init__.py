@@ -10,7 +10,7 @@ dependency and slow to import.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -37,22 +37,10 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
 
     special = special_tokens(model_dir)  # the model's own EOS and pad ids
     if kind == "vllm-server":
-        from rollouters.engines.vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine(_server_url(cfg, index), eos_ids=special.eos_ids,
-                                timeout_s=cfg.rollout.request_timeout_s)
+        return _vllm_server_engine(cfg, model_dir, index, seed, special.eos_ids)
     device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
     if kind == "vllm":
-        from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
-
-        r = cfg.rollout
-        opts = VLLMOptions(eos_ids=special.eos_ids, dtype=cfg.model.dtype,
-                           device="cpu" if device == "cpu" else "cuda", seed=seed,
-                           kv_cache_memory_mb=r.vllm.kv_cache_memory_mb,
-                           gpu_memory_utilization=r.vllm.gpu_memory_utilization,
-                           enforce_eager=r.vllm.enforce_eager,
-                           max_num_seqs=max(256, r.groups_per_batch * r.group_size))
-        return VLLMEngine(model_dir, opts)
+        return _vllm_engine(cfg, model_dir, device, seed, special.eos_ids)
     if kind == "torch":
         from asyncrl.models import load_causal_lm
         from rollouters.engines.torch_engine import TorchEngine
@@ -61,6 +49,65 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
                            eos_ids=special.eos_ids, pad_id=special.pad_id, device=device,
                            seed=seed, record_routing=cfg.learner.routing_replay)
     raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
+VLLM_WEIGHT_BACKENDS = {"gloo": "asyncrl_gloo", "auto": "asyncrl_gloo", "sim": "asyncrl_gloo",
+                        "nccl": "nccl", "ipc": "ipc"}
+"""vLLM's weight-transfer backend for each ``weights.transport``: our registered gloo backend
+(:mod:`rollouters.engines.vllm_gloo`, CPU and GPU alike) or vLLM's own ``nccl`` and ``ipc``."""
+
+
+def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...]) -> Any:
+    """``[rollout.vllm]`` as the options both vLLM engine kinds take."""
+    from rollouters.engines.vllm_options import DEFAULT_MAX_NUM_SEQS, VLLMOptions
+
+    r, v = cfg.rollout, cfg.rollout.vllm
+    return VLLMOptions(
+        eos_ids=eos_ids, dtype=cfg.model.dtype, device="cpu" if device == "cpu" else "cuda",
+        seed=seed, kv_cache_memory_mb=v.kv_cache_memory_mb,
+        gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=v.enforce_eager,
+        max_num_seqs=v.max_num_seqs or max(DEFAULT_MAX_NUM_SEQS, r.groups_per_batch * r.group_size),
+        max_model_len=v.max_model_len, tensor_parallel_size=v.tensor_parallel_size,
+        data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
+        stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
+        weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport], extra=dict(v.engine_args))
+
+
+def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
+                 eos_ids: tuple[int, ...]) -> Engine:
+    """``rollout.vllm.mode`` picks AsyncLLM or the in-process LLMEngine."""
+    opts = _vllm_options(cfg, device, seed, eos_ids)
+    if cfg.rollout.vllm.mode == "inprocess":
+        from rollouters.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+
+    return AsyncVLLMEngine(model_dir, opts, update_timeout_s=cfg.weights.timeout_s)
+
+
+def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
+                        eos_ids: tuple[int, ...]) -> Engine:
+    """Attach to ``rollout.url``'s server, or launch one with ``[rollout.vllm]``'s knobs on
+    ``rollout.device`` (only a launched server needs the device here)."""
+    from asyncrl.devices import resolve_device
+    from rollouters.engines.vllm_server import VLLMServerEngine
+
+    r = cfg.rollout
+    device = "cpu" if r.url.strip() else \
+        str(resolve_device(r.device, index, "rollout.device"))
+    opts = _vllm_options(cfg, device, seed, eos_ids)
+    sampling = {"top_p": opts.top_p, "top_k": opts.top_k, "stop": list(opts.stop),
+                "stop_token_ids": list(opts.stop_token_ids)}
+    if r.url.strip():
+        return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
+                                timeout_s=r.request_timeout_s, sampling=sampling)
+    from rollouters.engines.vllm_fleet import VLLMServer
+
+    server = VLLMServer(model_dir, opts, cfg.run_dir / f"vllm-{index}.log",
+                        r.vllm.server_start_timeout_s)
+    return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
+                            sampling=sampling, server=server)
 
 
 def _server_url(cfg: Config, index: int) -> str:

@@ -1,23 +1,23 @@
-"""vLLM in-process engine (``rollout.engine = "vllm"``).
+"""vLLM in-process engine (``rollout.engine = "vllm"``, ``rollout.vllm.mode = "inprocess"``).
 
 The engine is vLLM's ``LLMEngine`` with its core in this process (no engine-core subprocess),
-driven one scheduler step at a time. That makes versioning exact and cheap: a step runs under
-:attr:`VLLMEngine._lock`, so its tokens were produced by exactly the weights loaded when it ran,
-and a weight update (:meth:`load_weights`, from the receiver thread) lands *between* two steps.
-Pausing is therefore implicit: while the update holds the lock no step runs, the in-flight
-requests stay scheduled with their KV cache, and generation resumes with the next step. This is
-what vLLM's RL ``pause(mode="keep") → update → resume`` does, without its asynchronous output
-path, where tokens computed before the pause can surface after the version bump.
+driven one scheduler step at a time: the mode for small CPU machines, one process per engine
+(:mod:`vllm_async` is vLLM as it runs on GPUs). A step runs under :attr:`VLLMEngine._lock`, and
+a weight update (:meth:`load_weights`, from the receiver thread) takes the same lock, so it
+lands *between* two steps: no step runs while it holds the lock, which is what vLLM's
+``pause(mode="keep")`` does, and in-flight requests stay scheduled.
 
-Behaviour logprobs are vLLM's ``processed_logprobs`` (after temperature), like the learner's
-recomputation. Prefix caching is off: a prefix cached under old weights must not be reused.
+The update itself is vLLM's weight-transfer API, as in the async engine: start, update (this
+process broadcasts on the ``asyncrl_gloo`` group to the worker, which is in this process too,
+on another thread), finish with the version, reset the prefix cache. Per-token versions are
+vLLM's ``weight_versions`` spans. Behaviour logprobs are ``processed_logprobs`` (after
+temperature), like the learner's recomputation.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,82 +27,30 @@ from typing import Any
 import torch
 
 from rollouters.engines.base import Completion, check_generate_args
-from rollouters.engines.vllm_extension import EXTENSION_CLS, pack_weights
+from rollouters.engines.vllm_gloo import BACKEND, GlooSender
+from rollouters.engines.vllm_options import (
+    CPU_MIN_HEAD_DIM,
+    VLLMOptions,
+    check_head_dim,
+    configure_process_env,
+    engine_args,
+    sampling_params,
+    span_versions,
+)
+
+__all__ = ["CPU_MIN_HEAD_DIM", "VLLMEngine", "VLLMOptions"]
 
 logger = logging.getLogger(__name__)
-
-# Smallest attention head size vLLM's CPU attention kernels support.
-CPU_MIN_HEAD_DIM = 32
-
-
-@dataclass
-class VLLMOptions:
-    """What the engine needs beyond the model directory (mapped from ``RolloutConfig``)."""
-
-    eos_ids: tuple[int, ...]  # any of them ends a row (asyncrl.tokens)
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    kv_cache_memory_mb: int = 64
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    max_num_seqs: int = 256
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class _Row:
-    """One request's tokens as they arrive, tagged with the version of the step that made them."""
+    """One request's tokens and logprobs as they arrive; versions come with its last output."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-
-
-def configure_process_env(device: str) -> None:
-    """Environment vLLM reads at engine start; must run before the engine is built.
-
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is required (the step-per-call design above); the
-    others are CPU defaults a caller may override (the notes: without them a shared 2-core
-    machine compiles for seconds and runs 20x slower).
-    """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if device == "cpu":
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def engine_args(model_dir: str | Path, opts: VLLMOptions) -> Any:
-    """The ``EngineArgs`` for one rollout engine (token ids in and out, no tokenizer)."""
-    from vllm import EngineArgs
-
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir), "dtype": opts.dtype, "seed": opts.seed,
-        "enforce_eager": opts.enforce_eager, "skip_tokenizer_init": True,
-        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": False,
-        "max_num_seqs": opts.max_num_seqs, "worker_extension_cls": EXTENSION_CLS,
-        "gpu_memory_utilization": opts.gpu_memory_utilization}
-    if opts.kv_cache_memory_mb > 0:
-        kwargs["kv_cache_memory_bytes"] = opts.kv_cache_memory_mb << 20
-    kwargs.update(opts.extra)
-    return EngineArgs(**kwargs)
-
-
-def check_head_dim(model_dir: str | Path, device: str) -> None:
-    """Fail early and clearly where vLLM's CPU kernels would fail at the first batch."""
-    if device != "cpu":
-        return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
-    if head_dim < CPU_MIN_HEAD_DIM:
-        raise ValueError(
-            f"vLLM on CPU needs an attention head size >= {CPU_MIN_HEAD_DIM}, the model has "
-            f"{head_dim}: for the tiny model use model.tiny.hidden_size / num_heads >= 32 "
-            "(e.g. --set model.tiny.num_heads=2 --set model.tiny.num_kv_heads=1)")
 
 
 class VLLMEngine:
@@ -113,12 +61,16 @@ class VLLMEngine:
     """
 
     def __init__(self, model_dir: str | Path, opts: VLLMOptions, version: int = 0,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 update_timeout_s: float = 60.0) -> None:
+        if opts.weight_backend != BACKEND:
+            raise ValueError(f"the in-process vLLM engine sends weights with {BACKEND!r} only, "
+                             f"not {opts.weight_backend!r} (weights.transport)")
         check_head_dim(model_dir, opts.device)
-        configure_process_env(opts.device)
+        configure_process_env(opts.device, in_process=True)
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        self.eos_ids = tuple(opts.eos_ids)
+        self.opts = opts
         self.on_step = on_step
         self._version = version
         self._lock = threading.Lock()  # one scheduler step, or one weight update
@@ -132,6 +84,8 @@ class VLLMEngine:
             # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op (it
             # assumes a process of its own); in-process, the rest of this process keeps control.
             torch.set_num_threads = set_num_threads
+        self._engine.set_weight_version(str(version))  # labels are ours from the start
+        self._sender = GlooSender("127.0.0.1", 1, update_timeout_s)
         logger.info("vLLM engine ready (%s, %s)", model_dir, opts.device)
 
     @property
@@ -142,7 +96,8 @@ class VLLMEngine:
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
-        params = self._sampling_params(0.0 if greedy else temperature, max_new_tokens)
+        params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
+                                 delta=True)
         with self._generate_lock:
             rows = self._submit(prompts, n, params)
             try:
@@ -152,15 +107,6 @@ class VLLMEngine:
         ordered = list(rows.values())
         completions = [self._completion(row) for row in ordered]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
-
-    def _sampling_params(self, temperature: float, max_new_tokens: int) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(n=1, temperature=temperature, max_tokens=max_new_tokens,
-                              logprobs=0, stop_token_ids=list(self.eos_ids), ignore_eos=True,
-                              detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
 
     def _submit(self, prompts: list[list[int]], n: int, params: Any) -> dict[str, _Row]:
         """One request per sample (not vLLM's ``n``): each row is tracked by its own id."""
@@ -183,21 +129,22 @@ class VLLMEngine:
                 return
             with self._lock:
                 outputs = self._engine.step()
-                version = self._version
             for output in outputs:
-                pending -= self._record(rows[output.request_id], output, version)
+                pending -= self._record(rows[output.request_id], output, self._version)
             if self.on_step is not None:
                 self.on_step(step)
 
     @staticmethod
-    def _record(row: _Row, output: Any, version: int) -> int:
-        """Append a delta output to its row; 1 if that finished the row."""
+    def _record(row: _Row, output: Any, default_version: int) -> int:
+        """Append a delta output to its row; 1 if that finished the row (its last output
+        carries the version spans of all its tokens)."""
         sample = output.outputs[0]
         new_tokens = list(sample.token_ids)
         row.tokens.extend(new_tokens)
         row.logprobs.extend(step[tok].logprob for tok, step in zip(new_tokens, sample.logprobs))
-        row.versions.extend([version] * len(new_tokens))
         if output.finished:
+            row.versions = span_versions(sample.weight_versions, len(row.tokens),
+                                         default_version)
             row.finish_reason = "stop" if sample.finish_reason == "stop" else "length"
             return 1
         return 0
@@ -213,15 +160,24 @@ class VLLMEngine:
                           finish_reason=row.finish_reason or "length")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Reload named tensors between two scheduler steps, then set :attr:`version`.
+        """vLLM's start → update → finish(version) → prefix-cache reset, between two steps.
 
-        Serialising happens outside the lock, so generation only stops for the reload itself.
-        """
-        blob = pack_weights(weights)
+        Copies to CPU happen outside the lock, so generation only stops for the update. The
+        reset preempts running rows: their KV cache is recomputed under the new weights."""
+        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        rpc = self._engine.collective_rpc
         with self._lock:
-            self._engine.collective_rpc("asyncrl_load_weights", args=(blob,))
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: rpc("init_weight_transfer_engine",
+                                                   kwargs={"init_info": info}))
+            rpc("start_weight_update")
+            self._sender.send(tensors, lambda info: rpc("update_weights",
+                                                        kwargs={"update_info": info}))
+            rpc("finish_weight_update")
+            self._engine.set_weight_version(str(version))
+            self._engine.reset_prefix_cache(reset_running_requests=True)
             self._version = version
-        logger.debug("vLLM engine loaded %d bytes of weights, version %d", len(blob), version)
+        logger.debug("vLLM engine loaded %d tensors, version %d", len(tensors), version)
 
     def weight(self, name: str) -> torch.Tensor:
         """A parameter as the running model holds it (tests: did an update land?)."""
@@ -241,6 +197,7 @@ class VLLMEngine:
         )
 
         with self._lock:
+            self._sender.group = None
             self._engine.engine_core.shutdown()
             destroy_model_parallel()
             destroy_distributed_environment()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -74,7 +75,10 @@ class GlooWeightTransfer(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.group: ProcessGroup | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        rank = init_info.rank_offset + self.parallel_config.rank
+        # Unique across data-parallel replicas, as vLLM's NCCL backend counts them.
+        config = self.parallel_config
+        rank = init_info.rank_offset + config.data_parallel_index * config.world_size + \
+            config.rank
         self.group = _init_group(init_info.master_address, init_info.master_port, rank,
                                  init_info.world_size, init_info.timeout_s)
         logger.info("asyncrl_gloo: joined %s:%d as rank %d/%d", init_info.master_address,
@@ -95,13 +99,21 @@ class GlooWeightTransfer(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """Receive and load each tensor. If one fails (a name or shape the model refuses),
+        the layer-wise reload is finalized before the error goes up: vLLM's worker then ends
+        the update without finishing it, and layers left on the meta device would fail the
+        next step; finalizing gives every layer that received nothing its old weights back."""
         if self.group is None:
             raise RuntimeError("asyncrl_gloo: init_weight_transfer_engine was not called")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
-                                           update_info.shapes):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            _broadcast(self.group, tensor)
-            self.model.load_weights([(name, tensor.to(self.device))])
+        try:
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
+                                               update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                _broadcast(self.group, tensor)
+                self.model.load_weights([(name, tensor.to(self.device))])
+        except BaseException:
+            self.finish_weight_update()
+            raise
 
     def shutdown(self) -> None:
         self.group = None
@@ -142,3 +154,77 @@ def update_info(tensors: Sequence[tuple[str, torch.Tensor]]) -> dict:
 def send_tensors(group: ProcessGroup, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     for _, tensor in tensors:
         _broadcast(group, tensor.detach().to("cpu").contiguous())
+
+
+def alongside(remote: Callable[[], object], local: Callable[[], None], timeout_s: float,
+              what: str) -> None:
+    """Run ``remote()`` (the engine's half of a collective: an RPC, an HTTP call) and
+    ``local()`` (this process's half) at once, each on a helper thread, until both return or
+    either fails: a remote half that refuses at once (a bad name, a shape) is reported at once,
+    not after the local half's collective times out. The local half, blocked in gloo, then
+    ends at the group's own timeout (``weights.timeout_s``); its group is dropped."""
+    done = threading.Condition()
+    results: dict[str, BaseException | None] = {}
+
+    def run(name: str, fn: Callable[[], object]) -> None:
+        error: BaseException | None = None
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            error = exc
+        with done:
+            results[name] = error
+            done.notify_all()
+
+    for name, fn in (("remote", remote), ("local", local)):
+        threading.Thread(target=run, args=(name, fn), name=f"vllm-{what}-{name}",
+                         daemon=True).start()
+    with done:
+        finished = done.wait_for(lambda: len(results) == 2 or any(results.values()),
+                                 timeout_s)
+    for name in ("remote", "local"):  # the engine's error says more than a gloo timeout
+        if results.get(name) is not None:
+            raise results[name]  # type: ignore[misc]
+    if not finished:
+        raise TimeoutError(f"vLLM {what} did not finish in {timeout_s}s (weights.timeout_s)")
+
+
+class GlooSender:
+    """This process as rank 0 of a gloo transfer group with one engine's ``workers``.
+
+    ``init(init_info)`` and ``update(update_info)`` are the engine's own calls (vLLM's
+    ``init_weight_transfer_engine`` / ``update_weights``, in-process, over ZMQ or HTTP): the
+    sender does its half of each beside them."""
+
+    def __init__(self, host: str, workers: int, timeout_s: float) -> None:
+        self.host = host
+        self.world = 1 + workers
+        self.timeout_s = timeout_s
+        self.group: ProcessGroup | None = None
+
+    def join(self, init: Callable[[dict], object]) -> None:
+        listen = free_listen_socket(self.host)
+        port = listen.getsockname()[1]
+        info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
+                "world_size": self.world, "timeout_s": self.timeout_s}
+        groups: list[ProcessGroup] = []
+        alongside(lambda: init(info),
+                  lambda: groups.append(open_sender_group(listen, self.world, self.timeout_s)),
+                  self.timeout_s, "init_weight_transfer_engine")
+        self.group = groups[0]
+        logger.info("asyncrl_gloo: transfer group of %d on %s:%d", self.world, self.host, port)
+
+    def send(self, tensors: Sequence[tuple[str, torch.Tensor]],
+             update: Callable[[dict], object]) -> None:
+        """One update's broadcast beside the engine's ``update(update_info)``. A failed one
+        leaves the group in an unknown state: it is dropped, and the next update (after the
+        sender's eviction and rejoin) joins a fresh one."""
+        if self.group is None:
+            raise RuntimeError("asyncrl_gloo: join() first")
+        group = self.group
+        try:
+            alongside(lambda: update(update_info(tensors)),
+                      lambda: send_tensors(group, tensors), self.timeout_s, "update_weights")
+        except BaseException:
+            self.group = None
+            raise

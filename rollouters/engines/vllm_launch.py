@@ -14,13 +14,17 @@ their servers with it: the documented command is the tested one.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from rollouters.engines.vllm_options import CPU_KV_CACHE_MB, VLLMOptions
+from rollouters.engines.vllm_options import kv_cache_mb as kv_cache_size_mb
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the extension imports from it
-CPU_KV_CACHE_MB = 64
 
 
 def device_flags(device: str, kv_cache_mb: int = CPU_KV_CACHE_MB) -> list[str]:
@@ -40,6 +44,34 @@ def command(model_dir: str, host: str, port: int, device: str,
 
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             *server_args(model_dir, host, port), *device_flags(device, kv_cache_mb), *extra]
+
+
+def serving_flags(opts: VLLMOptions) -> list[str]:
+    """``[rollout.vllm]``'s serving knobs as api_server flags, for the servers a worker starts
+    itself (the device's own flags come from :func:`device_flags`); ``engine_args`` keys
+    become ``--key-with-dashes`` flags (``--no-key`` for false, JSON for tables and lists)."""
+    flags = ["--seed", str(opts.seed), "--max-num-seqs", str(opts.max_num_seqs),
+             "--tensor-parallel-size", str(opts.tensor_parallel_size),
+             "--data-parallel-size", str(opts.data_parallel_size),
+             "--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    if opts.max_model_len is not None:
+        flags += ["--max-model-len", str(opts.max_model_len)]
+    if opts.device == "cuda" and opts.enforce_eager:
+        flags.append("--enforce-eager")
+    if opts.device == "cuda" and kv_cache_size_mb(opts):
+        flags += ["--kv-cache-memory-bytes", str(kv_cache_size_mb(opts) << 20)]
+    for key, value in opts.extra.items():
+        flags += _flag(key, value)
+    return flags
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    name = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [name if value else "--no-" + key.replace("_", "-")]
+    if isinstance(value, (dict, list)):
+        return [name, json.dumps(value)]
+    return [name, str(value)]
 
 
 def environment(base: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,9 +7,11 @@ are in :func:`server_args`); a rollout worker attaches to it over HTTP:
   one request per prompt with ``n`` samples, sent concurrently. Its choices carry
   ``weight_versions``: spans of output tokens and the weight version the engine core held when
   it *sampled* them, so per-token versions are exact even for tokens delivered after an update.
-* ``load_weights``: ``/pause?mode=keep`` (in-flight requests stay, KV cache kept),
-  ``/start_weight_update``, ``/update_weights`` while this process broadcasts the tensors on a
-  gloo group (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/resume``.
+* ``load_weights``: ``/pause?mode=keep`` (in-flight requests stay), ``/start_weight_update``,
+  ``/update_weights`` while this process broadcasts the tensors on a gloo group
+  (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/reset_prefix_cache``
+  (prefix caching is on: nothing cached under old weights is reused; running rows are
+  recomputed under the new ones), ``/resume``: the sequence the other vLLM engines run.
 
 Only the standard library talks HTTP, so this engine adds no dependency. One worker per server:
 the server holds one transfer group, joined at the first update.
@@ -28,6 +30,7 @@ import torch
 
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
+from rollouters.engines.vllm_options import parse_version, span_versions
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ def server_args(model_dir: str, host: str, port: int) -> list[str]:
 
     return ["--model", model_dir, "--host", host, "--port", str(port),
             "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
-            "--no-enable-prefix-caching", "--enable-scale-out",
+            "--enable-prefix-caching", "--enable-scale-out",
             "--worker-extension-cls", EXTENSION_CLS,
             "--weight-transfer-config", json.dumps({"backend": BACKEND})]
 
@@ -54,18 +57,24 @@ class ServerError(RuntimeError):
 class VLLMServerEngine:
     """Implements :class:`~rollouters.engines.base.Engine` against one vLLM server.
 
-    ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``.
+    ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``. ``sampling``: more
+    sampling parameters for every request (``top_p``, ``top_k``, ``stop``, ``stop_token_ids``
+    besides the EOS ids). ``server``: one this worker launched (:mod:`vllm_fleet`), stopped by
+    :meth:`close`.
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
+                 server: Any = None) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
+        self.sampling = dict(sampling or {})
         self.timeout_s = timeout_s
+        self._server = server
         self._host = host  # address the transfer group's store binds (the server dials it)
         self._update_lock = threading.Lock()
-        self._group: Any = None
-        self._version = _parse_version(self._request("GET", "/weight_info")["weight_version"], 0)
+        self._sender: Any = None  # a vllm_gloo.GlooSender, from the first update on
+        self._version = parse_version(self._request("GET", "/weight_info")["weight_version"], 0)
         self._initial_version = self._version
         logger.info("attached to vLLM server %s at version %d", self.url, self._version)
 
@@ -79,10 +88,12 @@ class VLLMServerEngine:
                  max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
         """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
-        params = {"n": n, "temperature": 0.0 if greedy else temperature,
+        extra_stops = list(self.sampling.get("stop_token_ids", ()))
+        params = {**self.sampling, "n": n, "temperature": 0.0 if greedy else temperature,
                   "max_tokens": max_new_tokens, "logprobs": 0,
-                  "stop_token_ids": list(self.eos_ids),
-                  "ignore_eos": True, "detokenize": False}  # exactly these ids, every server
+                  "stop_token_ids": [*self.eos_ids, *extra_stops],
+                  "ignore_eos": True,  # exactly these ids, every server
+                  "detokenize": bool(self.sampling.get("stop"))}
         workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
         with ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
             return list(pool.map(lambda p: self._generate_one(p, params), prompts))
@@ -97,80 +108,38 @@ class VLLMServerEngine:
     def _completion(self, choice: dict[str, Any]) -> Completion:
         tokens = list(choice["token_ids"])
         logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-        versions = self._versions(choice.get("weight_versions"), len(tokens))
+        versions = span_versions(choice.get("weight_versions"), len(tokens),
+                                 self._initial_version)
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
         return Completion(tokens=tokens, logprobs=logprobs, versions=versions,
                           finish_reason=reason)
-
-    def _versions(self, spans: list[dict[str, Any]] | None, length: int) -> list[int]:
-        """Per-token versions from the server's spans (``[start, end)`` per version label)."""
-        if not spans:
-            raise ServerError("the server returned no weight_versions (vLLM too old?)")
-        versions = [self._initial_version] * length
-        for span in spans:
-            version = _parse_version(span["version"], self._initial_version)
-            versions[span["start"]:span["end"]] = [version] * (span["end"] - span["start"])
-        return versions
 
     # --- weights ---------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Pause (requests kept), broadcast the tensors into the server, label them ``version``,
-        resume. Safe beside :meth:`generate`: tokens sampled before the pause keep the old
-        label, those after it get the new one."""
-        from rollouters.engines import vllm_gloo
+        reset the prefix cache, resume. Safe beside :meth:`generate`: tokens sampled before
+        the pause keep the old label, those after it get the new one."""
+        from rollouters.engines.vllm_gloo import GlooSender  # imports vLLM: only when sending
 
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         with self._update_lock:
-            if self._group is None:
-                self._group = self._join_group()
+            if self._sender is None:
+                self._sender = GlooSender(self._host, 1, self.timeout_s)
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: self._request(
+                    "POST", "/init_weight_transfer_engine", {"init_info": info}))
             self._request("POST", "/pause?mode=keep")
             try:
                 self._request("POST", "/start_weight_update")
-                self._while(lambda: vllm_gloo.send_tensors(self._group, tensors),
-                            "/update_weights", {"update_info": vllm_gloo.update_info(tensors)})
+                self._sender.send(tensors, lambda info: self._request(
+                    "POST", "/update_weights", {"update_info": info}))
                 self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+                self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
                 self._version = version
             finally:
                 self._request("POST", "/resume")
         logger.debug("server %s at version %d (%d tensors)", self.url, version, len(tensors))
-
-    def _join_group(self) -> Any:
-        """Rank 0 of a two-party gloo group with the server's worker (rank 1)."""
-        from rollouters.engines import vllm_gloo
-
-        listen = vllm_gloo.free_listen_socket(self._host)
-        port = listen.getsockname()[1]
-        init = {"master_address": self._host, "master_port": port, "rank_offset": 1,
-                "world_size": 2, "timeout_s": self.timeout_s}
-        group: list[Any] = []
-        self._while(lambda: group.append(
-            vllm_gloo.open_sender_group(listen, 2, self.timeout_s)),
-            "/init_weight_transfer_engine", {"init_info": init})
-        logger.info("weight-transfer group with %s on %s:%d", self.url, self._host, port)
-        return group[0]
-
-    def _while(self, local: Any, path: str, body: dict[str, Any]) -> None:
-        """POST ``path`` on a helper thread while ``local()`` runs here: both sides of a
-        collective must be in it at once."""
-        errors: list[BaseException] = []
-
-        def call() -> None:
-            try:
-                self._request("POST", path, body)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-                errors.append(exc)
-
-        thread = threading.Thread(target=call, name=f"vllm-http{path}", daemon=True)
-        thread.start()
-        try:
-            local()
-        finally:
-            thread.join(self.timeout_s)
-        if errors:
-            raise errors[0]
-        if thread.is_alive():
-            raise ServerError(f"{self.url}{path} did not answer in {self.timeout_s}s")
 
     # --- HTTP ------------------------------------------------------------------------------
 
@@ -179,13 +148,8 @@ class VLLMServerEngine:
                             ServerError)
 
     def close(self) -> None:
-        """Forget the transfer group (the server keeps running: it is not ours)."""
-        self._group = None
+        """Forget the transfer group; stop the server if this worker launched it."""
+        self._sender = None
+        if self._server is not None:
+            self._server.stop()
 
-
-def _parse_version(label: str | None, default: int) -> int:
-    """Server version labels are our integers as strings; vLLM's initial label is "default"."""
-    try:
-        return int(label) if label is not None else default
-    except ValueError:
-        return default

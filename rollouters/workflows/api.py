@@ -19,6 +19,11 @@ from rollouters.engines.base import Completion
 from rollouters.tasks.sample import Sample
 
 
+class PromptTooLong(ValueError):
+    """A sample's prompt is longer than ``data.max_prompt_tokens``: the episode is skipped and
+    counted (``rollout/episodes_prompt_too_long``), never run on a cut prompt."""
+
+
 @runtime_checkable
 class EpisodeEngine(Protocol):
     """What a workflow may ask of the inference engine."""

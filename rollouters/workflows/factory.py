@@ -102,7 +102,7 @@ def make_workflow(cfg: Config, tokenizer: Any, seed: int) -> Workflow:
 
         return SingleTurnWorkflow(tokenizer, make_reward(cfg.reward),
                                   chat() if wf.chat_template else None,
-                                  wf.system_prompt)
+                                  wf.system_prompt, cfg.data.max_prompt_tokens)
     raise ValueError(f"workflow.type {wf.type!r} has no episode workflow (digits use "
                      "rollouters.workflows.single_turn.generate_groups)")
 

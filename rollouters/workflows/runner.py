@@ -21,7 +21,13 @@ from asyncrl.staleness import NO_VERSION, is_fresh
 from asyncrl.wire.group import TrajectoryGroup
 from rollouters.engines.base import Completion
 from rollouters.tasks.sample import Sample
-from rollouters.workflows.api import EpisodeEngine, Trajectory, Workflow, group_from_trajectories
+from rollouters.workflows.api import (
+    EpisodeEngine,
+    PromptTooLong,
+    Trajectory,
+    Workflow,
+    group_from_trajectories,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,11 @@ class EpisodeRunner:
                             "episodes_dropped_stale"] += 1
                 logger.info("episode of sample %s is stale (%s): %s", sample.sample_id, exc,
                             "restarting" if requeue else "dropped")
+            except PromptTooLong as exc:
+                if self.counts["episodes_prompt_too_long"] == 0:
+                    logger.warning("%s: skipped (rollout/episodes_prompt_too_long)", exc)
+                self.counts["episodes_prompt_too_long"] += 1
+                return None
             except asyncio.TimeoutError:
                 self.counts["episodes_timed_out"] += 1
                 logger.warning("episode of sample %s ran past %.0f s: dropped",

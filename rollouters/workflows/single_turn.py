@@ -19,7 +19,7 @@ from rollouters.engines.base import Completion, Engine
 from rollouters.rewards.base import RewardScorer
 from rollouters.tasks.digits import Prompt, Task
 from rollouters.tasks.sample import Sample
-from rollouters.workflows.api import EpisodeEngine, Trajectory
+from rollouters.workflows.api import EpisodeEngine, PromptTooLong, Trajectory
 from rollouters.workflows.chat import ChatFormat
 
 
@@ -59,9 +59,10 @@ class SingleTurnWorkflow:
     """Prompt → one response → reward. ``chat=None`` encodes the prompt text as is."""
 
     def __init__(self, tokenizer: Any, reward: RewardScorer, chat: ChatFormat | None,
-                 system_prompt: str = "") -> None:
+                 system_prompt: str = "", max_prompt_tokens: int | None = None) -> None:
         self.tokenizer, self.reward, self.chat = tokenizer, reward, chat
         self.system_prompt = system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
 
     def prompt_tokens(self, sample: Sample) -> list[int]:
         """The prompt's ids: chat messages (verl's layout) through the chat template, with
@@ -94,7 +95,11 @@ class SingleTurnWorkflow:
 
     async def run_episode(self, engine: EpisodeEngine, sample: Sample) -> Trajectory | None:
         trajectory = Trajectory(metadata={"sample_id": sample.sample_id})
-        trajectory.add_context(self.prompt_tokens(sample))
+        prompt = self.prompt_tokens(sample)
+        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+            raise PromptTooLong(f"sample {sample.sample_id}: {len(prompt)} prompt tokens > "
+                                f"data.max_prompt_tokens = {self.max_prompt_tokens}")
+        trajectory.add_context(prompt)
         completion = await engine.generate(trajectory.tokens)
         trajectory.add_turn(completion)
         text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)

@@ -115,7 +115,8 @@ def test_update_changes_outputs_as_weights_dictate(engine, tiny_model_dir: Path,
 def test_in_flight_update_tags_each_token(engine, tiny_model_dir: Path,
                                           reference_state: dict) -> None:
     """An update after step 2 of a running batch: tokens 0-2 are version 0, the rest version 1,
-    and the tokens are those the torch reference makes with the same switch (old KV kept)."""
+    and the tokens are those the torch reference makes with the same switch (the patch leaves
+    the KV cache as it was, so recomputing it under the new weights changes nothing)."""
     patched = _patched(reference_state)
     reference = _reference_engine(tiny_model_dir, reference_state)
     for target in (engine, reference):
@@ -163,3 +164,28 @@ def test_updates_from_another_thread_keep_versions_monotonic(engine,
         assert completion.versions == sorted(completion.versions)
         assert set(completion.versions) <= set(loaded)
         assert len(completion.versions) == len(completion.tokens) == len(completion.logprobs)
+
+
+def test_a_failed_update_is_followed_by_a_fresh_join(engine, tiny_model_dir: Path,
+                                                     reference_state: dict) -> None:
+    """An update the worker refuses at its first tensor (a name the model lacks) raises at once,
+    not after the broadcast's timeout, and drops the transfer group; the next update joins a
+    fresh group and lands, as after an eviction and rejoin. Meanwhile the engine generates with
+    the weights it had."""
+    before = _flat(engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
+    bad = {"model.no_such_layer.weight": torch.zeros(2), **reference_state}
+    start = time.perf_counter()
+    with pytest.raises(Exception, match="no_such_layer"):
+        engine.load_weights(bad.items(), version=1)
+    assert time.perf_counter() - start < 30  # not the 60 s gloo timeout
+    assert engine._sender.group is None and engine.version == 0
+    again = _flat(engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
+    assert [c.tokens for c in again] == [c.tokens for c in before]
+    patched = _patched(reference_state)
+    engine.load_weights(patched.items(), version=2)
+    assert engine.version == 2
+    after = _flat(engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
+    expected = _flat(_reference_engine(tiny_model_dir, patched).generate(
+        PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
+    assert [c.tokens for c in after] == [c.tokens for c in expected]
+    assert all(set(c.versions) == {2} for c in after)

@@ -1,18 +1,15 @@
-"""An external vLLM server, attached through its RL routes (real server subprocess).
+"""A vLLM server, attached through its RL routes (real server subprocess).
 
-The server is started exactly as an operator would, with the command docs/engines.md gives
-(``python -m rollouters.engines.vllm_launch MODEL_DIR --port P``); the engine under test only talks
-HTTP to it and broadcasts weights on the ``asyncrl_gloo`` transfer group.
+The server is launched as a rollout worker launches its own (:class:`VLLMServer`), with the
+command docs/engines.md gives an operator (``python -m rollouters.engines.vllm_launch``: the
+same function, checked first); the engine under test only talks HTTP to it and broadcasts
+weights on the ``asyncrl_gloo`` transfer group.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -31,15 +28,9 @@ from tests.engines.test_vllm_engine import (
     _patched,
     _reference_engine,
 )
-from tests.integration.conftest import ROOT, wait_for
+from tests.integration.conftest import wait_for
 
 MAX_NUM_SEQS = 128
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _get(url: str) -> str:
@@ -47,43 +38,35 @@ def _get(url: str) -> str:
         return response.read().decode()
 
 
-def _healthy(url: str, proc: subprocess.Popen, log: Path) -> bool:
-    if proc.poll() is not None:
-        raise AssertionError(f"vLLM server exited ({proc.returncode}):\n"
-                             f"{log.read_text(errors='replace')[-4000:]}")
-    try:
-        return _get(f"{url}/health") is not None
-    except OSError:
-        return False
+def test_the_documented_command_is_the_launched_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m rollouters.engines.vllm_launch`` (docs/engines.md) runs the command a worker
+    launches its own servers with (:class:`VLLMServer`, tested below): the same function."""
+    from rollouters.engines import vllm_launch
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(vllm_launch.os, "execvpe", lambda _, argv, env: ran.append(argv))
+    vllm_launch.main(["/m", "--port", "8123", "--device", "cpu", "--", "--max-num-seqs", "9"])
+    assert ran == [vllm_launch.command("/m", "127.0.0.1", 8123, "cpu", ["--max-num-seqs", "9"])]
 
 
 @pytest.fixture(scope="module")
 def server_url(vllm_env: dict[str, str], tiny_model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    # The documented command (docs/engines.md), with two test-only flags after "--":
-    # --max-num-seqs: every row of the in-flight test runs at once (vLLM's CPU default, stated);
-    # --enable-server-load-tracking: /load counts the generate requests the server holds.
-    argv = [sys.executable, "-m", "rollouters.engines.vllm_launch", str(tiny_model_dir),
-            "--port", str(port), "--device", "cpu", "--",
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--enable-server-load-tracking"]
-    env = dict(os.environ, **vllm_env,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """A server launched as a worker launches its own (``rollout.engine = "vllm-server"``
+    without ``rollout.url``), with ``max_num_seqs`` rows at once (every row of the in-flight
+    test) and one test-only flag: ``/load`` counts the generate requests the server holds."""
+    from rollouters.engines.vllm_fleet import VLLMServer
+    from rollouters.engines.vllm_options import VLLMOptions
+
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)
+    server = VLLMServer(tiny_model_dir, VLLMOptions(eos_ids=(EOS_ID,), max_num_seqs=MAX_NUM_SEQS),
+                        log, start_timeout_s=180,
+                        extra_flags=("--enable-server-load-tracking",))
     try:
-        wait_for(lambda: _healthy(url, proc, log), 180, "the vLLM server to be healthy")
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
+        assert not server.running
 
 
 @pytest.fixture(scope="module")

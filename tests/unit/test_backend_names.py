@@ -157,11 +157,12 @@ def test_each_engine_kind_answers() -> None:
     torch, vllm, server, sglang, sim = (engine_kind(n) for n in
                                         ("torch", "vllm", "vllm-server", "sglang", "sim"))
     assert [k.name for k in ENGINE_KINDS.values() if k.merges_adapters] == ["torch"]
-    assert [k.name for k in ENGINE_KINDS.values() if k.needs_url] == ["vllm-server"]
+    assert [k.name for k in ENGINE_KINDS.values() if k.needs_url] == []  # all can launch
     assert [k.name for k in ENGINE_KINDS.values() if k.threads] == ["sim"]
     assert [k.name for k in ENGINE_KINDS.values() if k.packs_every_tensor] == ["sglang"]
     assert sglang.bucket_align == 1 and torch.bucket_align is None and sim.bucket_align is None
-    assert (vllm.table, sglang.table, server.table, torch.table) == ("vllm", "sglang", None, None)
+    assert (vllm.table, sglang.table, server.table, torch.table) == \
+        ("vllm", "sglang", "vllm", None)
 
 
 def test_an_engine_kind_reads_a_sub_table_that_exists() -> None:
@@ -176,25 +177,24 @@ def test_an_unknown_engine_kind_names_the_choices() -> None:
         engine_kind("tgi")
 
 
-def test_an_engine_that_needs_a_url_is_refused_without_one() -> None:
-    with pytest.raises(ConfigError, match="rollout.engine = 'vllm-server' needs rollout.url"):
-        load_config(None, ["rollout.engine='vllm-server'"])
+def test_a_vllm_server_fleet_is_attached_or_launched() -> None:
+    """With ``rollout.url`` the workers attach to it; without, each launches its own server."""
+    assert load_config(None, ["rollout.engine='vllm-server'"]).rollout.url == ""
     assert load_config(None, ["rollout.engine='vllm-server'", "rollout.url='http://h:8000'",
                               "rollout.workers=1"]).rollout.url == "http://h:8000"
 
 
-def test_the_vllm_table_is_read_by_vllm_only(caplog: pytest.LogCaptureFixture) -> None:
-    """``[rollout.vllm]`` belongs to the in-process engine: a vllm-server run is told it is
-    ignored, and the rendered config leaves it out."""
+def test_the_vllm_table_is_read_by_both_vllm_kinds(caplog: pytest.LogCaptureFixture) -> None:
+    """``[rollout.vllm]`` belongs to both vLLM kinds (vllm-server reads its sampling keys, and
+    its serving keys for the servers it launches): no warning, and the rendered config keeps
+    it; a torch run is told it is ignored."""
     overrides = ["rollout.engine='vllm-server'", "rollout.url='http://h:8000'",
                  "rollout.workers=1", "rollout.vllm.enforce_eager=false"]
     with caplog.at_level(logging.WARNING, logger="asyncrl.config.resolve"):
         cfg = load_config(None, overrides)
-    assert [r.getMessage() for r in caplog.records] == [
-        "rollout.vllm.enforce_eager ignored: rollout.engine = 'vllm-server' does not read "
-        "[rollout.vllm]"]
+    assert caplog.records == []
     text = to_toml(cfg)
-    assert "[rollout.vllm]" not in text and "[rollout.sglang]" not in text
+    assert "[rollout.vllm]" in text and "[rollout.sglang]" not in text
     assert "[rollout.vllm]" in to_toml(load_config(None, ["rollout.engine='vllm'"]))
 
 

@@ -33,12 +33,16 @@ BASE = LearnerConfig(lr=1e-3, grad_clip=1.0, clip_eps=0.2,
                      loss=LossConfig(aggregation="group", clip_eps_high=0.28),
                      micro_batch_tokens=0, packing=False)
 RUNS = {   # name: (world, config)
-    "unbatched": (1, BASE),
+    # The reference: unbatched, full logits (the others run the chunked LM head).
+    "unbatched": (1, BASE.model_copy(update={"logprob_chunk_tokens": 0})),
     "packed": (2, BASE.model_copy(update={"micro_batch_tokens": 16, "packing": True})),
     "padded": (2, BASE.model_copy(update={"micro_batch_tokens": 20, "packing": False})),
     "checkpointed": (1, BASE.model_copy(update={"activation_checkpointing": True,
                                                 "micro_batch_tokens": 24, "packing": True})),
     "bf16": (1, BASE.model_copy(update={"mixed_precision": "bf16"})),
+    # LM head 3 tokens at a time under FSDP2: its gradient reduced across the ranks.
+    "chunked": (2, BASE.model_copy(update={"micro_batch_tokens": 16, "packing": True,
+                                           "logprob_chunk_tokens": 3})),
 }
 
 
@@ -76,7 +80,7 @@ def test_shares_are_balanced_and_micro_batched() -> None:
     assert all(len(plan_micro_batches(s.lengths.tolist(), 16, True)) > 1 for s in shares)
 
 
-@pytest.mark.parametrize("name", ["packed", "padded", "checkpointed"])
+@pytest.mark.parametrize("name", ["packed", "padded", "checkpointed", "chunked"])
 def test_matches_unbatched_one_rank(runs: dict[str, dict], tiny_model_dir: Path,
                                    name: str) -> None:
     single, other = runs["unbatched"], runs[name]

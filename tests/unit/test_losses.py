@@ -259,7 +259,10 @@ def test_entropy_bonus_moves_the_gradient_towards_higher_entropy() -> None:
     step on it raises the entropy where the plain loss alone would lower it."""
     from asyncrl.config.schema import LearnerConfig, LossConfig
     from learners.losses.objective import objective
-    from learners.packing import _entropy
+    from learners.fused_logprobs import plain_logprobs_entropy
+
+    def _entropy(logits: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        return plain_logprobs_entropy(logits, logits.argmax(-1), entropy_grad=grad)[1]
 
     torch.manual_seed(0)
     logits0 = torch.randn(1, 3, 5, dtype=torch.float64) * 2.0

@@ -187,3 +187,17 @@ def test_wrong_import_paths_name_the_config_key(overrides: list[str], message: s
     with pytest.raises(ConfigError) as info:
         make_workflow(load_config(None, overrides), TOKENIZER, 0)
     assert message in str(info.value)
+
+
+def test_prompts_longer_than_the_limit_are_skipped_and_counted_never_cut() -> None:
+    """``data.max_prompt_tokens``: a longer prompt never reaches the engine; each of its
+    episodes is counted, and a prompt within the limit runs as it is."""
+    cfg = load_config(None, ["workflow.type=single_turn", "workflow.chat_template=false",
+                             "data.path=rows.jsonl", "data.max_prompt_tokens=8"])
+    engine = ScriptedEngine(["7"], [0])
+    runner = EpisodeRunner(make_workflow(cfg, TOKENIZER, 0), engine, 2)
+    assert asyncio.run(runner.group(Sample("long", "123456789012"), 2)) is None
+    assert runner.counts["episodes_prompt_too_long"] == 2 and engine.calls == 0
+    assert runner.metrics()["rollout/episodes_prompt_too_long"] == 2
+    group = asyncio.run(runner.group(Sample("short", "12"), 1))
+    assert group is not None and engine.calls == 1

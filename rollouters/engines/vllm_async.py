@@ -1,0 +1,183 @@
+"""vLLM as it runs on GPUs (``rollout.engine = "vllm"``, ``rollout.vllm.mode = "async"``).
+
+The engine is vLLM's ``AsyncLLM``: its engine core runs in a process of its own, scheduling
+overlapped with the forward, with CUDA graphs, tensor and data parallelism as vLLM provides
+them. This module only drives it, from a private asyncio loop on one thread, so the
+synchronous :class:`~rollouters.engines.base.Engine` protocol holds:
+
+* ``generate``: one request per prompt with vLLM's ``n``, token ids in and out, behaviour
+  logprobs as ``processed_logprobs``. Per-token versions are vLLM's own: each output carries
+  the ``weight_version`` the engine core held when it sampled the tokens.
+* ``load_weights``: vLLM's RL sequence only: ``pause_generation(mode="keep")`` (requests stay
+  queued), ``start_weight_update``, ``update_weights`` while this process broadcasts the
+  tensors on the transfer group (:class:`~rollouters.engines.vllm_gloo.GlooSender`),
+  ``finish_weight_update(version)``, ``reset_prefix_cache`` (running requests are recomputed
+  under the new weights, and no prefix cached under old weights is reused), ``resume``. Every
+  call is bounded by ``update_timeout_s`` (``weights.timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Coroutine, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from rollouters.engines.base import Completion, check_generate_args
+from rollouters.engines.vllm_gloo import BACKEND, GlooSender
+from rollouters.engines.vllm_options import (
+    VLLMOptions,
+    check_head_dim,
+    completion,
+    configure_process_env,
+    engine_args,
+    sampling_params,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncVLLMEngine:
+    """Implements :class:`~rollouters.engines.base.Engine` over vLLM's ``AsyncLLM``."""
+
+    def __init__(self, model_dir: str | Path, opts: VLLMOptions, version: int = 0,
+                 update_timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+        if opts.weight_backend != BACKEND:
+            raise ValueError(f"the vLLM engine sends weights with {BACKEND!r} only so far, "
+                             f"not {opts.weight_backend!r} (weights.transport)")
+        check_head_dim(model_dir, opts.device)
+        configure_process_env(opts.device, in_process=False)
+        self.opts = opts
+        self.update_timeout_s = update_timeout_s
+        self._version = version
+        self._ids = itertools.count()
+        self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, so far
+        self._update_lock = threading.Lock()
+        workers = opts.tensor_parallel_size * opts.data_parallel_size
+        self._sender = GlooSender(host, workers, update_timeout_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async",
+                                        daemon=True)
+        self._thread.start()
+        self._llm: Any = None
+        try:
+            self._llm = self._run(self._start(engine_args(model_dir, opts, asynchronous=True)))
+        except BaseException:
+            self.close()
+            raise
+        logger.info("vLLM AsyncLLM engine ready (%s, %s, version %d)", model_dir, opts.device,
+                    version)
+
+    async def _start(self, args: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(args)
+        await llm.update_weight_version(str(self._version))  # labels are ours from the start
+        return llm
+
+    async def _init_transfer(self, info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the engine's loop and wait for it (``TimeoutError`` after
+        ``timeout_s``, the coroutine then cancelled)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # --- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, temperature: float,
+                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+        params = sampling_params(self.opts, n, 0.0 if greedy else temperature, max_new_tokens,
+                                 delta=False)
+        call = next(self._ids)
+        return self._run(self._generate_all(prompts, params, call))
+
+    async def _generate_all(self, prompts: list[list[int]], params: Any,
+                            call: int) -> list[list[Completion]]:
+        ids = [f"asyncrl-{call}-{i}" for i in range(len(prompts))]
+        tasks = [asyncio.ensure_future(self._generate_one(p, params, rid))
+                 for p, rid in zip(prompts, ids)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await self._llm.abort(ids)
+            raise
+
+    async def _generate_one(self, prompt: list[int], params: Any,
+                            request_id: str) -> list[Completion]:
+        final = None
+        async for output in self._llm.generate({"prompt_token_ids": list(prompt)}, params,
+                                               request_id=request_id):
+            final = output
+        assert final is not None and final.finished, request_id
+        self.cached_prompt_tokens += final.num_cached_tokens or 0
+        samples = sorted(final.outputs, key=lambda s: s.index)
+        return [completion(sample, self._version) for sample in samples]
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
+        resume. Tokens sampled before the pause keep their label, those after carry
+        ``version``."""
+        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        timeout = self.update_timeout_s
+        with self._update_lock:
+            if self._sender.group is None:  # the first update, or the first after a failed one
+                self._sender.join(lambda info: self._run(self._init_transfer(info)))
+            self._run(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
+            try:
+                self._run(self._llm.start_weight_update(), timeout)
+                self._sender.send(tensors, lambda info: self._run(self._update(info)))
+                self._run(self._llm.finish_weight_update(str(version)), timeout)
+                self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
+                self._version = version
+            finally:
+                self._run(self._llm.resume_generation(), timeout)
+        logger.debug("vLLM AsyncLLM engine at version %d (%d tensors)", version, len(tensors))
+
+    async def _update(self, info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A parameter as the running model holds it (tests: did an update land?)."""
+        values = self._run(self._llm.collective_rpc("asyncrl_weight", args=(name,)))[0]
+        return torch.tensor(values)
+
+    def close(self) -> None:
+        """Shut the engine core down and stop the loop; idempotent. The shutdown runs on the
+        loop, where vLLM's output handler task runs (cancelling it elsewhere is unsafe)."""
+        if self._llm is not None:
+            self._run(_shutdown(self._llm))
+            self._llm = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+
+
+async def _shutdown(llm: Any) -> None:
+    llm.shutdown()

@@ -1,0 +1,187 @@
+"""What both vLLM engine modes share: their options, ``EngineArgs``, sampling parameters, and
+per-token versions read from vLLM's ``weight_versions`` spans.
+
+The engines (:mod:`vllm_engine`: ``LLMEngine`` stepped in this process; :mod:`vllm_async`:
+``AsyncLLM`` with its engine core in its own process) differ only in how they drive vLLM. The
+arguments vLLM gets, and how its outputs become :class:`~rollouters.engines.base.Completion`
+rows, are here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollouters.engines.base import Completion
+
+# Smallest attention head size vLLM's CPU attention kernels support.
+CPU_MIN_HEAD_DIM = 32
+DEFAULT_MAX_NUM_SEQS = 256
+CPU_KV_CACHE_MB = 64  # a KV cache in bytes on CPU: a GPU fraction means nothing on a shared host
+
+
+@dataclass
+class VLLMOptions:
+    """What an engine needs beyond the model directory (mapped from ``[rollout.vllm]``).
+
+    ``enforce_eager`` None follows the device: eager on CPU (vLLM's CPU backend has no CUDA
+    graphs), CUDA graphs on GPU (vLLM's default, the fast decode). ``kv_cache_memory_mb`` None
+    follows it too: 64 MB on CPU, ``gpu_memory_utilization`` on GPU. ``weight_backend`` is the
+    name vLLM's weight-transfer factory knows (our gloo backend on CPU)."""
+
+    eos_ids: tuple[int, ...]  # any of them ends a row (asyncrl.tokens)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    kv_cache_memory_mb: int | None = None
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    weight_backend: str = "asyncrl_gloo"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def configure_process_env(device: str, in_process: bool) -> None:
+    """Environment vLLM reads at engine start; must run before the engine is built.
+
+    In-process mode needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (it steps the core itself). The
+    others are CPU defaults a caller may override (the notes: without them a shared 2-core
+    machine compiles for seconds and runs 20x slower)."""
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device == "cpu":
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def engine_arg_names() -> set[str]:
+    """The fields of vLLM's ``EngineArgs``: what ``rollout.vllm.engine_args`` may set."""
+    from vllm import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def check_extra_args(extra: dict[str, Any]) -> None:
+    """A key ``EngineArgs`` does not have is a config error naming it (the schema checks this
+    too where vLLM is installed beside the config; this is the engine's own guard)."""
+    unknown = sorted(set(extra) - engine_arg_names())
+    if unknown:
+        raise ValueError(f"rollout.vllm.engine_args.{unknown[0]}: not a vLLM EngineArgs field")
+
+
+def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
+    """The ``EngineArgs`` keywords for one rollout engine (token ids in and out).
+
+    Prefix caching is on: each weight update resets it (a prefix cached under old weights is
+    never reused). The tokenizer is loaded only when stop strings need detokenized text."""
+    check_extra_args(opts.extra)
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir), "dtype": opts.dtype, "seed": opts.seed,
+        "enforce_eager": (opts.device == "cpu") if opts.enforce_eager is None
+        else opts.enforce_eager,
+        "skip_tokenizer_init": not opts.stop,
+        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": True,
+        "max_num_seqs": opts.max_num_seqs, "worker_extension_cls": _extension_cls(),
+        "gpu_memory_utilization": opts.gpu_memory_utilization,
+        "tensor_parallel_size": opts.tensor_parallel_size,
+        "data_parallel_size": opts.data_parallel_size,
+        "weight_transfer_config": {"backend": opts.weight_backend}}
+    if opts.max_model_len is not None:
+        kwargs["max_model_len"] = opts.max_model_len
+    kv_mb = kv_cache_mb(opts)
+    if kv_mb:
+        kwargs["kv_cache_memory_bytes"] = kv_mb << 20
+    kwargs.update(opts.extra)
+    return kwargs
+
+
+def kv_cache_mb(opts: VLLMOptions) -> int:
+    """The KV cache's size in MB; 0: sized from ``gpu_memory_utilization``."""
+    if opts.kv_cache_memory_mb is not None:
+        return opts.kv_cache_memory_mb
+    return CPU_KV_CACHE_MB if opts.device == "cpu" else 0
+
+
+def _extension_cls() -> str:
+    from rollouters.engines.vllm_extension import EXTENSION_CLS
+
+    return EXTENSION_CLS
+
+
+def engine_args(model_dir: str | Path, opts: VLLMOptions, asynchronous: bool = False) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    return (AsyncEngineArgs if asynchronous else EngineArgs)(**engine_kwargs(model_dir, opts))
+
+
+def sampling_params(opts: VLLMOptions, n: int, temperature: float, max_new_tokens: int,
+                    delta: bool) -> Any:
+    """Sampling as the learner recomputes it: logprobs after temperature (and top-k/top-p),
+    stopping at the model's EOS ids and ``stop_token_ids``, never at vLLM's own idea of EOS."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_new_tokens,
+                          top_p=opts.top_p, top_k=opts.top_k, stop=list(opts.stop) or None,
+                          logprobs=0, stop_token_ids=[*opts.eos_ids, *opts.stop_token_ids],
+                          ignore_eos=True, detokenize=bool(opts.stop), output_kind=kind)
+
+
+def check_head_dim(model_dir: str | Path, device: str) -> None:
+    """Fail early and clearly where vLLM's CPU kernels would fail at the first batch."""
+    if device != "cpu":
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    if head_dim < CPU_MIN_HEAD_DIM:
+        raise ValueError(
+            f"vLLM on CPU needs an attention head size >= {CPU_MIN_HEAD_DIM}, the model has "
+            f"{head_dim}: for the tiny model use model.tiny.hidden_size / num_heads >= 32 "
+            "(e.g. --set model.tiny.num_heads=2 --set model.tiny.num_kv_heads=1)")
+
+
+def parse_version(label: str | None, default: int) -> int:
+    """Version labels are our integers as strings; vLLM's initial label is "default"."""
+    try:
+        return int(label) if label is not None else default
+    except ValueError:
+        return default
+
+
+def span_versions(spans: list[Any] | None, length: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``[start, end)`` per label,
+    objects or dicts): each token carries the label the engine core held when it sampled it."""
+    if length and not spans:
+        raise RuntimeError("vLLM returned no weight_versions for a completion (vLLM too old?)")
+    versions = [default] * length
+    for span in spans or ():
+        get = span.get if isinstance(span, dict) else lambda key, s=span: getattr(s, key)
+        start, end = get("start"), get("end")
+        versions[start:end] = [parse_version(get("version"), default)] * (end - start)
+    return versions
+
+
+def completion(sample: Any, default_version: int) -> Completion:
+    """One finished vLLM ``CompletionOutput`` as a row: logprobs of the sampled tokens (vLLM
+    always includes them with ``logprobs=0``), versions from its spans. A stop string ends a
+    row as an EOS does."""
+    tokens = list(sample.token_ids)
+    logprobs = [step[token].logprob for token, step in zip(tokens, sample.logprobs)]
+    return Completion(tokens=tokens, logprobs=logprobs,
+                      versions=span_versions(sample.weight_versions, len(tokens),
+                                             default_version),
+                      finish_reason="stop" if sample.finish_reason == "stop" else "length")

@@ -1,0 +1,149 @@
+"""vLLM's ``AsyncLLM`` engine (``rollout.vllm.mode = "async"``): engine core in its own process,
+weights through vLLM's weight-transfer API on the ``asyncrl_gloo`` backend.
+
+One engine per module (its start costs seconds). Rows have no EOS (``eos_ids=()``), so every
+row runs to ``max_new_tokens``, and the KV cache blocks are 32 tokens (the CPU minimum), so a
+36-token prompt fills a block the prefix cache can keep.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.config.schema import TaskConfig
+from asyncrl.models import PAD_ID, load_causal_lm
+from rollouters.tasks import make_task
+from tests.engines.test_vllm_engine import LOGPROB_TOLERANCE, PROMPTS, _flat, _patched
+from tests.integration.conftest import wait_for
+
+LONG_PROMPT = [1] + [4 + (i * 7) % 10 for i in range(34)] + [2]  # > one 32-token block
+ROWS_LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def async_engine(vllm_env: dict[str, str], tiny_model_dir: Path,
+                 reference_state: dict) -> Iterator[object]:
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    from rollouters.engines.vllm_options import VLLMOptions
+
+    engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(eos_ids=(), seed=0, max_num_seqs=32,
+                                                         extra={"block_size": 32}))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def engine(async_engine, reference_state: dict) -> Iterator[object]:
+    """The module's engine; whatever a test loads, the initial weights are back afterwards."""
+    yield async_engine
+    async_engine.load_weights(reference_state.items(), version=async_engine.version + 1)
+
+
+def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their T=1 logprobs, recomputing the whole context each step."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+    return tokens, logprobs
+
+
+def test_async_logprobs_match_learner_recompute(engine, tiny_model_dir: Path) -> None:
+    from learners.backends.fsdp2 import token_logprobs
+    from learners.batching import collate
+    from rollouters.workflows.single_turn import generate_groups
+
+    task = make_task(TaskConfig(), seed=0)
+    groups = generate_groups(engine, task, task.sample(random.Random(2), 4), group_size=8,
+                             temperature=1.0, max_new_tokens=8)
+    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
+    with torch.no_grad():
+        learner = token_logprobs(load_causal_lm(tiny_model_dir), batch)
+    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    assert float(delta.mean()) < LOGPROB_TOLERANCE
+    assert bool((batch.versions[batch.loss_mask] == engine.version).all())
+
+
+def _tokens_so_far(engine) -> list[int]:
+    """Output tokens of each request in flight (the engine's own bookkeeping)."""
+    states = list(engine._llm.output_processor.request_states.values())
+    return [state.detokenizer.num_output_tokens() for state in states]
+
+
+def test_async_in_flight_update_tags_each_token_exactly(engine, tiny_model_dir: Path,
+                                                        reference_state: dict) -> None:
+    """The update lands while every row is mid-flight: each row is old-version tokens, then
+    new-version ones, and each part is exactly what its weights make greedily (the new part
+    from the full context: vLLM recomputes the kept rows' KV cache under the new weights).
+
+    To land it mid-flight for sure, the engine is paused (requests kept, no step runs), then
+    let run a step or so at a time until every row has a token and none has finished."""
+    import threading
+
+    old, new = engine.version, engine.version + 1
+    patched = _patched(reference_state)
+    result: list = []
+    engine._run(engine._llm.pause_generation(mode="keep", clear_cache=False))
+    thread = threading.Thread(target=lambda: result.append(engine.generate(
+        PROMPTS, n=1, temperature=1.0, max_new_tokens=ROWS_LENGTH, greedy=True)))
+    try:
+        thread.start()
+        wait_for(lambda: len(_tokens_so_far(engine)) == len(PROMPTS), 60,
+                 "every request queued")
+
+        def step() -> bool:
+            engine._run(engine._llm.resume_generation())
+            engine._run(engine._llm.pause_generation(mode="keep", clear_cache=False))
+            return min(_tokens_so_far(engine)) >= 1
+
+        wait_for(step, 60, "every row's first token", poll_s=0.0)
+        assert max(_tokens_so_far(engine)) < ROWS_LENGTH  # none finished
+        engine.load_weights(patched.items(), version=new)  # resumes
+    finally:
+        engine._run(engine._llm.resume_generation())
+        thread.join(120)
+    old_model, new_model = load_causal_lm(tiny_model_dir), load_causal_lm(tiny_model_dir)
+    new_model.load_state_dict(patched)
+    for prompt, row in zip(PROMPTS, _flat(result[0])):
+        switch = row.versions.index(new)
+        assert 1 <= switch < ROWS_LENGTH
+        assert row.versions == [old] * switch + [new] * (ROWS_LENGTH - switch)
+        want_old, lp_old = _greedy(old_model, prompt, switch)
+        want_new, lp_new = _greedy(new_model, prompt + want_old, ROWS_LENGTH - switch)
+        assert row.tokens == want_old + want_new
+        delta = torch.tensor(row.logprobs) - torch.tensor(lp_old + lp_new)
+        assert float(delta.abs().max()) < 1e-3
+
+
+def test_async_prefix_cache_is_reset_by_an_update(engine, tiny_model_dir: Path,
+                                                  reference_state: dict) -> None:
+    """A repeated prompt is served from the prefix cache, until an update: then it is
+    recomputed, and its logprobs are the new weights'."""
+    def run() -> tuple[list[float], int]:
+        before = engine.cached_prompt_tokens
+        (rows,) = engine.generate([LONG_PROMPT], n=1, temperature=1.0, max_new_tokens=4,
+                                  greedy=True)
+        return rows[0].logprobs, engine.cached_prompt_tokens - before
+
+    run()
+    _, cached = run()
+    assert cached >= 32  # the prompt's first block came from the cache
+    patched = _patched(reference_state)
+    engine.load_weights(patched.items(), version=engine.version + 1)
+    logprobs, cached = run()
+    assert cached == 0
+    model = load_causal_lm(tiny_model_dir)
+    model.load_state_dict(patched)
+    _, want = _greedy(model, LONG_PROMPT, 4)
+    assert float((torch.tensor(logprobs) - torch.tensor(want)).abs().max()) < 1e-3
