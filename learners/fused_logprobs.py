@@ -139,13 +139,19 @@ def fusable(model: nn.Module) -> bool:
 
 
 def head_logprobs(model: nn.Module, head: nn.Linear, targets: Tensor, chunk_tokens: int,
-                  **inputs: Any) -> tuple[Tensor, Tensor]:
+                  temperature: float = 1.0, **inputs: Any) -> tuple[Tensor, Tensor]:
     """``model(**inputs)`` with its LM head ``head`` computing :func:`chunked_logprobs_entropy`
     of ``targets`` (shaped like ``input_ids``) instead of the logits. ``head`` is the output
-    embedding of a :func:`fusable` model (inside a peft wrapper: ``learners.lora.hf_model``)."""
+    embedding of a :func:`fusable` model (inside a peft wrapper: ``learners.lora.hf_model``).
+    ``temperature``: the logits are ``(hidden @ W.T + b) / T``, taken as ``(hidden / T) @ W.T
+    + b / T`` so the chunks never see an unscaled copy."""
 
     def fused(hidden: Tensor) -> Tensor:
-        logprobs, entropy = chunked_logprobs_entropy(hidden, head.weight, head.bias, targets,
+        bias = head.bias
+        if temperature != 1.0:
+            hidden = hidden / temperature
+            bias = None if bias is None else bias / temperature
+        logprobs, entropy = chunked_logprobs_entropy(hidden, head.weight, bias, targets,
                                                      chunk_tokens)
         # One tensor back through the model's forward, so hooks on the head's output (ZeRO-3's
         # re-gather for backward) see the computation; [..., 2] costs 8 bytes a token.

@@ -121,7 +121,8 @@ def _run(ctx: RankContext, model_dir: Path, device, stop: threading.Event,
 
     cfg = ctx.cfg
     trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora,
-                           attn_implementation=cfg.model.attn_implementation)
+                           attn_implementation=cfg.model.attn_implementation,
+                           temperature=cfg.rollout.temperature)
     checkpointer = Checkpointer(cfg)
     role = leaving.role = make_role(ctx, model_dir, evaluator)
     reached = reached_before(cfg, resume(ctx, checkpointer, trainer, role))

@@ -92,17 +92,20 @@ LOGPROB_CHUNK_TOKENS = 1024
 
 
 def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> Tensor:
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, temperature: float = 1.0
+                   ) -> Tensor:
     """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (0 on padding when
-    packed), by a packed or a padded forward (see the module docstring)."""
+    packed), by a packed or a padded forward (see the module docstring), of the logits
+    divided by ``temperature``: the distribution the engines sampled from
+    (``rollout.temperature``), whose logprobs they report as the behaviour's."""
     return token_logprobs_and_entropy(model, batch, packing, entropy=False,
-                                      chunk_tokens=chunk_tokens)[0]
+                                      chunk_tokens=chunk_tokens, temperature=temperature)[0]
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
                                entropy: bool = True, entropy_grad: bool = False, *,
-                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS
-                               ) -> tuple[Tensor, Tensor | None]:
+                               chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                               temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
     """:func:`token_logprobs` and, from the same forward, the per-token entropy (float32,
     detached unless ``entropy_grad``: an entropy bonus differentiates it).
 
@@ -123,7 +126,7 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
                   "use_cache": False}
         targets = batch.targets
     logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
-                                      entropy and entropy_grad)
+                                      entropy and entropy_grad, temperature)
     if not (entropy and entropy_grad):
         ent = ent.detach()
     if packing:
@@ -133,13 +136,18 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
 
 
 def _forward_logprobs(model: nn.Module, targets: Tensor, chunk_tokens: int,
-                      inputs: dict[str, Any], entropy_grad: bool) -> tuple[Tensor, Tensor]:
-    """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``."""
+                      inputs: dict[str, Any], entropy_grad: bool, temperature: float
+                      ) -> tuple[Tensor, Tensor]:
+    """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``, of the
+    logits divided by ``temperature``."""
     base = hf_model(model)
     if chunk_tokens > 0 and fusable(base):
         return head_logprobs(model, base.get_output_embeddings(), targets, chunk_tokens,
-                             **inputs)
-    return plain_logprobs_entropy(model(**inputs).logits, targets, entropy_grad)
+                             temperature, **inputs)
+    logits = model(**inputs).logits
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return plain_logprobs_entropy(logits, targets, entropy_grad)
 
 
 def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:

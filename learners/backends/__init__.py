@@ -18,22 +18,25 @@ if TYPE_CHECKING:
 
 def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, sim: SimConfig | None = None,
-                 lora: LoraConfig | None = None, attn_implementation: str = "auto") -> Trainer:
+                 lora: LoraConfig | None = None, attn_implementation: str = "auto",
+                 temperature: float = 1.0) -> Trainer:
     """Build the backend named by ``cfg.backend`` (needs the learner process group first);
     ``sim`` is the root config's ``[sim]`` section, used by the ``sim`` backend only; ``lora``
     is ``model.lora``, which only FSDP2 supports (the config refuses it with other backends);
-    ``attn_implementation`` is ``model.attn_implementation`` (``learners.attention``)."""
+    ``attn_implementation`` is ``model.attn_implementation`` (``learners.attention``);
+    ``temperature`` is ``rollout.temperature``, which the learner's logprobs divide by."""
     if cfg.backend == "fsdp2":
         from learners.backends.fsdp2 import Fsdp2Trainer
         return Fsdp2Trainer(model_path, cfg, device, version=version, lora=lora,
-                            attn_implementation=attn_implementation)
+                            attn_implementation=attn_implementation, temperature=temperature)
     if lora is not None and lora.rank:
         raise ValueError(f"model.lora needs learner.backend = 'fsdp2', not {cfg.backend!r}")
     if cfg.backend == "deepspeed":
         # Optional dependency: importing this module fails with a hint when it is missing.
         from learners.backends.deepspeed import DeepSpeedTrainer
         return DeepSpeedTrainer(model_path, cfg, device, version=version,
-                                attn_implementation=attn_implementation)
+                                attn_implementation=attn_implementation,
+                                temperature=temperature)
     if cfg.backend == "sim":
         from asyncrl.config.schema import SimConfig
         from learners.backends.sim import SimTrainer

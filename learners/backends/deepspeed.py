@@ -116,7 +116,7 @@ class DeepSpeedTrainer:
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
                  zero_overrides: dict[str, Any] | None = None,
-                 attn_implementation: str = "auto") -> None:
+                 attn_implementation: str = "auto", temperature: float = 1.0) -> None:
         if cfg.loss.advantage == "gae":
             raise NotImplementedError("the GAE critic is FSDP2-only; use learner.backend='fsdp2'")
         if cfg.compile:
@@ -145,7 +145,7 @@ class DeepSpeedTrainer:
             self.reference = self._load(reference_path or model_path, dtype)
             self.reference.requires_grad_(False)
         self.steps = MicroSteps(cfg, self.device, self.model, EngineBackward(self.engine),
-                                self.reference)
+                                self.reference, temperature=temperature)
         logger.info("rank %d/%d: %s under ZeRO-%d, version %d, loss %s/%s/%s, reference %s",
                     self.rank, self.world, type(self.model).__name__, cfg.zero_stage, version,
                     cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,

@@ -143,7 +143,8 @@ class Fsdp2Trainer:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
-                 lora: LoraConfig | None = None, attn_implementation: str = "auto") -> None:
+                 lora: LoraConfig | None = None, attn_implementation: str = "auto",
+                 temperature: float = 1.0) -> None:
         self.cfg = cfg
         self.lora = lora if lora is not None and lora.rank else None
         self.rank = dist.get_rank()
@@ -184,7 +185,7 @@ class Fsdp2Trainer:
                         _compile_backend(cfg), cfg.offload == "params")
             self.critic = Critic(value_model, cfg, self.world)
         self.steps = MicroSteps(cfg, self.device, self.model, PlainBackward(self.model),
-                                self.reference, self.reference_is_base)
+                                self.reference, self.reference_is_base, temperature)
         self.compiles = CompileCounter() if cfg.compile else None
         logger.info("rank %d/%d: %s sharded, %d params (%d trainable), version %d, "
                     "attention %s, loss %s/%s/%s, reference %s", self.rank, self.world,

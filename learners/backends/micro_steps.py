@@ -94,8 +94,12 @@ class MicroSteps:
 
     def __init__(self, cfg: LearnerConfig, device: torch.device, model: nn.Module,
                  runner: Backward, reference: nn.Module | None = None,
-                 reference_is_base: bool = False) -> None:
+                 reference_is_base: bool = False, temperature: float = 1.0) -> None:
         self.cfg, self.device, self.model, self.runner = cfg, device, model, runner
+        # rollout.temperature: every logprob here is of the distribution the engines sampled
+        # from, as their behaviour logprobs are (vLLM's processed_logprobs, the torch
+        # engine's): at T != 1 the raw logits' ratios would be wrong by the temperature.
+        self.temperature = temperature
         self.reference, self.reference_is_base = reference, reference_is_base
         self.rank = dist.get_rank()
         # The policy's forwards (proximal and trained; not a reference model of its own)
@@ -124,7 +128,7 @@ class MicroSteps:
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
-                entropy_grad=self.cfg.loss.entropy_coeff > 0)
+                entropy_grad=self.cfg.loss.entropy_coeff > 0, temperature=self.temperature)
             micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref,
                                                    entropy)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
@@ -167,13 +171,16 @@ class MicroSteps:
         packing, chunk = self.cfg.packing, self.cfg.logprob_chunk_tokens
         proximal = None
         if self.cfg.loss.policy_loss == "decoupled_ppo":
-            proximal = packed_or_padded_logprobs(self.model, batch, packing, chunk)
+            proximal = packed_or_padded_logprobs(self.model, batch, packing, chunk,
+                                                 self.temperature)
         ref = None
         if self.reference is not None:
-            ref = packed_or_padded_logprobs(self.reference, batch, packing, chunk)
+            ref = packed_or_padded_logprobs(self.reference, batch, packing, chunk,
+                                                self.temperature)
         elif self.reference_is_base:
             with self.model.disable_adapter():
-                ref = packed_or_padded_logprobs(self.model, batch, packing, chunk)
+                ref = packed_or_padded_logprobs(self.model, batch, packing, chunk,
+                                                self.temperature)
         return proximal, ref
 
     def mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
