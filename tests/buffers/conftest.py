@@ -269,16 +269,19 @@ class Backend:
     deployments share ``cluster``."""
 
     def __init__(self, name: str, directory: Path,
-                 cluster: RedisClusterServer | None = None) -> None:
+                 cluster: RedisClusterServer | None = None,
+                 staleness_mode: str = "drop") -> None:
         self.name = name
         self.directory = directory
         self.cluster = cluster
+        self.staleness_mode = staleness_mode   # buffer.staleness_mode unless a test sets it
         self.deployments: list[Deployment] = []
 
     def start(self, groups_per_step: int = 2, **overrides: Any) -> Deployment:
         directory = self.directory / f"{self.name}-{len(self.deployments)}"
         directory.mkdir(parents=True)
-        fields = {"max_staleness": 1, "request_timeout_s": 5.0, **overrides}
+        fields = {"max_staleness": 1, "request_timeout_s": 5.0,
+                  "staleness_mode": self.staleness_mode, **overrides}
         if self.name == "redis":
             server = RedisServer(directory)
             config = BufferConfig(type="redis", redis=RedisBufferConfig(url=server.url), **fields)
@@ -318,11 +321,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         cluster.stop(signal.SIGKILL)
 
 
+@pytest.fixture
+def staleness_mode() -> str:
+    """``buffer.staleness_mode`` of the deployments; the contract suite parametrizes it."""
+    return "drop"
+
+
 @pytest.fixture(params=["zmq", "redis", "redis-cluster"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+def backend(request: pytest.FixtureRequest, tmp_path: Path,
+            staleness_mode: str) -> Iterator[Backend]:
     cluster = request.getfixturevalue("redis_cluster") if request.param == "redis-cluster" \
         else None
-    backend = Backend(request.param, tmp_path, cluster)
+    backend = Backend(request.param, tmp_path, cluster, staleness_mode)
     try:
         yield backend
     finally:

@@ -1,4 +1,5 @@
-"""The buffer contract, run against every backend (``backend`` is "zmq" and "redis").
+"""The buffer contract, run against every backend (``backend`` is "zmq", "redis" and
+"redis-cluster") and, but for the tests of one mode's own behaviour, in both staleness modes.
 
 What a rollouter and a learner may rely on whatever carries the groups: FIFO per producer,
 the staleness gate and drops, at-least-once delivery with acks (a dead consumer's batch comes
@@ -30,6 +31,28 @@ from tests.buffers import eventually, make_group
 from tests.buffers.conftest import ROOT, child_env
 
 pytestmark = pytest.mark.timeout(60)
+
+# Tests of what one staleness mode does differently (drops, or the pace wait); the rest of the
+# contract holds in both modes and runs in both (``buffer.staleness_mode``).
+ONE_MODE = {
+    "test_stale_groups_are_dropped_counted_and_never_served",
+    "test_batches_taken_ahead_are_served_by_version_and_drop_exactly",
+    "test_drop_mode_trains_past_a_group_in_flight_and_drops_it_late",
+    "test_pace_mode_waits_for_the_old_group_and_drops_nothing",
+    "test_pace_mode_stops_waiting_for_a_released_group",
+    "test_pace_mode_stops_waiting_for_a_dead_producers_group",
+    # These queue twelve groups of one version without grants (no gate) and take them three
+    # at a time with the version never published: more than s + 1 steps of groups_per_step
+    # can consume, which the gate never admits. pace's rule (asyncrl.staleness.pace_allows)
+    # relies on that bound, and holds such a backlog rather than strand any of it.
+    "test_fifo_per_producer_and_oldest_first",
+    "test_equal_versions_keep_arrival_order_and_each_producer_its_own",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames and metafunc.function.__name__ not in ONE_MODE:
+        metafunc.parametrize("staleness_mode", ["drop", "pace"])
 
 
 def ids(batch: Batch | None) -> list[str]:
