@@ -321,6 +321,13 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         cluster.stop(signal.SIGKILL)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The contract in pace mode runs on the ZMQ broker only (test_contract's
+    ``pytest_generate_tests`` says why); the Redis backends' pace runs are not collected."""
+    items[:] = [item for item in items
+                if "[pace-redis" not in item.nodeid or "test_contract.py" not in item.nodeid]
+
+
 @pytest.fixture
 def staleness_mode() -> str:
     """``buffer.staleness_mode`` of the deployments; the contract suite parametrizes it."""
