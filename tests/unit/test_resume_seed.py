@@ -12,7 +12,11 @@ from asyncrl.config.schema import BufferConfig, Config, LearnerConfig, RunConfig
 from learners.checkpoint import Checkpointer
 from learners.lifecycle import counters, resume
 from learners.rank_role import OtherRank, RankContext
-from tests.buffers.conftest import backend, redis_cluster  # noqa: F401 (fixtures: real servers)
+from tests.buffers.conftest import (  # noqa: F401 (fixtures: real servers)
+    backend,
+    redis_cluster,
+    staleness_mode,
+)
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import tiny_model_dir  # noqa: F401 (fixture)
 
