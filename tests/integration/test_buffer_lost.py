@@ -124,16 +124,18 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
                          ) -> tuple[Config, list[str]]:
     """A one-rank learner, run in this process until it returns, whose every step evaluates
     and meets ``eval.stop_at_accuracy``, against a real buffer and rollout fleet.
-    ``at_first_batch(buffer, rollout, stop)`` runs on a thread once the buffer delivered the
-    first batch, within that step's ~4 s of simulated training (``stop``: the learner's stop
-    event, as a signal sets it). Returns the config and its ``--set`` arguments.
+    ``at_first_batch(buffer, rollout, stop)`` runs on a thread once the learner started
+    training its first batch, within that step's ~4 s of simulated training (``stop``: the
+    learner's stop event, as a signal sets it). Returns the config and its ``--set`` arguments.
+    It waits on the step itself, not on the buffer's delivery: a stop set between the lease
+    and the ranks' agreement on it ends the run before step 1 (a CI flake, no record).
 
     The learner runs here so that its evaluator can be a stand-in that scores 1.0: the sim
     model never learns, and these races need the target met at a known step."""
     import rollouters.eval
     from asyncrl.config import load_config
     from asyncrl.net import free_port
-    from buffers.zmq_client import ZmqBufferClient
+    from learners.backends.sim import SimTrainer
     from learners.loop import run_learner_rank
 
     monkeypatch.setattr(rollouters.eval, "make_evaluator",
@@ -148,12 +150,22 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     cfg = load_config(str(SIM), values)
     buffer, address = processes.start_buffer(str(SIM), *sets)
     rollout = processes.start("rollout", "rollout", str(SIM), *sets, "--buffer", address)
-    stop = threading.Event()
+    stop, training = threading.Event(), threading.Event()
+    train_step = SimTrainer.train_step
+
+    def train_step_seen(self, batch):
+        training.set()
+        return train_step(self, batch)
+
+    monkeypatch.setattr(SimTrainer, "train_step", train_step_seen)
+
+    ended = threading.Event()
 
     def watch() -> None:
-        with ZmqBufferClient(address, timeout_s=10) as client:
-            wait_for(lambda: client.status()["pending"] > 0, 120, "the learner's first batch")
-        at_first_batch(buffer, rollout, stop)
+        if not training.wait(120):
+            stop.set()   # the learner never trained: end it, and the test's asserts say so
+        elif not ended.is_set():
+            at_first_batch(buffer, rollout, stop)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -161,6 +173,8 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
         run_learner_rank(cfg, 0, 1, address, free_port(), stop,
                          evaluator=rollouters.eval.EngineEvaluator)
     finally:
+        ended.set()
+        training.set()   # a learner that failed before training does not wait out the watch
         watcher.join()
     return cfg, sets
 
