@@ -5,6 +5,11 @@ Every failure becomes one of the caller's two exception types, so each engine ke
 that name it: ``error`` for an HTTP error status or an unreachable server, ``timeout`` when no
 answer came within ``timeout_s`` (a timeout is what the weight sync's eviction acts on, so it
 must stay distinguishable from a refusal).
+
+``timeout_s`` bounds every wait on the socket: connecting, and each read of the answer. A
+frozen server (its process alive, its socket accepting, nothing ever answered: SIGSTOPped, or
+its engine stuck) thus costs one ``timeout_s`` and a ``timeout`` error that names the URL and
+``timeout_key``, the config key that sets the timeout, instead of a worker that hangs.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ MAX_DETAIL = 500  # characters of an error body kept in the message
 
 def request_json(method: str, url: str, path: str, body: dict[str, Any] | None,
                  timeout_s: float, error: type[Exception],
-                 timeout: type[Exception]) -> Any:
+                 timeout: type[Exception], timeout_key: str = "") -> Any:
     """``method`` ``url + path`` with ``body`` as JSON; the decoded answer (None if empty)."""
     where = f"{method} {url}{path}"
+    late = f"{where}: no answer within {timeout_s:.1f}s" + (
+        f" ({timeout_key}): is the server frozen or overloaded?" if timeout_key else "")
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"{url}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -32,10 +39,10 @@ def request_json(method: str, url: str, path: str, body: dict[str, Any] | None,
         detail = exc.read().decode(errors="replace")[:MAX_DETAIL]
         raise error(f"{where}: HTTP {exc.code}: {detail}") from exc
     except TimeoutError as exc:
-        raise timeout(f"{where}: no answer within {timeout_s:.1f}s") from exc
+        raise timeout(late) from exc
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):
-            raise timeout(f"{where}: no answer within {timeout_s:.1f}s") from exc
+            raise timeout(late) from exc
         raise error(f"{where}: unreachable: {exc.reason}") from exc
     except OSError as exc:  # a connection reset mid-answer
         raise error(f"{where}: {exc}") from exc

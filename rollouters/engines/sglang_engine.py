@@ -17,9 +17,6 @@ CUDA IPC handles (``/update_weights_from_tensor``); that path builds SGLang's re
 from __future__ import annotations
 
 import logging
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,11 +34,14 @@ from asyncrl.weights.transport import transport_kind
 from buffers.protocol import ControlPlane
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
+from rollouters.engines.managed_server import ManagedServer, free_port
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one uint8 broadcast per bucket
+REQUEST_TIMEOUT_KEY = "rollout.request_timeout_s"  # sets timeout_s and generate_timeout_s
+UPDATE_TIMEOUT_KEY = "weights.timeout_s"  # sets update_timeout_s (twice it: see make_engine)
 
 
 class SglangError(RuntimeError):
@@ -61,60 +61,24 @@ def server_args(model_dir: str | Path, host: str, port: int, dtype: str, seed: i
             "--tp-size", "1"]
 
 
-class SglangServer:
+class SglangServer(ManagedServer):
     """An SGLang server this rollout worker launched and owns (``rollout.engine = "sglang"``
     without ``rollout.url``): ``python -m <module> <server_args> <extra>``, ready once
-    ``GET /health`` answers. It stays in the worker's process group, so whoever kills the
+    ``GET /health`` answers (:class:`~rollouters.engines.managed_server.ManagedServer` starts,
+    waits and stops it). It stays in the worker's process group, so whoever kills the
     worker's group (``asyncrl up``, a test) kills the server too; :meth:`stop` ends it with
     SIGTERM (SGLang's launcher then ends its scheduler and detokenizer processes)."""
 
     def __init__(self, module: str, model_dir: str | Path, dtype: str, seed: int,
                  extra: list[str], log_path: Path, start_timeout_s: float = 600.0,
                  host: str = "127.0.0.1") -> None:
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", module, *server_args(model_dir, host, port, dtype, seed),
-                 *extra], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_ready(start_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        logger.info("SGLang server %s started (%s, pid %d)", self.url, module, self._proc.pid)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                raise SglangError(f"SGLang server exited with {self._proc.returncode} before "
-                                  f"it was ready; log: {self.log_path}")
-            try:
-                request_json("GET", self.url, "/health", None, 5.0, SglangError, SglangTimeout)
-                return
-            except SglangError:
-                if time.monotonic() > deadline:
-                    raise SglangTimeout(f"SGLang server {self.url} not ready within "
-                                        f"{timeout_s:.0f}s "
-                                        f"(rollout.sglang.server_start_timeout_s); "
-                                        f"log: {self.log_path}") from None
-                time.sleep(0.5)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server, SIGKILL it after ``timeout_s``; idempotent."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self._proc.poll() is not None:
-                return
-            self._proc.send_signal(sig)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("SGLang server pid %d ignored %s", self._proc.pid, sig.name)
+        port = free_port(host)
+        super().__init__(f"SGLang server ({module})",
+                         [sys.executable, "-m", module,
+                          *server_args(model_dir, host, port, dtype, seed), *extra],
+                         f"http://{host}:{port}", log_path)
+        self.wait_ready(start_timeout_s, "rollout.sglang.server_start_timeout_s", SglangError,
+                        SglangTimeout)
 
 
 class SglangEngine:
@@ -150,11 +114,13 @@ class SglangEngine:
 
     # --- HTTP ------------------------------------------------------------------------------
 
-    def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+    def _post(self, path: str, body: dict[str, Any], timeout_s: float,
+              timeout_key: str = REQUEST_TIMEOUT_KEY) -> Any:
         """POST JSON, return the decoded answer; raise :class:`SglangError` on an HTTP error
-        or ``success: false``, :class:`SglangTimeout` when no answer comes in time."""
+        or ``success: false``, :class:`SglangTimeout` when no answer comes in time (a frozen
+        server: the message names ``timeout_key``)."""
         answer = request_json("POST", self.url, path, body, timeout_s, SglangError,
-                              SglangTimeout)
+                              SglangTimeout, timeout_key)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise SglangError(f"{path}: {answer.get('message', 'failed')}")
         return {} if answer is None else answer
@@ -215,7 +181,7 @@ class SglangEngine:
         self._post("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port,
             "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend}, self.update_timeout_s)
+            "backend": backend}, self.update_timeout_s, UPDATE_TIMEOUT_KEY)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Make the server forget a group it joined (it refuses to join a second group of
@@ -233,7 +199,8 @@ class SglangEngine:
             body["weight_version"] = weight_version
         if load_format is not None:
             body["load_format"] = load_format
-        self._post("/update_weights_from_distributed", body, self.update_timeout_s)
+        self._post("/update_weights_from_distributed", body, self.update_timeout_s,
+                   UPDATE_TIMEOUT_KEY)
 
     def update_weights_from_tensor(self, serialized: list[str], flush_cache: bool,
                                    weight_version: str | None = None) -> None:
@@ -243,7 +210,8 @@ class SglangEngine:
                                 "flush_cache": flush_cache, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        self._post("/update_weights_from_tensor", body, self.update_timeout_s)
+        self._post("/update_weights_from_tensor", body, self.update_timeout_s,
+                   UPDATE_TIMEOUT_KEY)
 
     def update_weight_version(self, version: int) -> None:
         """Set the server's label without aborting anything (we pause ourselves)."""

@@ -145,7 +145,7 @@ class VLLMServerEngine:
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         return request_json(method, self.url, path, body, self.timeout_s, ServerError,
-                            ServerError)
+                            ServerError, "rollout.request_timeout_s")
 
     def close(self) -> None:
         """Forget the transfer group; stop the server if this worker launched it."""
