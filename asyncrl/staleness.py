@@ -35,7 +35,11 @@ buffers know the version each in-flight group was granted at (the engine's, at
 :meth:`~buffers.protocol.Buffer.acquire`: its tokens can only be newer), so a group still
 generating holds the learner back too. A group the accounting could not see (its producer
 was reaped as dead, then delivered) may still arrive stale; it is dropped and counted, never
-trained on: the bound s is the rule both modes keep.
+trained on: the bound s is the rule both modes keep. A take waits only while groups in flight
+are part of what would go stale (:func:`pace_holds`): they may still arrive and be trained.
+Groups the gate did not admit (such late groups, or puts without a grant) can leave the queue
+itself with more old groups than the learner can train in time; waiting saves none of them,
+so the learner takes the oldest and the rest are dropped and counted, as in ``drop`` mode.
 
 ``accepted`` is the groups that entered the buffer minus those it dropped as stale: a dropped
 group gives its slot back. It must, or the learner could starve: drops never consumed by a step
@@ -46,6 +50,7 @@ the bound: the later groups only move to earlier slots, which makes them fresher
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -92,12 +97,13 @@ def pace_allows(version: int, max_staleness: int, per_step: int,
     future feasible: without them a learner at s = 2 could take a fresher group now and later
     face more old groups than one batch holds, none of which it may skip.
 
-    Why the learner never waits forever: taking the ``per_step`` oldest groups once they have
-    finished (earliest deadline first, the order the buffers serve) keeps the condition true
-    from one version to the next, given the gate's bound on what is alive (``(s + 1) × per_step``
-    after a step's groups were consumed: see the gate's proof above), and every group in
-    flight finishes, fails (released) or loses its producer (reaped). Groups without a version
-    (:data:`NO_VERSION`) never go stale and do not count.
+    Taking the ``per_step`` oldest groups once they have finished (earliest deadline first,
+    the order the buffers serve) keeps the condition true from one version to the next, given
+    the gate's bound on what is alive (``(s + 1) × per_step`` after a step's groups were
+    consumed: see the gate's proof above). Where groups the gate did not admit break that
+    bound, the condition can fail on the queue alone, whatever arrives: :func:`pace_holds`
+    then does not wait. Groups without a version (:data:`NO_VERSION`) never go stale and do
+    not count.
     """
     versions = sorted((v, n) for v, n in left.items() if v >= 0 and n > 0)
     cumulative, i = 0, 0
@@ -109,6 +115,29 @@ def pace_allows(version: int, max_staleness: int, per_step: int,
         if cumulative > k * per_step:
             return False
     return True
+
+
+def pace_holds(version: int, max_staleness: int, per_step: int,
+               queued: Mapping[int, int], in_flight: Mapping[int, int]) -> bool:
+    """``pace`` mode: must a take that would leave ``queued`` (groups queued and not in the
+    batch, by oldest version) and ``in_flight`` (by the version they were granted at) wait?
+
+    Yes iff :func:`pace_allows` refuses the two together but allows ``queued`` alone: groups
+    in flight are part of what would go stale, and waiting can save them, as they may still
+    arrive (their tokens no older than the grant) and be trained, or be released. A wait so
+    ends: every group in flight finishes, fails (released) or loses its producer (reaped).
+
+    When ``queued`` alone is refused, the queue holds more old groups than the learner can
+    train, ``per_step`` a step, before they go stale; no arrival takes any of them off, so
+    the take is served and the groups it leaves go stale, dropped and counted as in ``drop``
+    mode. With the batch of the oldest queued groups, which the buffers serve then, waiting
+    would not even save a group in flight: each one that arrived would take a slot in a
+    batch from a queued group (``tests/unit/test_staleness.py`` checks it). Waiting on the
+    queue alone was a hang: held takes never change the queue.
+    """
+    if pace_allows(version, max_staleness, per_step, Counter(queued) + Counter(in_flight)):
+        return False
+    return pace_allows(version, max_staleness, per_step, queued)
 
 
 @dataclass(frozen=True)

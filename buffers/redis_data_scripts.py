@@ -124,10 +124,10 @@ TAKE = """
 -- queue) plus what the consumers hold, whatever the queue holds. (Reading the whole index
 -- instead cost 8 ms of Redis at 4,096 queued.)
 -- Returns {lost held ids, dropped, entries, tail id, stats, acked}.
--- pace (buffer.staleness_mode): the groups alive once `picked` is served: queued ones, the
--- reclaimable ones (again_of), and those in flight by the version they were granted at; only
--- versions up to learner_version can fail pace_allows.
-local function pace_left(learner_version, again_of, picked)
+-- pace (buffer.staleness_mode): the finished groups left once `picked` is served, queued
+-- ones and the reclaimable ones (again_of), by oldest version; only versions up to
+-- learner_version can fail pace_allows.
+local function pace_queued(learner_version, again_of, picked)
   local left = {}
   local function add(v, n) left[v] = (left[v] or 0) + n end
   local old = redis.call('ZRANGEBYSCORE', K_QUEUEV, 0, learner_version, 'WITHSCORES')
@@ -135,16 +135,33 @@ local function pace_left(learner_version, again_of, picked)
   for _, list in pairs(again_of) do
     for _, c in ipairs(list) do add(c.minv, 1) end
   end
-  local flat = redis.call('HGETALL', K_INFLIGHTV)
-  for i = 1, #flat, 2 do add(split_grant(flat[i]), tonumber(flat[i + 1])) end
   for _, c in ipairs(picked) do add(c.minv, -1) end
+  return left
+end
+local function pace_in_flight()  -- the groups in flight, by the version they were granted at
+  local left, flat = {}, redis.call('HGETALL', K_INFLIGHTV)
+  for i = 1, #flat, 2 do
+    local v = split_grant(flat[i])
+    left[v] = (left[v] or 0) + tonumber(flat[i + 1])
+  end
   return left
 end
 local function oldest_by_version(need, again_of)
   -- The `need` candidates of smallest (oldest version, arrival), whoever put them: the order
-  -- pace falls back to (see the ZMQ twin, BrokerState._pace_take).
+  -- pace falls back to (the ZMQ twin: GroupQueue.oldest_by_version). K_QUEUEV sorts one
+  -- version's members by producer, not arrival, so every member up to the need-th one's
+  -- version is read. Versionless members (minv < 0, rare) are only in K_QUEUE; they sort
+  -- first, as in the twin.
   local candidates = {}
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_QUEUEV, '-inf', '+inf', 'LIMIT', 0, need)) do
+  if redis.call('ZCARD', K_QUEUE) > redis.call('ZCARD', K_QUEUEV) then
+    for _, m in ipairs(redis.call('ZRANGE', K_QUEUE, 0, -1)) do
+      local c = qparse(m)
+      if c.minv < 0 then table.insert(candidates, c) end
+    end
+  end
+  local nth = redis.call('ZRANGEBYSCORE', K_QUEUEV, '-inf', '+inf', 'WITHSCORES',
+                         'LIMIT', need - 1, 1)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', K_QUEUEV, '-inf', nth[2] or '+inf')) do
     table.insert(candidates, qparse(m))
   end
   for _, list in pairs(again_of) do
@@ -318,13 +335,18 @@ if n_fresh >= need and need > 0 then
   end
   local held = false
   if redis.call('HGET', K_STATE, 'staleness_mode') == 'pace' then
-    held = not pace_allows(learner_version, pace_left(learner_version, again_of, picked))
-    if held then  -- each producer's order would leave one of its older groups behind
+    -- Each producer's order if it leaves no group alive to go stale; else the oldest by
+    -- version, unless waiting for the groups in flight could save one (pace_holds; the ZMQ
+    -- twin is BrokerState._pace_take). A queue that alone holds more old groups than the
+    -- learner can train in time is served: waiting saves none (holding it was a hang).
+    local in_flight = pace_in_flight()
+    held = not pace_allows(learner_version,
+                           pace_sum(pace_queued(learner_version, again_of, picked), in_flight))
+    if held then
       local alternative = oldest_by_version(need, again_of)
-      if #alternative == need and
-         pace_allows(learner_version, pace_left(learner_version, again_of, alternative)) then
-        picked, held = alternative, false
-      end
+      held = #alternative < need or pace_holds(learner_version,
+        pace_queued(learner_version, again_of, alternative), in_flight)
+      if not held then picked = alternative end
     end
     pace_clock(held)
   end

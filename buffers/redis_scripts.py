@@ -223,6 +223,17 @@ local function pace_allows(version, left)  -- left: {oldest version -> groups}; 
   end
   return true
 end
+local function pace_sum(queued, in_flight)  -- {version -> groups} of both
+  local both = {}
+  for v, n in pairs(queued) do both[v] = (both[v] or 0) + n end
+  for v, n in pairs(in_flight) do both[v] = (both[v] or 0) + n end
+  return both
+end
+-- Wait only if the groups in flight are part of what would go stale: the queue alone failing
+-- cannot be helped by waiting (see staleness.py).
+local function pace_holds(version, queued, in_flight)
+  return not pace_allows(version, pace_sum(queued, in_flight)) and pace_allows(version, queued)
+end
 local function capacity(version) return (version + S + 1) * GPS end
 local function allowance()  -- a group dropped as stale gives its slot back
   local live = num(K_STATE, 'accepted') - num(K_STATE, 'dropped_stale')

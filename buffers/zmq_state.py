@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.schema import BufferConfig
-from asyncrl.staleness import StalenessGate, pace_allows, staleness
+from asyncrl.staleness import StalenessGate, pace_allows, pace_holds, staleness
 from asyncrl.wire import Rejections, WireError, oversized
 from buffers.inflight_versions import InFlightVersions
 from buffers.protocol import DONE, RUN_STATUS_KEY, RUNNING
@@ -231,24 +231,38 @@ class BrokerState:
 
     def _pace_take(self, count: int, learner_version: int, now: float
                    ) -> list[QueuedGroup] | None:
-        """``pace``: the batch :meth:`take` serves, or None while serving any would leave a
-        group alive (queued or in flight) that goes stale before it can be served
-        (:func:`asyncrl.staleness.pace_allows`); that wait is timed (``pace_held_s``).
+        """``pace``: the batch :meth:`take` serves, or None while serving would leave a group
+        in flight to go stale that waiting could save (:func:`asyncrl.staleness.pace_holds`);
+        that wait is timed (``pace_held_s``).
 
-        The usual order first (each producer's groups in their order); when that batch would
-        leave one of a producer's older groups behind, the ``count`` oldest by version alone,
+        The usual order first (each producer's groups in their order), if it leaves no group
+        alive (queued or in flight) to go stale. Else the ``count`` oldest by version alone,
         whoever put them: without that, a version-0 group queued behind its own producer's
-        version-1 group would hold the learner forever."""
-        for chosen in (self.queue.oldest(count), self.queue.oldest_by_version(count)):
-            left = self.queue.version_counts()
-            left.subtract(g.min_version for g in chosen)
-            left.update(self.in_flight_versions.totals())
-            if pace_allows(learner_version, self.gate.max_staleness, self.gate.groups_per_step,
-                           left):
-                self.pace_clock.update(False, now)
-                return [self.queue.remove(g.seq) for g in chosen]  # type: ignore[misc]
-        self.pace_clock.update(True, now)
-        return None
+        version-1 group would be left to go stale. They are served unless waiting for the
+        groups in flight could save one (the Redis twin: ``TAKE`` in
+        ``buffers.redis_data_scripts``). A queue that alone holds more old groups than the
+        learner can train in time is served: waiting saves none, and the groups left are
+        dropped when stale, counted, as in ``drop`` mode (holding such a take was a hang)."""
+        s, per_step = self.gate.max_staleness, self.gate.groups_per_step
+        in_flight = self.in_flight_versions.totals()
+        first = self.queue.oldest(count)
+        if pace_allows(learner_version, s, per_step, self._queued_without(first) + in_flight):
+            chosen: list[QueuedGroup] | None = first
+        else:
+            oldest = self.queue.oldest_by_version(count)
+            held = pace_holds(learner_version, s, per_step, self._queued_without(oldest),
+                              in_flight)
+            chosen = None if held else oldest
+        self.pace_clock.update(chosen is None, now)
+        if chosen is None:
+            return None
+        return [self.queue.remove(g.seq) for g in chosen]  # type: ignore[misc]
+
+    def _queued_without(self, batch: Sequence[QueuedGroup]) -> Counter[int]:
+        """Queued groups by oldest version, but for ``batch``."""
+        left = self.queue.version_counts()
+        left.subtract(g.min_version for g in batch)
+        return left
 
     def _drop_stale(self, consumer: str, learner_version: int) -> None:
         stale = self.queue.drop_below(self.gate.stale_below(learner_version))

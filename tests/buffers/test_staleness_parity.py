@@ -124,13 +124,19 @@ def test_zmq_broker_agrees_with_python(s: int, gps: int) -> None:
 # --- pace (buffer.staleness_mode = "pace") -------------------------------------------------
 
 PACE_PROBE = """
--- ARGV[5..6]: [[version, [[oldest, groups], ...]], ...] and grant operations, as JSON.
+-- ARGV[5..6]: [[version, [[oldest, groups], ...] queued, [...] in flight], ...] and grant
+-- operations, as JSON.
 local cases, ops = cjson.decode(ARGV[5]), cjson.decode(ARGV[6])
-local allowed, totals = {}, {}
+local allowed, holds, totals = {}, {}, {}
+local function counts(pairs_)
+  local out = {}
+  for _, pair in ipairs(pairs_) do out[pair[1]] = (out[pair[1]] or 0) + pair[2] end
+  return out
+end
 for _, case in ipairs(cases) do
-  local left = {}
-  for _, pair in ipairs(case[2]) do left[pair[1]] = (left[pair[1]] or 0) + pair[2] end
-  table.insert(allowed, pace_allows(case[1], left) and 1 or 0)
+  local queued, in_flight = counts(case[2]), counts(case[3])
+  table.insert(allowed, pace_allows(case[1], queued) and 1 or 0)
+  table.insert(holds, pace_holds(case[1], queued, in_flight) and 1 or 0)
 end
 for _, op in ipairs(ops) do
   local kind, p, x = op[1], op[2], op[3]
@@ -151,17 +157,21 @@ for _, op in ipairs(ops) do
   table.sort(now)
   table.insert(totals, table.concat(now, ','))
 end
-return {allowed, totals}
+return {allowed, holds, totals}
 """
 
 
-def pace_cases() -> list[tuple[int, dict[int, int]]]:
+def pace_cases() -> list[tuple[int, dict[int, int], dict[int, int]]]:
+    """(learner version, queued groups by version, groups in flight by version)."""
     import random
 
     rng = random.Random(0)
-    return [(rng.randrange(0, 7), {v: rng.randrange(0, 4) for v in
-                                   rng.sample(range(NO_VERSION, 8), rng.randrange(0, 5))})
-            for _ in range(300)]
+
+    def counts() -> dict[int, int]:
+        return {v: rng.randrange(0, 4)
+                for v in rng.sample(range(NO_VERSION, 8), rng.randrange(0, 5))}
+
+    return [(rng.randrange(0, 7), counts(), counts()) for _ in range(300)]
 
 
 PACE_OPS = [("grant", "a", 0, 3), ("grant", "b", 1, 2), ("settle", "a", 2), ("grant", "a", 2, 2),
@@ -187,19 +197,24 @@ def python_grants() -> list[str]:
 
 
 def test_lua_pace_agrees_with_python(redis_server) -> None:
-    from asyncrl.staleness import pace_allows
+    from asyncrl.staleness import pace_allows, pace_holds
 
     client = redis.Redis(host="127.0.0.1", port=redis_server.port, decode_responses=True)
     keys = RedisKeys(f"asyncrl:parity:{uuid.uuid4().hex}")
     probe = client.register_script(PRELUDE + PACE_PROBE)
     cases = pace_cases()
-    args = [json.dumps([[v, [[o, n] for o, n in left.items()]] for v, left in cases]),
+    args = [json.dumps([[v, list(map(list, queued.items())), list(map(list, flying.items()))]
+                        for v, queued, flying in cases]),
             json.dumps([list(op) for op in PACE_OPS])]
     try:
         for s, gps in GATES:
             client.delete(*keys.all())
-            allowed, totals = probe(keys=keys.all(), args=[s, gps, 1000, 30_000, *args])
-            assert allowed == [int(pace_allows(v, s, gps, left)) for v, left in cases], (s, gps)
+            allowed, holds, totals = probe(keys=keys.all(), args=[s, gps, 1000, 30_000, *args])
+            assert allowed == [int(pace_allows(v, s, gps, queued)) for v, queued, _ in cases], \
+                (s, gps)
+            assert holds == [int(pace_holds(v, s, gps, queued, flying))
+                             for v, queued, flying in cases], (s, gps)
+            assert sum(holds) > 0, (s, gps)   # the grid has waits to agree on
             assert totals == python_grants(), (s, gps)
     finally:
         client.delete(*keys.all())
