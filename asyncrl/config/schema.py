@@ -795,8 +795,8 @@ class WeightsConfig(Section):
                             "Costs every rank a copy of the full weights in host memory "
                             "(two while a delivery overlaps a step), not rank 0 alone. auto: on "
                             "with several learner ranks, unless the engines get LoRA adapters "
-                            "alone or learner.backend = \"deepspeed\" (rank 0 gathers only); "
-                            "true: on (an error where it cannot be); false: rank 0 sends.")
+                            "alone; true: on (an error where it cannot be); false: rank 0 "
+                            "sends.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "
