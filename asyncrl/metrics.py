@@ -19,7 +19,8 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``critic/rewards/mean``        mean reward after the KL penalty (= score without
                                ``kl_in_reward``)
 ``critic/advantages/mean``     token-mean advantage on trained tokens (``/max``, ``/min``)
-``critic/loss``                GAE critic: value loss (``critic/values/mean``, ``grad_norm``)
+``critic/loss``                GAE critic: value loss (``critic/values/mean``, ``grad_norm``,
+                               ``lr``)
 ``response_length/mean``       generated tokens per trained sample (``/max``, ``/min``)
 ``perf/trained_tokens``        trained tokens in the step (all ranks)
 ``perf/trained_tokens_per_s``  trained tokens over the step's wall time

@@ -11,6 +11,9 @@ cross the host link twice per step.
 
 The update is torch's AdamW itself, run on one parameter at a time: the same arithmetic as
 one step over all of them (``tests/unit/test_fsdp2_offload.py``).
+
+:func:`make_optimizer` is the one place that picks the optimizer from ``learner.offload``, for
+the actor and the GAE critic alike.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from asyncrl.config.schema import LearnerConfig
+
+
+def make_optimizer(params: Iterable[Tensor], cfg: LearnerConfig,
+                   lr: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with the learner's weight decay, its moments on the host with ``learner.offload = "optimizer"``. ``lr``: the peak rate if not
+    ``learner.lr`` (the critic's); the schedule (:mod:`learners.lr_schedule`) sets each
+    step's rate anyway."""
+    kwargs = {"lr": cfg.lr if lr is None else lr, "weight_decay": cfg.weight_decay}
+    if cfg.offload == "optimizer":
+        return HostStateAdamW(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
 
 
 class HostStateAdamW(torch.optim.AdamW):
@@ -58,4 +74,4 @@ class HostStateAdamW(torch.optim.AdamW):
                 state[key] = value.to(device)
 
 
-__all__ = ["HostStateAdamW"]
+__all__ = ["HostStateAdamW", "make_optimizer"]

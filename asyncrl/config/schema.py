@@ -612,8 +612,13 @@ class LossConfig(Section):
     gae_gamma: float = Field(1.0, gt=0, le=1, description="GAE discount γ per token.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE λ: 0 trusts the critic, 1 is "
                                                             "Monte-Carlo.")
-    critic_lr: float | None = Field(None, gt=0, lt=1, description="Critic AdamW lr; None uses "
-                                                            "learner.lr.")
+    critic_lr: float | None = Field(None, gt=0, lt=1, description="Critic AdamW peak lr; None "
+                                    "uses learner.lr. The critic follows the actor's schedule "
+                                    "(learner.lr_schedule, lr_min_ratio, total_steps) and "
+                                    "learner.offload.")
+    critic_lr_warmup_steps: int | None = Field(
+        None, ge=0, le=MAX_STEPS, description="Critic steps of linear warmup to critic_lr; None "
+        "uses learner.lr_warmup_steps.")
     aggregation: Literal["token", "sequence", "group"] = Field(
         "token", description="token: mean over all trained tokens; sequence: mean over "
                              "samples of each sample's token mean; group: mean over groups of "
@@ -790,8 +795,8 @@ class WeightsConfig(Section):
                             "Costs every rank a copy of the full weights in host memory "
                             "(two while a delivery overlaps a step), not rank 0 alone. auto: on "
                             "with several learner ranks, unless the engines get LoRA adapters "
-                            "alone or learner.backend = \"deepspeed\" (rank 0 gathers only); "
-                            "true: on (an error where it cannot be); false: rank 0 sends.")
+                            "alone; true: on (an error where it cannot be); false: rank 0 "
+                            "sends.")
     host: Host = Field("127.0.0.1",
                        description="Address each side of the broadcast binds and announces "
                                   "(learner rank 0's store, every engine's gloo device). "

@@ -11,9 +11,10 @@ Fan-out is off where it buys nothing or cannot work:
 
 - one learner rank: it is the only sender anyway;
 - engines that get LoRA adapters alone (``model.lora.rank > 0`` with an engine that merges
-  them): the update is a few MB, gathered on rank 0 only;
-- ``learner.backend = "deepspeed"``: its gather keeps the weights on rank 0 only (not built
-  for every rank here; ``auto`` falls back to rank 0 alone, ``true`` is a config error).
+  them): the update is a few MB, gathered on rank 0 only.
+
+Every learner backend gathers the full weights on every rank when asked
+(``full_state_dict(every_rank=True)``), so the backend never refuses it.
 
 Torch-free: the config checks and the learner both ask this module.
 """
@@ -27,9 +28,6 @@ from asyncrl.engine_kinds import engine_kind
 if TYPE_CHECKING:
     from asyncrl.config import Config
 
-EVERY_RANK_BACKENDS = ("fsdp2", "sim")
-"""``learner.backend`` values whose full state can be gathered on every rank."""
-
 
 def fanout_refusal(cfg: Config) -> str | None:
     """Why fan-out cannot run with ``cfg`` (a reason naming the keys), or None."""
@@ -37,9 +35,6 @@ def fanout_refusal(cfg: Config) -> str | None:
         return (f"the engines get LoRA adapters alone (model.lora.rank = {cfg.model.lora.rank} "
                 f"with rollout.engine = {cfg.rollout.engine!r}): a few MB gathered on rank 0, "
                 "nothing to fan out")
-    if cfg.learner.backend not in EVERY_RANK_BACKENDS:
-        return (f"learner.backend = {cfg.learner.backend!r} gathers the weights on rank 0 only "
-                f"(fan-out is built for {' and '.join(EVERY_RANK_BACKENDS)})")
     return None
 
 

@@ -27,10 +27,10 @@ class Trainer(Protocol):
         """One optimizer step on this rank's share of the global batch; global metrics."""
         ...
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Full CPU weights with HF names on rank 0; an empty dict on the other ranks. The
-        backends that fan out (``asyncrl.weights.senders``) also take ``every_rank=True``:
-        the full weights on every rank."""
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:
+        """Full CPU weights with HF names on rank 0; an empty dict on the other ranks, or the
+        full weights on every rank with ``every_rank`` (``weights.fanout``:
+        ``asyncrl.weights.senders``)."""
         ...
 
     def save_pretrained(self, path: str | Path,

@@ -215,16 +215,19 @@ class DeepSpeedTrainer:
         metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
         return metrics
 
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """The full weights on CPU, HF names; rank 0 gets every tensor, others an EMPTY dict.
-        COLLECTIVE. Gathers one parameter at a time, so no rank ever holds the whole model twice
-        (under ZeRO-2 the weights are replicated and the gather is a no-op)."""
+    def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:
+        """The full weights on CPU, HF names; rank 0 gets every tensor, the others an EMPTY
+        dict, or every rank all of them with ``every_rank`` (``weights.fanout``). COLLECTIVE.
+        Gathers one parameter at a time (``GatheredParameters`` all-gathers it on every rank
+        either way), so no rank ever holds the whole model twice on its device (under ZeRO-2
+        the weights are replicated and the gather is a no-op)."""
+        keeps = every_rank or self.rank == 0
         state: dict[str, Tensor] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
             with GatheredParameters([param], modifier_rank=None):
-                if self.rank == 0:
+                if keeps:
                     state[name] = param.detach().to("cpu", copy=True)
-        if self.rank == 0:   # persistent buffers are never partitioned
+        if keeps:   # persistent buffers are never partitioned
             for name, tensor in self.model.state_dict().items():
                 state.setdefault(name, tensor.detach().to("cpu", copy=True))
         return state

@@ -48,7 +48,7 @@ from learners.backends.micro_steps import (
 from asyncrl.devices import resolve_device
 from learners.liger import apply_liger, check_liger
 from learners.lr_schedule import LrSchedule
-from learners.offload import HostStateAdamW
+from learners.offload import make_optimizer
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
@@ -101,14 +101,6 @@ def shard_model(model: nn.Module, world: int, device_type: str,
             compile_block(block, compile_backend)
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)
-
-
-def make_optimizer(params: list[nn.Parameter], cfg: LearnerConfig) -> torch.optim.Optimizer:
-    """AdamW, its moments on the host with ``learner.offload = "optimizer"``
-    (:mod:`learners.offload`)."""
-    if cfg.offload == "optimizer":
-        return HostStateAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _compile_backend(cfg: LearnerConfig) -> str | None:
@@ -223,7 +215,7 @@ class Fsdp2Trainer:
         batch = batch.to(self.device)
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
-            batch, critic_metrics = self.critic.advantages_and_update(batch)
+            batch, critic_metrics = self.critic.advantages_and_update(batch, self.version)
         global_units = self.steps.global_units(batch)
         # × world: FSDP2 averages gradients over ranks; we want their sum (module docstring).
         scale = self.world / global_units.clamp(min=1.0)

@@ -57,11 +57,12 @@ def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_di
     batch = collate(rank_groups(rank, world), std_norm=cfg.advantage_std_norm, pad_id=0)
     metrics = [trainer.train_step(batch) for _ in range(STEPS)]
     state = trainer.full_state_dict()
+    every = trainer.full_state_dict(every_rank=True)   # what weights.fanout sends
     trainer.save_pretrained(Path(out_dir) / "checkpoint")
     # Elements this rank holds in the module's weights: 0 once ZeRO-3 has partitioned them.
     held = sum(p.data.numel() for p in trainer.model.parameters())
-    torch.save({"metrics": metrics, "state": state, "version": trainer.version, "held": held,
-                "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
+    torch.save({"metrics": metrics, "state": state, "every": every, "version": trainer.version,
+                "held": held, "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
 
 
 # name → (backend, stage, world, micro_batch_tokens, packing). The baseline is one micro-batch;
@@ -119,6 +120,19 @@ def test_zero_rank0_only_state_and_reloadable_export(runs: dict[str, Path], name
     reloaded = AutoModelForCausalLM.from_pretrained(runs[name] / "checkpoint").state_dict()
     for key, tensor in rank0["state"].items():
         assert torch.equal(reloaded[key], tensor), key
+
+
+@pytest.mark.parametrize("name", ["zero2_w2", "zero3_w2_micro"])
+def test_zero_every_rank_state_is_rank0s(runs: dict[str, Path], name: str) -> None:
+    """``weights.fanout``: ``full_state_dict(every_rank=True)`` gives each rank the full
+    weights, equal to rank 0's plain gather, also where ZeRO-3 partitioned them."""
+    rank0, rank1 = _load(runs[name] / "rank0.pt"), _load(runs[name] / "rank1.pt")
+    assert rank1["held"] == (0 if name.startswith("zero3") else
+                             sum(t.numel() for t in rank0["state"].values()))
+    for rank in (rank0, rank1):
+        assert rank["every"].keys() == rank0["state"].keys()
+        for key, tensor in rank0["state"].items():
+            assert torch.equal(rank["every"][key], tensor), key
 
 
 def test_make_trainer_routes_deepspeed_and_rejects_gae() -> None:

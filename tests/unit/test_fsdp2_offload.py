@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config.schema import LearnerConfig
+from asyncrl.config.schema import LearnerConfig, LossConfig
 from learners import checkpoint
 from learners.batching import collate
 from learners.offload import HostStateAdamW
@@ -23,8 +23,8 @@ def _train(model_dir: Path, cfg: LearnerConfig, device: str):
     from learners.backends.fsdp2 import Fsdp2Trainer
 
     trainer = Fsdp2Trainer(model_dir, cfg, device)
-    metrics = [trainer.train_step(collate(make_groups(seed=s), std_norm=True, pad_id=0))
-               for s in range(2)]
+    metrics = [trainer.train_step(collate(make_groups(seed=s), std_norm=True, pad_id=0,
+                                          advantage=cfg.loss.advantage)) for s in range(2)]
     return trainer, metrics
 
 
@@ -47,6 +47,29 @@ def _same_training(model_dir: Path, device: str, mode: str = "params") -> None:
 def test_offload_trains_like_plain_on_cpu(tiny_model_dir: Path, mode: str) -> None:
     """On a CPU learner offloading moves nothing, but runs its code paths."""
     _same_training(tiny_model_dir, "cpu", mode)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_critic_optimizer_offload_trains_like_plain(tiny_model_dir: Path) -> None:
+    """GAE with learner.offload = "optimizer": the critic's AdamW keeps its moments on the
+    host too, and actor and critic train as without offload (same losses, values, weights)."""
+    cfg = CFG.model_copy(update={"loss": LossConfig(advantage="gae", critic_lr=5e-2)})
+    plain, plain_metrics = _train(tiny_model_dir, cfg, "cpu")
+    offloaded, metrics = _train(tiny_model_dir, cfg.model_copy(update={"offload": "optimizer"}),
+                                "cpu")
+    assert isinstance(offloaded.critic.optimizer, HostStateAdamW)
+    assert not isinstance(plain.critic.optimizer, HostStateAdamW)
+    moments = [t for state in offloaded.critic.optimizer.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    assert moments and all(t.device.type == "cpu" for t in moments)
+    for step, want in zip(metrics, plain_metrics):
+        for name in ("critic/loss", "critic/values/mean", "critic/grad_norm", "actor/loss"):
+            assert step[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), name
+    assert metrics[1]["critic/values/mean"] != 0.0   # the critic learned something
+    want = dict(plain.critic.model.named_parameters())
+    for name, param in offloaded.critic.model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), want[name].full_tensor(),
+                                   atol=1e-6, rtol=0)
 
 
 def test_host_state_adamw_equals_adamw() -> None:
