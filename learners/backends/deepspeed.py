@@ -206,6 +206,9 @@ class DeepSpeedTrainer:
         loss_sum, stats, mismatch = self.steps.accumulate(
             batch, self.world / global_units.clamp(min=1.0))
         self.lr_schedule.apply(self.optimizer, self.version)
+        if self.steps.rejected_all:   # ZeRO's gradients are out of reach: step at rate 0
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
         self.engine.step()   # clip (gradient_clipping), AdamW step, zero the gradients
         self.version += 1
         metrics = step_metrics(loss_sum, global_units, merge_token_stats(stats), batch)

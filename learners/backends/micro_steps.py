@@ -105,6 +105,7 @@ class MicroSteps:
         # The policy's forwards (proximal and trained; not a reference model of its own)
         # route as the engine did, micro-batch by micro-batch.
         self.replay = RoutingReplay(model, cfg.packing) if cfg.routing_replay else None
+        self.rejected_all = False  # the last accumulate's verdict (drop_gradient_if_all_rejected)
 
     def global_units(self, batch: TrainBatch) -> Tensor:
         """The step's aggregation units over every rank's share (tokens, samples or groups)."""
@@ -138,23 +139,25 @@ class MicroSteps:
             loss_sum += micro_loss.detach()
             stats.append(micro_stats)
             mismatch = merge_mismatch_sums(mismatch, self.mismatch_sums(logprobs.detach(), micro))
-        self.drop_gradient_if_all_rejected(mismatch)
+        self.rejected_all = self.drop_gradient_if_all_rejected(mismatch)
         return loss_sum, stats, mismatch
 
-    def drop_gradient_if_all_rejected(self, mismatch: Tensor | None) -> None:
+    def drop_gradient_if_all_rejected(self, mismatch: Tensor | None) -> bool:
         """When the rollout correction rejected every token of the step (on every rank), the
         gradients are zero; dropping them (``None``) makes a torch optimizer skip every
         parameter: no momentum, no weight decay, the step trains nothing (the warning and
-        ``mismatch/kept_tokens = 0`` say so). DeepSpeed keeps its gradients in ZeRO's own
-        buffers, out of reach here: it steps on the zero gradient (Adam's momentum still
-        moves). COLLECTIVE when a correction mask is on."""
+        ``mismatch/kept_tokens = 0`` say so). Returns whether it did: DeepSpeed keeps its
+        gradients in ZeRO's own buffers, out of reach here, so its backend steps at learning
+        rate 0 instead. COLLECTIVE when a correction mask is on."""
         if self.cfg.loss.correction.mask == "none" or mismatch is None:
-            return
+            return False
         counts = mismatch[[0, 6]].clone()
         dist.all_reduce(counts)
         if counts[0] > 0 and counts[0] == counts[1]:
             for parameter in self.model.parameters():
                 parameter.grad = None
+            return True
+        return False
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """This rank's micro-batches, padded with zero-weight ones to the most any rank has:

@@ -36,13 +36,17 @@ METRIC_REL = 1e-4
 
 
 def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
-             backend: str, stage: int, micro_tokens: int, packing: bool) -> None:
-    """One learner rank: STEPS steps, then metrics, full state dict and an HF export."""
+             backend: str, stage: int, micro_tokens: int, packing: bool,
+             reject_all: bool = False) -> None:
+    """One learner rank: STEPS steps, then metrics, full state dict and an HF export
+    (``reject_all``: a correction band no token's ratio hits, as test_fsdp2's)."""
     from learners.backends import make_trainer
     from learners.backends.base import Trainer
 
     cfg = CFG.model_copy(update={"backend": backend, "zero_stage": stage,
                                  "micro_batch_tokens": micro_tokens, "packing": packing})
+    if reject_all:
+        cfg = cfg.model_copy(update={"loss": test_fsdp2.VARIANTS["all_rejected"].loss})
     if backend == "deepspeed":
         from learners.backends.deepspeed import DeepSpeedTrainer
         trainer = DeepSpeedTrainer(model_dir, cfg, device,
@@ -65,13 +69,15 @@ def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_di
                 "held": held, "forwards": forwards[0]}, Path(out_dir) / f"rank{rank}.pt")
 
 
-# name → (backend, stage, world, micro_batch_tokens, packing). The baseline is one micro-batch;
-# the *_micro runs split each rank's share (<= 54 tokens) into several, a different number on
-# each rank (the shorter rank adds zero-weight ones), through DeepSpeed's accumulation boundary.
+# name → (backend, stage, world, micro_batch_tokens, packing[, reject_all]). The baseline is one
+# micro-batch; the *_micro runs split each rank's share (<= 54 tokens) into several, a different
+# number on each rank (the shorter rank adds zero-weight ones), through DeepSpeed's accumulation
+# boundary. zero2_w2_rejected: every token rejected by the rollout correction.
 RUNS = {"fsdp2_w1": ("fsdp2", 2, 1, 0, False), "zero2_w2": ("deepspeed", 2, 2, 0, False),
         "zero3_w2": ("deepspeed", 3, 2, 0, False),
         "zero2_w2_micro": ("deepspeed", 2, 2, 12, False),
-        "zero3_w2_micro": ("deepspeed", 3, 2, 16, True)}
+        "zero3_w2_micro": ("deepspeed", 3, 2, 16, True),
+        "zero2_w2_rejected": ("deepspeed", 2, 2, 0, False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +85,8 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     """The FSDP2 baseline, ZeRO-2 and ZeRO-3, each of them with and without micro-batches (3
     processes: the DeepSpeed runs take turns on 2 ranks)."""
     return spawn_runs(run_rank, tiny_model_dir, tmp_path_factory.mktemp("ds"),
-                      {name: (world, (backend, stage, micro, packing))
-                       for name, (backend, stage, world, micro, packing) in RUNS.items()})
+                      {name: (world, (backend, stage, micro, packing, *rest))
+                       for name, (backend, stage, world, micro, packing, *rest) in RUNS.items()})
 
 
 def _load(path: Path) -> dict:
@@ -171,3 +177,16 @@ def test_the_cpu_shared_memory_op_is_not_built() -> None:
 
     skip_shm_comm_op()
     assert build_shm_op() is None
+
+
+def test_zero_all_rejected_steps_train_nothing(runs: dict[str, Path],
+                                              tiny_model_dir: Path) -> None:
+    """Every token rejected by the correction: ZeRO steps at learning rate 0, so not one
+    weight moves (before, AdamW's step on the zero gradient still did), and the clock goes on."""
+    run = _load(runs["zero2_w2_rejected"] / "rank0.pt")
+    initial = test_fsdp2._initial_state(tiny_model_dir)
+    assert all(torch.equal(run["state"][n], initial[n]) for n in initial)
+    for metrics in run["metrics"]:
+        assert metrics["mismatch/kept_tokens"] == 0.0 < metrics["mismatch/tokens"]
+        assert metrics["actor/lr"] == 0.0
+    assert run["version"] == STEPS
