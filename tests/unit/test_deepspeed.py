@@ -46,7 +46,9 @@ def run_rank(rank: int, world: int, device: torch.device, model_dir: str, out_di
     cfg = CFG.model_copy(update={"backend": backend, "zero_stage": stage,
                                  "micro_batch_tokens": micro_tokens, "packing": packing})
     if reject_all:
-        cfg = cfg.model_copy(update={"loss": test_fsdp2.VARIANTS["all_rejected"].loss})
+        # weight decay: what AdamW's step on a zero gradient would still apply
+        cfg = cfg.model_copy(update={"loss": test_fsdp2.VARIANTS["all_rejected"].loss,
+                                     "weight_decay": 0.1})
     if backend == "deepspeed":
         from learners.backends.deepspeed import DeepSpeedTrainer
         trainer = DeepSpeedTrainer(model_dir, cfg, device,
