@@ -47,7 +47,8 @@ class EngineKind:
     sleeps: bool = False
     """Can free its device memory between generation phases and take it back
     (``sleep``/``wake_up``, :class:`~rollouters.engines.base.Sleeper`): what
-    ``launcher.colocate`` needs of it."""
+    ``launcher.colocate`` needs of it. ``vllm``: vLLM's sleep mode, whose memory release is
+    GPU-only (on CPU the same calls run, and free nothing: ``rollouters.engines.vllm_sleep``)."""
     records_routing: bool = False
     """It can return the experts each token was routed to (``learner.routing_replay``)."""
     routing_note: str = "does not record the experts it routes each token to"
@@ -56,7 +57,7 @@ class EngineKind:
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True),
-    EngineKind("vllm", table="vllm", routing_note=(
+    EngineKind("vllm", table="vllm", sleeps=True, routing_note=(
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
         "refused on the CPU install; not wired up for GPUs)")),

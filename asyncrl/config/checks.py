@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.limits import WEEK_S
 from asyncrl.config.resolve import selected_table
-from asyncrl.engine_kinds import engine_kind
+from asyncrl.engine_kinds import ENGINE_KINDS, engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -106,9 +106,10 @@ def _colocate(cfg: Config) -> Iterator[str]:
         return
     engine = cfg.rollout.engine
     if not engine_kind(engine).sleeps:
+        able = " or ".join(repr(k.name) for k in ENGINE_KINDS.values() if k.sleeps)
         yield (f"launcher.colocate = true needs engines that can sleep, and rollout.engine = "
-               f"{engine!r} cannot yet (sleep and wake_up are built for 'torch'): use "
-               "rollout.engine = 'torch' or launcher.colocate = false")
+               f"{engine!r} cannot yet: use rollout.engine = {able} or "
+               "launcher.colocate = false")
     if cfg.learner.backend != "fsdp2":
         yield (f"launcher.colocate = true needs learner.backend = 'fsdp2' (got "
                f"{cfg.learner.backend!r}): only its state is moved to host between steps")

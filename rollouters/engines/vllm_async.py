@@ -14,6 +14,8 @@ synchronous :class:`~rollouters.engines.base.Engine` protocol holds:
   ``finish_weight_update(version)``, ``reset_prefix_cache`` (running requests are recomputed
   under the new weights, and no prefix cached under old weights is reused), ``resume``. Every
   call is bounded by ``update_timeout_s`` (``weights.timeout_s``).
+* ``sleep`` / ``wake_up`` (``launcher.colocate``): vLLM's sleep mode, at level 1, with an
+  update that arrives asleep held until the wake (:mod:`vllm_sleep` says why).
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from rollouters.engines.vllm_options import (
     configure_process_env,
     engine_args,
     sampling_params,
+    sleep_frees_memory,
+)
+from rollouters.engines.vllm_sleep import (
+    SLEEP_LEVEL,
+    GenerateGate,
+    HeldUpdate,
+    memory_report,
+    wake_in_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +69,11 @@ class AsyncVLLMEngine:
         self._version = version
         self._ids = itertools.count()
         self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, so far
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # one update, sleep or wake at a time
+        self._gate = GenerateGate()  # closed while asleep
+        self._held = HeldUpdate()  # updates that arrived asleep, for the wake
+        self._sizes: dict[str, int] = {}
+        self._asleep_in_vllm = False  # between vLLM's sleep and its last wake_up
         workers = opts.tensor_parallel_size * opts.data_parallel_size
         self._sender = GlooSender(host, workers, update_timeout_s)
         self._loop = asyncio.new_event_loop()
@@ -72,6 +86,7 @@ class AsyncVLLMEngine:
         except BaseException:
             self.close()
             raise
+        self._sizes = self._run(self._llm.collective_rpc("asyncrl_memory"))[0]
         logger.info("vLLM AsyncLLM engine ready (%s, %s, version %d)", model_dir, opts.device,
                     version)
 
@@ -109,8 +124,8 @@ class AsyncVLLMEngine:
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = sampling_params(self.opts, n, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=False)
-        call = next(self._ids)
-        return self._run(self._generate_all(prompts, params, call))
+        with self._gate.call():  # asleep: waits for the wake
+            return self._run(self._generate_all(prompts, params, next(self._ids)))
 
     async def _generate_all(self, prompts: list[list[int]], params: Any,
                             call: int) -> list[list[Completion]]:
@@ -141,27 +156,75 @@ class AsyncVLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
         resume. Tokens sampled before the pause keep their label, those after carry
-        ``version``."""
+        ``version``. Asleep, the update is held (copied) and applied at the wake."""
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         timeout = self.update_timeout_s
         with self._update_lock:
-            if self._sender.group is None:  # the first update, or the first after a failed one
-                self._sender.join(lambda info: self._run(self._init_transfer(info)))
+            if self._asleep_in_vllm:
+                self._held.hold(tensors, version)
+                return
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
-                self._run(self._llm.start_weight_update(), timeout)
-                self._sender.send(tensors, lambda info: self._run(self._update(info)))
-                self._run(self._llm.finish_weight_update(str(version)), timeout)
-                self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
-                self._version = version
+                self._apply(tensors, version)
             finally:
                 self._run(self._llm.resume_generation(), timeout)
         logger.debug("vLLM AsyncLLM engine at version %d (%d tensors)", version, len(tensors))
+
+    def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """start → update → finish(version) → reset prefix cache, generation paused; under
+        the update lock."""
+        timeout = self.update_timeout_s
+        if self._sender.group is None:  # the first update, or the first after a failed one
+            self._sender.join(lambda info: self._run(self._init_transfer(info)))
+        self._run(self._llm.start_weight_update(), timeout)
+        self._sender.send(tensors, lambda info: self._run(self._update(info)))
+        self._run(self._llm.finish_weight_update(str(version)), timeout)
+        self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
+        self._version = version
 
     async def _update(self, info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    # --- sleep and wake (launcher.colocate) ------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._gate.closed
+
+    def sleep(self) -> None:
+        """Let the generate calls in flight finish (new ones wait), then vLLM's
+        ``sleep(level=1, mode="wait")``: it pauses its scheduler (nothing left to drain) and
+        frees the device memory, weights to host (:mod:`vllm_sleep`)."""
+        self._gate.close()
+        with self._update_lock:
+            try:
+                self._run(self._llm.sleep(level=SLEEP_LEVEL, mode="wait"),
+                          self.update_timeout_s)
+            except BaseException:
+                self._gate.open()  # still awake: the waiting calls go on
+                raise
+            self._asleep_in_vllm = True
+
+    def wake_up(self) -> None:
+        """vLLM's wake in its RL order, with the update held while asleep
+        (:func:`~rollouters.engines.vllm_sleep.wake_in_order`); then the waiting generate
+        calls go on."""
+        timeout = self.update_timeout_s
+        with self._update_lock:
+            if self._asleep_in_vllm:  # not if its sleep failed
+                wake_in_order(lambda tags: self._run(self._llm.wake_up(tags=tags), timeout),
+                              self._held, self._apply)
+                self._asleep_in_vllm = False
+        self._gate.open()
+
+    def memory(self) -> dict[str, int]:
+        """The weights and KV cache on the device (0 asleep on a GPU), what waits in host
+        memory; on CPU vLLM's sleep frees nothing, and the figures say so
+        (:func:`~rollouters.engines.vllm_sleep.memory_report`)."""
+        return memory_report(self._sizes, self._asleep_in_vllm, sleep_frees_memory(self.opts),
+                             self._held.nbytes)
 
     def weight(self, name: str) -> torch.Tensor:
         """A parameter as the running model holds it (tests: did an update land?)."""

@@ -12,6 +12,10 @@ process broadcasts on the ``asyncrl_gloo`` group to the worker, which is in this
 on another thread), finish with the version, reset the prefix cache. Per-token versions are
 vLLM's ``weight_versions`` spans. Behaviour logprobs are ``processed_logprobs`` (after
 temperature), like the learner's recomputation.
+
+``sleep`` / ``wake_up`` (``launcher.colocate``) are the async engine's (:mod:`vllm_sleep`),
+except that vLLM's in-process core refuses the pause mode ``"wait"``: the generate calls in
+flight have finished before the sleep (the gate), and ``"keep"`` would lose nothing if not.
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ from rollouters.engines.vllm_options import (
     configure_process_env,
     engine_args,
     sampling_params,
+    sleep_frees_memory,
     span_versions,
+)
+from rollouters.engines.vllm_sleep import (
+    SLEEP_LEVEL,
+    GenerateGate,
+    HeldUpdate,
+    memory_report,
+    wake_in_order,
 )
 
 __all__ = ["CPU_MIN_HEAD_DIM", "VLLMEngine", "VLLMOptions"]
@@ -76,6 +88,9 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one scheduler step, or one weight update
         self._generate_lock = threading.Lock()  # one generate call owns the step loop
         self._ids = itertools.count()
+        self._gate = GenerateGate()  # closed while asleep
+        self._held = HeldUpdate()  # updates that arrived asleep, for the wake
+        self._asleep_in_vllm = False  # between vLLM's sleep and its last wake_up
         set_num_threads = torch.set_num_threads
         try:
             self._engine = LLMEngine.from_engine_args(engine_args(model_dir, opts),
@@ -86,6 +101,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
         self._engine.set_weight_version(str(version))  # labels are ours from the start
         self._sender = GlooSender("127.0.0.1", 1, update_timeout_s)
+        self._sizes = self._engine.collective_rpc("asyncrl_memory")[0]
         logger.info("vLLM engine ready (%s, %s)", model_dir, opts.device)
 
     @property
@@ -98,7 +114,7 @@ class VLLMEngine:
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=True)
-        with self._generate_lock:
+        with self._gate.call(), self._generate_lock:  # asleep: waits for the wake
             rows = self._submit(prompts, n, params)
             try:
                 self._run(rows)
@@ -165,19 +181,59 @@ class VLLMEngine:
         Copies to CPU happen outside the lock, so generation only stops for the update. The
         reset preempts running rows: their KV cache is recomputed under the new weights."""
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
-        rpc = self._engine.collective_rpc
         with self._lock:
-            if self._sender.group is None:  # the first update, or the first after a failed one
-                self._sender.join(lambda info: rpc("init_weight_transfer_engine",
-                                                   kwargs={"init_info": info}))
-            rpc("start_weight_update")
-            self._sender.send(tensors, lambda info: rpc("update_weights",
-                                                        kwargs={"update_info": info}))
-            rpc("finish_weight_update")
-            self._engine.set_weight_version(str(version))
-            self._engine.reset_prefix_cache(reset_running_requests=True)
-            self._version = version
+            if self._asleep_in_vllm:  # held (copied) for the wake
+                self._held.hold(tensors, version)
+                return
+            self._apply(tensors, version)
         logger.debug("vLLM engine loaded %d tensors, version %d", len(tensors), version)
+
+    def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """start → update → finish(version) → reset prefix cache; under the lock."""
+        rpc = self._engine.collective_rpc
+        if self._sender.group is None:  # the first update, or the first after a failed one
+            self._sender.join(lambda info: rpc("init_weight_transfer_engine",
+                                               kwargs={"init_info": info}))
+        rpc("start_weight_update")
+        self._sender.send(tensors, lambda info: rpc("update_weights",
+                                                    kwargs={"update_info": info}))
+        rpc("finish_weight_update")
+        self._engine.set_weight_version(str(version))
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        self._version = version
+
+    # --- sleep and wake (launcher.colocate) ------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._gate.closed
+
+    def sleep(self) -> None:
+        """Let the generate calls in flight finish (new ones wait), then vLLM's
+        ``sleep(level=1)`` (:mod:`vllm_sleep`)."""
+        self._gate.close()
+        with self._lock:
+            try:
+                self._engine.sleep(level=SLEEP_LEVEL, mode="keep")
+            except BaseException:
+                self._gate.open()  # still awake: the waiting calls go on
+                raise
+            self._asleep_in_vllm = True
+
+    def wake_up(self) -> None:
+        """As the async engine's: vLLM's wake in its RL order with the held update
+        (:func:`~rollouters.engines.vllm_sleep.wake_in_order`), then the waiting calls."""
+        with self._lock:
+            if self._asleep_in_vllm:  # not if its sleep failed
+                wake_in_order(lambda tags: self._engine.wake_up(tags=tags), self._held,
+                              self._apply)
+                self._asleep_in_vllm = False
+        self._gate.open()
+
+    def memory(self) -> dict[str, int]:
+        """As the async engine's (:func:`~rollouters.engines.vllm_sleep.memory_report`)."""
+        return memory_report(self._sizes, self._asleep_in_vllm, sleep_frees_memory(self.opts),
+                             self._held.nbytes)
 
     def weight(self, name: str) -> torch.Tensor:
         """A parameter as the running model holds it (tests: did an update land?)."""

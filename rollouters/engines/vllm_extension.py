@@ -59,6 +59,28 @@ class AsyncRLWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return dict(model.named_parameters())[name].detach().float().cpu().tolist()
 
+    def asyncrl_memory(self) -> dict[str, int]:
+        """Bytes of the model's parameters and of the KV cache, as allocated at start (what
+        a sleep frees, on GPUs: the engines report it, :mod:`vllm_sleep`)."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return {"weights_bytes": _storage_bytes(runner.get_model().parameters()),
+                "kv_bytes": _storage_bytes(_tensors(getattr(runner, "kv_caches", [])))}
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views and tied weights once)."""
+    storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors)}
+    return sum(storages.values())
+
+
+def _tensors(nested: object) -> Iterator[torch.Tensor]:
+    """The tensors in a (possibly nested) list of KV caches."""
+    if isinstance(nested, torch.Tensor):
+        yield nested
+    elif isinstance(nested, (list, tuple)):
+        for item in nested:
+            yield from _tensors(item)
+
 
 def _iterate(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     yield from tensors.items()

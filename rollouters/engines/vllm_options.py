@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouters.engines.base import Completion
+from rollouters.engines.vllm_sleep import releases_memory
 
 # Smallest attention head size vLLM's CPU attention kernels support.
 CPU_MIN_HEAD_DIM = 32
@@ -30,7 +31,9 @@ class VLLMOptions:
     ``enforce_eager`` None follows the device: eager on CPU (vLLM's CPU backend has no CUDA
     graphs), CUDA graphs on GPU (vLLM's default, the fast decode). ``kv_cache_memory_mb`` None
     follows it too: 64 MB on CPU, ``gpu_memory_utilization`` on GPU. ``weight_backend`` is the
-    name vLLM's weight-transfer factory knows (our gloo backend on CPU)."""
+    name vLLM's weight-transfer factory knows (our gloo backend on CPU). ``sleep_mode``: the
+    engine will sleep (``launcher.colocate``): vLLM's ``enable_sleep_mode`` on GPUs; on CPU
+    vLLM refuses it and its sleep is a no-op (:mod:`vllm_sleep`)."""
 
     eos_ids: tuple[int, ...]  # any of them ends a row (asyncrl.tokens)
     dtype: str = "float32"
@@ -48,6 +51,7 @@ class VLLMOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     weight_backend: str = "asyncrl_gloo"
+    sleep_mode: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +100,8 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         "tensor_parallel_size": opts.tensor_parallel_size,
         "data_parallel_size": opts.data_parallel_size,
         "weight_transfer_config": {"backend": opts.weight_backend}}
+    if sleep_frees_memory(opts):
+        kwargs["enable_sleep_mode"] = True
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
     kv_mb = kv_cache_mb(opts)
@@ -103,6 +109,11 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = kv_mb << 20
     kwargs.update(opts.extra)
     return kwargs
+
+
+def sleep_frees_memory(opts: VLLMOptions) -> bool:
+    """vLLM's sleep mode is on, so its sleep frees device memory: a sleeping engine on a GPU."""
+    return opts.sleep_mode and releases_memory(opts.device)
 
 
 def kv_cache_mb(opts: VLLMOptions) -> int:

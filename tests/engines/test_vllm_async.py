@@ -19,6 +19,10 @@ from asyncrl.config.schema import TaskConfig
 from asyncrl.models import PAD_ID, load_causal_lm
 from rollouters.tasks import make_task
 from tests.engines.test_vllm_engine import LOGPROB_TOLERANCE, PROMPTS, _flat, _patched
+from tests.engines.vllm_sleep_checks import (
+    check_a_sleep_without_an_update_wakes_with_the_same_weights,
+    check_update_while_asleep_lands_at_the_wake,
+)
 from tests.integration.conftest import wait_for
 
 LONG_PROMPT = [1] + [4 + (i * 7) % 10 for i in range(34)] + [2]  # > one 32-token block
@@ -147,3 +151,13 @@ def test_async_prefix_cache_is_reset_by_an_update(engine, tiny_model_dir: Path,
     model.load_state_dict(patched)
     _, want = _greedy(model, LONG_PROMPT, 4)
     assert float((torch.tensor(logprobs) - torch.tensor(want)).abs().max()) < 1e-3
+
+
+def test_async_update_while_asleep_lands_at_the_wake(engine, tiny_model_dir: Path,
+                                                     reference_state: dict) -> None:
+    """``launcher.colocate``: sleep, a call that waits, an update held, the wake."""
+    check_update_while_asleep_lands_at_the_wake(engine, tiny_model_dir, reference_state)
+
+
+def test_async_sleep_without_an_update_keeps_the_weights(engine) -> None:
+    check_a_sleep_without_an_update_wakes_with_the_same_weights(engine)

@@ -85,3 +85,16 @@ def test_vllm_backends_without_a_sender_are_refused_naming_the_key(
     for engine in (VLLMEngine, AsyncVLLMEngine):
         with pytest.raises(ValueError, match="weights.transport"):
             engine(tiny_model_dir, VLLMOptions(eos_ids=(3,), weight_backend=backend))
+
+
+@pytest.mark.parametrize(("device", "enabled"), [("cpu", False), ("cuda", True)])
+def test_sleep_mode_is_vllms_on_gpus_only(device: str, enabled: bool,
+                                          tiny_model_dir: Path) -> None:
+    """``launcher.colocate`` asks for vLLM's sleep mode where it frees memory; on CPU vLLM
+    refuses the option (its sleep is a no-op there), so it is left unset."""
+    from rollouters.engines.vllm_options import engine_kwargs
+
+    opts = VLLMOptions(eos_ids=(3,), device=device, sleep_mode=True)
+    assert engine_kwargs(tiny_model_dir, opts).get("enable_sleep_mode", False) is enabled
+    off = VLLMOptions(eos_ids=(3,), device=device)
+    assert "enable_sleep_mode" not in engine_kwargs(tiny_model_dir, off)

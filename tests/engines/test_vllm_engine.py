@@ -20,6 +20,10 @@ from asyncrl.config.schema import TaskConfig
 from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
 from rollouters.engines.base import Completion
 from rollouters.tasks import make_task
+from tests.engines.vllm_sleep_checks import (
+    check_a_sleep_without_an_update_wakes_with_the_same_weights,
+    check_update_while_asleep_lands_at_the_wake,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,3 +193,14 @@ def test_a_failed_update_is_followed_by_a_fresh_join(engine, tiny_model_dir: Pat
         PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
     assert [c.tokens for c in after] == [c.tokens for c in expected]
     assert all(set(c.versions) == {2} for c in after)
+
+
+def test_update_while_asleep_lands_at_the_wake(engine, tiny_model_dir: Path,
+                                               reference_state: dict) -> None:
+    """``launcher.colocate``: sleep, a call that waits, an update held, the wake
+    (``vllm_sleep_checks``, also run on the async engine)."""
+    check_update_while_asleep_lands_at_the_wake(engine, tiny_model_dir, reference_state)
+
+
+def test_a_sleep_without_an_update_keeps_the_weights(engine) -> None:
+    check_a_sleep_without_an_update_wakes_with_the_same_weights(engine)
