@@ -66,7 +66,7 @@ def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
     """`asyncrl eval`: the periodic validation, alone, on the weights at ``checkpoint``."""
     import torch
 
-    from asyncrl.tokens import special_tokens
+    from asyncrl.tokens import ModelTokenizer
     from rollouters.engines.torch_engine import TorchEngine
     from rollouters.eval import make_evaluator
 
@@ -74,9 +74,10 @@ def run_eval(cfg: Config, checkpoint: str | Path) -> dict[str, float | int]:
     model, version, model_dir = load_policy(cfg, checkpoint)
     from asyncrl.devices import resolve_device
 
-    special = special_tokens(model_dir)
+    tokens = ModelTokenizer(model_dir)  # loaded once, for the engine's ids and the workflow
+    special = tokens.special
     engine = TorchEngine(model, eos_ids=special.eos_ids, pad_id=special.pad_id,
                          version=max(version, 0),
                          device=resolve_device(cfg.eval.device, 0, "eval.device"))
     return {"checkpoint": str(checkpoint), "version": version,
-            **make_evaluator(cfg, model_dir)(engine)}
+            **make_evaluator(cfg, tokens)(engine)}

@@ -10,11 +10,11 @@ this protocol; the composition root (``asyncrl.launch.roles``, ``asyncrl.launch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.tokens import ModelTokenizer
 
 
 class Evaluator(Protocol):
@@ -23,5 +23,6 @@ class Evaluator(Protocol):
         trained up to ``version``."""
 
 
-# Built once, on learner rank 0, from the run's config and its initial model directory.
-EvaluatorFactory = Callable[["Config", Path], Evaluator]
+# Built once, on learner rank 0, from the run's config and the tokenizer of its initial model
+# (``ModelTokenizer.model_dir``: the model), which rank 0 has loaded already.
+EvaluatorFactory = Callable[["Config", "ModelTokenizer"], Evaluator]

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,10 +189,15 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     with _LAZY_IMPORTS:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        start = time.monotonic()  # after the import: a process's first one takes seconds
         kwargs = _hub_kwargs(path)
         if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
-            return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
-        return AutoTokenizer.from_pretrained(str(path), **kwargs)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    # One line per load: a process that logs two loaded a tokenizer it already had.
+    logger.info("tokenizer of %s loaded in %.2fs", path, time.monotonic() - start)
+    return tokenizer
 
 
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")

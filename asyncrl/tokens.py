@@ -14,21 +14,25 @@ an ordinary token must not be cut off there. The rules follow what ``transformer
 - **BOS**: the tokenizer's ``bos_token_id`` or the generation config's (None if neither).
 
 Reading needs only the JSON files (``generation_config.json``, ``config.json``) and the
-tokenizer, so it costs milliseconds; torch is not imported.
+tokenizer, so it costs milliseconds; torch is not imported. Loading the tokenizer is what costs:
+a role makes one :class:`ModelTokenizer` as it starts and hands it to what needs the tokenizer
+or the ids, so that each process loads it once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["SpecialTokens", "encode_strict", "special_tokens", "tokens_of"]
+__all__ = ["ModelTokenizer", "SpecialTokens", "encode_strict", "special_tokens", "tokens_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +94,33 @@ def special_tokens(model_dir: str | Path,
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir)
     return tokens_of(tokenizer, _generation_config(model_dir))
+
+
+class ModelTokenizer:
+    """The tokenizer of the model in ``model_dir`` and its special ids, each read at most once,
+    when first asked for. A role makes one as it starts and passes it to its engine, producer
+    and evaluator, so that the process loads the tokenizer once (each of them used to load its
+    own). A role that needs neither (the sim engine on a digit task) never loads it.
+
+    ``load``: the loader (:func:`asyncrl.models.load_tokenizer` unless given)."""
+
+    def __init__(self, model_dir: str | Path,
+                 load: Callable[[str | Path], PreTrainedTokenizerBase] | None = None) -> None:
+        self.model_dir = model_dir
+        self._load = load
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._load is None:
+            from asyncrl.models import load_tokenizer
+
+            return load_tokenizer(self.model_dir)
+        return self._load(self.model_dir)
+
+    @cached_property
+    def special(self) -> SpecialTokens:
+        """The model's EOS, pad and BOS ids (:func:`special_tokens`)."""
+        return special_tokens(self.model_dir, self.tokenizer)
 
 
 def encode_strict(tokenizer: PreTrainedTokenizerBase, text: str,

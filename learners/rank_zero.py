@@ -43,9 +43,10 @@ class RankZero:
         self.ctx, self.cfg = ctx, ctx.cfg
         # weights.fanout: every rank sends to its slice of the engines (learners.rank_role)
         self.senders = fanout_senders(self.cfg, ctx.world)
-        from asyncrl.tokens import special_tokens
+        from asyncrl.tokens import ModelTokenizer
 
-        self.feed = BatchFeed.connect(ctx, special_tokens(model_dir).pad_id)
+        tokens = ModelTokenizer(model_dir)  # loaded once, for the feed's pad id and the eval
+        self.feed = BatchFeed.connect(ctx, tokens.special.pad_id)
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
         self.weights_client = connect_buffer(self.cfg, ctx.address, ctx.stop)
@@ -64,7 +65,7 @@ class RankZero:
         self.writer = make_sinks(self.cfg.monitor, self.cfg.run_dir, self.cfg.run.name,
                                  self.cfg.model_dump(mode="json"))
         self.endpoint = start_endpoint(self.cfg.monitor, "learner", ctx.member)
-        self.evaluator = evaluator(self.cfg, model_dir)
+        self.evaluator = evaluator(self.cfg, tokens)
         self.start = self.last_step_end = time.monotonic()
         self.last_state: dict[str, Any] | None = None
         self.last_eval: dict[str, float] = {}

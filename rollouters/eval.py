@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.metrics import val_score_key
@@ -20,6 +19,7 @@ from rollouters.tasks.digits import Task
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.tokens import ModelTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,33 +91,31 @@ def evaluate_workflow(engine: Engine, cfg: Config, tokenizer, seed: int = 0
     return metrics
 
 
-def make_evaluator(cfg: Config, model_dir: str | Path) -> Callable[[Engine], dict]:
-    """``evaluator(engine) -> metrics`` for the configured task or workflow."""
+def make_evaluator(cfg: Config, tokens: ModelTokenizer) -> Callable[[Engine], dict]:
+    """``evaluator(engine) -> metrics`` for the configured task or workflow (a workflow's
+    episodes use ``tokens``' tokenizer; a digit task's never load it)."""
     if cfg.workflow.type == "digits":
         from rollouters.tasks import make_task
 
         task = make_task(cfg.task, cfg.run.seed)
         return lambda engine: evaluate(engine, task, cfg.rollout.max_new_tokens)
-    from asyncrl.models import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    return lambda engine: evaluate_workflow(engine, cfg, tokenizer, cfg.run.seed)
+    return lambda engine: evaluate_workflow(engine, cfg, tokens.tokenizer, cfg.run.seed)
 
 
 class EngineEvaluator:
     """The learner's periodic and final eval (:class:`asyncrl.evaluation.Evaluator`): each
-    version's weights loaded into one CPU torch engine, scored by :func:`make_evaluator`."""
+    version's weights loaded into one CPU torch engine, scored by :func:`make_evaluator`.
+    ``tokens``: rank 0's tokenizer of the initial model, whose directory the engine loads."""
 
-    def __init__(self, cfg: Config, model_dir: Path) -> None:
+    def __init__(self, cfg: Config, tokens: ModelTokenizer) -> None:
         from asyncrl.devices import resolve_device
         from asyncrl.models import load_causal_lm
-        from asyncrl.tokens import special_tokens
         from rollouters.engines.torch_engine import TorchEngine
 
-        self._score = make_evaluator(cfg, model_dir)
-        special = special_tokens(model_dir)
+        self._score = make_evaluator(cfg, tokens)
+        special = tokens.special
         device = resolve_device(cfg.eval.device, 0, "eval.device")
-        self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, str(device)),
+        self._engine = TorchEngine(load_causal_lm(tokens.model_dir, cfg.model.dtype, str(device)),
                                    eos_ids=special.eos_ids, pad_id=special.pad_id,
                                    device=device)
 

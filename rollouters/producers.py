@@ -11,8 +11,12 @@ import asyncio
 import random
 import threading
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
+
+if TYPE_CHECKING:
+    from asyncrl.tokens import ModelTokenizer
 
 STOP_POLL_S = 0.1  # how soon a stop (a signal) ends the episodes in flight
 
@@ -50,12 +54,12 @@ class EpisodeProducer:
     """Workflows behind the workflow API: G concurrent episodes per sample on one event loop,
     samples from ``[data]`` (or the env), their position saved once the groups are handed over.
     ``stop`` (the worker's): set, it cancels the episodes in flight, whatever they wait for (a
-    hung reward's process is killed), and ``produce`` returns no group.
+    hung reward's process is killed), and ``produce`` returns no group. ``tokens``: the
+    worker's tokenizer, which the engine's stop ids came from too.
     """
 
-    def __init__(self, cfg: Config, engine, model_dir, index: int,
+    def __init__(self, cfg: Config, engine, tokens: ModelTokenizer, index: int,
                  stop: threading.Event | None = None) -> None:
-        from asyncrl.models import load_tokenizer
         from rollouters.workflows.batching import BatchingEngine
         from rollouters.workflows.factory import make_source, make_workflow
         from rollouters.workflows.runner import EpisodeRunner
@@ -63,7 +67,7 @@ class EpisodeProducer:
         seed = cfg.run.seed * 7919 + index
         self.cfg, self.loop = cfg, asyncio.new_event_loop()
         self.stop = stop or threading.Event()
-        self.workflow = make_workflow(cfg, load_tokenizer(model_dir), seed)
+        self.workflow = make_workflow(cfg, tokens.tokenizer, seed)
         self.source = make_source(cfg, index, cfg.rollout.workers, seed)
         wf = cfg.workflow
         self.runner = EpisodeRunner(
@@ -111,8 +115,8 @@ class EpisodeProducer:
         self.loop.close()
 
 
-def make_producer(cfg: Config, engine, model_dir, index: int,
+def make_producer(cfg: Config, engine, tokens: ModelTokenizer, index: int,
                   stop: threading.Event | None = None):
-    if cfg.workflow.type == "digits":
+    if cfg.workflow.type == "digits":  # token ids only: the tokenizer is never loaded
         return DigitProducer(cfg, engine, index)
-    return EpisodeProducer(cfg, engine, model_dir, index, stop)
+    return EpisodeProducer(cfg, engine, tokens, index, stop)

@@ -72,6 +72,7 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
 
     from asyncrl.models import prepare_model_dir
     from asyncrl.net import broadcast_host
+    from asyncrl.tokens import ModelTokenizer
     from rollouters.engines import make_engine, make_weight_receiver
     from rollouters.producers import make_producer
 
@@ -79,8 +80,9 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
     torch.set_num_threads(cfg.rollout.threads)
     member = member_name(index, os.getpid())
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
-    engine = make_engine(cfg, model_dir, index)
-    producer = make_producer(cfg, engine, model_dir, index, stop)
+    tokens = ModelTokenizer(model_dir)  # loaded once, for the engine and the producer
+    engine = make_engine(cfg, model_dir, index, tokens)
+    producer = make_producer(cfg, engine, tokens, index, stop)
     client = connect_buffer(cfg, address, stop)
     receiver_client = connect_buffer(cfg, address, stop)  # clients are per thread
     receiver = make_weight_receiver(engine, receiver_client, member,

@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.tokens import ModelTokenizer
     from asyncrl.weights.receiver import WeightReceiver
     from buffers.protocol import ControlPlane
     from rollouters.engines.base import Engine
 
 
-def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
-    """The engine ``cfg.rollout.engine`` names, for rollout worker ``index``."""
+def make_engine(cfg: Config, model_dir: str | Path, index: int,
+                tokens: ModelTokenizer) -> Engine:
+    """The engine ``cfg.rollout.engine`` names, for rollout worker ``index``. ``tokens``: the
+    worker's tokenizer of ``model_dir``, whose special ids the engine stops and pads with."""
     from asyncrl.devices import resolve_device
 
     kind = cfg.rollout.engine
@@ -32,10 +35,8 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int) -> Engine:
         return SimEngine(cfg.sim, eos_id=EOS_ID, token_ids=range(DIGIT_OFFSET, DIGIT_OFFSET + 10),
                          seed=seed)
     if kind == "sglang":
-        return _sglang_engine(cfg, model_dir, index, seed)
-    from asyncrl.tokens import special_tokens
-
-    special = special_tokens(model_dir)  # the model's own EOS and pad ids
+        return _sglang_engine(cfg, model_dir, index, seed, tokens.special.eos_ids)
+    special = tokens.special  # the model's own EOS and pad ids
     if kind == "vllm-server":
         return _vllm_server_engine(cfg, model_dir, index, seed, special.eos_ids)
     device = str(resolve_device(cfg.rollout.device, index, "rollout.device"))
@@ -121,15 +122,15 @@ def _server_url(cfg: Config, index: int) -> str:
     return urls[index]
 
 
-def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int) -> Engine:
+def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
+                   eos_ids: tuple[int, ...]) -> Engine:
     """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
-    from asyncrl.tokens import special_tokens
     from rollouters.engines.sglang_engine import SglangEngine, SglangServer
 
     r = cfg.rollout
     timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
                 "update_timeout_s": 2 * cfg.weights.timeout_s,  # a join waits for the others
-                "eos_ids": special_tokens(model_dir).eos_ids}
+                "eos_ids": eos_ids}
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
     server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed, list(r.sglang.args),

@@ -9,7 +9,9 @@ Every row is checked as it is read (:func:`row_problem`): a JSON object with the
 config names, which the prompt template formats. An error names the config key, the file and
 the 1-based line (JSONL) or row (Parquet, ``datasets``). `asyncrl up` (and ``--dry-run``)
 streams each data file once before anything starts (:func:`check_data_file`); each worker
-checks the rows again as it loads them.
+(started by `up` or by hand) checks the rows once more, as it loads them, and builds its
+samples from the checked rows without checking them again (:class:`DatasetSource`'s
+``checked``).
 
 verl's preprocessing scripts (``examples/data_preprocess/gsm8k.py`` and its kin) write rows
 with ``prompt`` as a list of chat messages, the answer in ``reward_model.ground_truth``, and
@@ -28,7 +30,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,6 +280,22 @@ def row_to_sample(row: dict[str, Any], index: int, cfg: DataConfig,
     problem = row_problem(row, cfg, layout)
     if problem:
         raise ConfigError(f"data.path: row {index + 1}: {problem}")
+    return _sample(row, index, cfg, layout)
+
+
+def checked_samples(rows: list[dict[str, Any]], indices: Iterable[int],
+                    cfg: DataConfig) -> dict[int, Sample]:
+    """The samples of ``rows[i]`` for each ``i`` in ``indices``, by index, from rows that
+    :func:`load_rows` checked against ``cfg`` (``data=cfg``) already: they are not checked
+    again, and each is built with the layout it was checked with, the file's first row's
+    (every checked row is an object)."""
+    if not rows:
+        return {}
+    layout = row_layout(cfg, rows[0])
+    return {i: _sample(rows[i], i, cfg, layout) for i in indices}
+
+
+def _sample(row: dict[str, Any], index: int, cfg: DataConfig, layout: RowLayout) -> Sample:
     sample_id = str(field_value(row, layout.id_field)[1]) if layout.id_field else str(index)
     answer = field_value(row, layout.answer_field)[1] if layout.answer_field else None
     if layout.verl:
@@ -290,17 +308,24 @@ def row_to_sample(row: dict[str, Any], index: int, cfg: DataConfig,
 
 class DatasetSource:
     """Samples in seeded shuffled epochs, resumable. ``next`` returns fewer than asked (then
-    none) once ``data.epochs`` passes are done."""
+    none) once ``data.epochs`` passes are done. ``checked``: :func:`load_rows` checked every
+    row against ``cfg`` already (``data=cfg``), so the shard's rows become samples without a
+    second check (:func:`checked_samples`); otherwise each is checked here
+    (:func:`row_to_sample`)."""
 
     def __init__(self, rows: list[dict[str, Any]], cfg: DataConfig, shard: int = 0,
-                 num_shards: int = 1, state_path: Path | None = None) -> None:
+                 num_shards: int = 1, state_path: Path | None = None,
+                 checked: bool = False) -> None:
         self.cfg, self.state_path = cfg, state_path
         self.indices = list(range(shard, len(rows), num_shards))
         if not self.indices:
             raise ConfigError(f"data.path: no rows for worker {shard} of {num_shards} "
                               f"({len(rows)} rows)")
-        layout = row_layout(cfg, rows[self.indices[0]])
-        self.samples = {i: row_to_sample(rows[i], i, cfg, layout) for i in self.indices}
+        if checked:
+            self.samples = checked_samples(rows, self.indices, cfg)
+        else:
+            layout = row_layout(cfg, rows[self.indices[0]])
+            self.samples = {i: row_to_sample(rows[i], i, cfg, layout) for i in self.indices}
         self.epoch, self.position = 0, 0
         if state_path is not None and state_path.exists():
             self.load_state(json.loads(state_path.read_text()))

@@ -123,7 +123,8 @@ def make_source(cfg: Config, index: int, workers: int, seed: int):
                               f"rollout.workers={index + 1} or more)")
         rows = load_rows(cfg.data.path, cfg.data.format, cfg.data.split, data=cfg.data)
         return DatasetSource(rows, cfg.data, index, workers,
-                             state_path=cfg.run_dir / DATA_POSITION_DIR / f"worker-{index}.json")
+                             state_path=cfg.run_dir / DATA_POSITION_DIR / f"worker-{index}.json",
+                             checked=True)  # load_rows checked every row against cfg.data
     generate = getattr(env_class(cfg), "samples", None) if cfg.workflow.env else None
     if generate is None:
         raise ConfigError("data.path: needed unless workflow.env generates its own samples")
@@ -132,12 +133,12 @@ def make_source(cfg: Config, index: int, workers: int, seed: int):
 
 def eval_samples(cfg: Config) -> tuple[str, list[Sample]]:
     """The held-out set and the task name for ``val/test_score/<name>``."""
-    from rollouters.tasks.data import load_rows, row_to_sample
+    from rollouters.tasks.data import checked_samples, load_rows
 
     if cfg.data.eval_path:
         rows = load_rows(cfg.data.eval_path, cfg.data.format, cfg.data.split, "data.eval_path",
-                         cfg.data)
-        samples = [row_to_sample(r, i, cfg.data) for i, r in enumerate(rows)]
+                         cfg.data)  # each row checked here: the samples are built unchecked
+        samples = list(checked_samples(rows, range(len(rows)), cfg.data).values())
         name = cfg.data.name or Path(cfg.data.eval_path).stem
     else:
         generate = getattr(env_class(cfg), "eval_samples", None) if cfg.workflow.env else None

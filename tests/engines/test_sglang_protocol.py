@@ -217,8 +217,10 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "rollout.engine=sglang",
                              f"rollout.url={url}", "rollout.workers=1"])
     from asyncrl.models import EOS_ID, prepare_model_dir
+    from asyncrl.tokens import ModelTokenizer
 
-    engine = make_engine(cfg, prepare_model_dir(cfg.model, tmp_path, 0), 0)
+    model_dir = prepare_model_dir(cfg.model, tmp_path, 0)
+    engine = make_engine(cfg, model_dir, 0, ModelTokenizer(model_dir))
     assert isinstance(engine, SglangEngine) and engine.url == url
     assert engine.eos_ids == (EOS_ID,)   # the model's own, sent as stop_token_ids
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),

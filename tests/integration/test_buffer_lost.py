@@ -139,7 +139,7 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     from learners.loop import run_learner_rank
 
     monkeypatch.setattr(rollouters.eval, "make_evaluator",
-                        lambda cfg, model_dir: lambda engine: {"val/test_score/copy": 1.0})
+                        lambda cfg, tokens: lambda engine: {"val/test_score/copy": 1.0})
     values = [f"run.output_dir={tmp_path}", "run.name=lost", f"learner.total_steps={STEPS}",
               "learner.ranks=1", "learner.groups_per_step=8", "rollout.workers=4",
               "sim.mean_tokens=32", "sim.train_token_s=2e-3", "checkpoint.every_steps=0",

@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from asyncrl.config import load_config  # noqa: E402
 from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm, prepare_model_dir  # noqa: E402
+from asyncrl.tokens import ModelTokenizer  # noqa: E402
 from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
 from rollouters.producers import EpisodeProducer  # noqa: E402
 
@@ -26,7 +27,7 @@ def _producer(name: str, tmp_path: Path) -> tuple[EpisodeProducer, Path]:
     cfg = load_config(ROOT / "examples" / "agent" / name, [f"run.output_dir={tmp_path}"])
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     engine = TorchEngine(load_causal_lm(model_dir), eos_ids=(EOS_ID,), pad_id=PAD_ID, seed=0)
-    return EpisodeProducer(cfg, engine, model_dir, 0), cfg.run_dir
+    return EpisodeProducer(cfg, engine, ModelTokenizer(model_dir), 0), cfg.run_dir
 
 
 def test_single_turn_example_with_user_reward_and_jsonl(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ def test_eval_device_cuda_without_a_gpu_names_the_key(tmp_path: Path) -> None:
 
     from asyncrl.config import ConfigError, load_config
     from asyncrl.models import prepare_model_dir
+    from asyncrl.tokens import ModelTokenizer
     from rollouters.eval import EngineEvaluator
 
     if torch.cuda.is_available():
@@ -51,4 +52,4 @@ def test_eval_device_cuda_without_a_gpu_names_the_key(tmp_path: Path) -> None:
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "eval.device=cuda"])
     model_dir = prepare_model_dir(cfg.model, cfg.run_dir, cfg.run.seed)
     with pytest.raises(ConfigError, match="eval.device: 'cuda', but this process sees no CUDA"):
-        EngineEvaluator(cfg, model_dir)
+        EngineEvaluator(cfg, ModelTokenizer(model_dir))
