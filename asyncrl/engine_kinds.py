@@ -47,8 +47,10 @@ class EngineKind:
     sleeps: bool = False
     """Can free its device memory between generation phases and take it back
     (``sleep``/``wake_up``, :class:`~rollouters.engines.base.Sleeper`): what
-    ``launcher.colocate`` needs of it. ``vllm``: vLLM's sleep mode, whose memory release is
-    GPU-only (on CPU the same calls run, and free nothing: ``rollouters.engines.vllm_sleep``)."""
+    ``launcher.colocate`` needs of it. ``vllm`` and ``vllm-server``: vLLM's sleep mode, whose
+    memory release is GPU-only (on CPU the same calls run, and free nothing:
+    ``rollouters.engines.vllm_sleep``); ``sglang``: SGLang's memory saver
+    (``--enable-memory-saver``), in the same order."""
     records_routing: bool = False
     """It can return the experts each token was routed to (``learner.routing_replay``)."""
     routing_note: str = "does not record the experts it routes each token to"
@@ -61,8 +63,8 @@ ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
         "refused on the CPU install; not wired up for GPUs)")),
-    EngineKind("vllm-server", table="vllm"),
-    EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1),
+    EngineKind("vllm-server", table="vllm", sleeps=True),
+    EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1, sleeps=True),
     EngineKind("sim", threads=True),
 )}
 """Every engine kind by its ``rollout.engine`` name (the schema's choices, in its order)."""

@@ -886,8 +886,9 @@ class LauncherConfig(Section):
                            "the devices, time-sliced. Engines sleep (free their KV cache, weights "
                            "to host) while the learner steps; the learner moves its parameters, "
                            "gradients and optimizer state to host while engines generate. Needs "
-                           "an engine that can sleep (rollout.engine = 'torch' or 'vllm'; vLLM's "
-                           "sleep frees memory on GPUs only) and learner.backend = 'fsdp2'.")
+                           "an engine that can sleep (rollout.engine = 'torch', 'vllm', "
+                           "'vllm-server' or 'sglang'; vLLM's sleep frees memory on GPUs only) "
+                           "and learner.backend = 'fsdp2'.")
 
     def stop_grace_s(self, role: str) -> float:
         """How long ``role`` gets after a stop before it is killed: the learner saves."""

@@ -105,11 +105,13 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
         return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
                                 timeout_s=r.request_timeout_s, sampling=sampling)
     from rollouters.engines.vllm_fleet import VLLMServer
+    from rollouters.engines.vllm_options import sleep_frees_memory
 
     server = VLLMServer(model_dir, opts, cfg.run_dir / f"vllm-{index}.log",
                         r.vllm.server_start_timeout_s)
     return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
-                            sampling=sampling, server=server)
+                            sampling=sampling, server=server,
+                            sleep_frees=sleep_frees_memory(opts))
 
 
 def _server_url(cfg: Config, index: int) -> str:
@@ -125,7 +127,7 @@ def _server_url(cfg: Config, index: int) -> str:
 def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
                    eos_ids: tuple[int, ...]) -> Engine:
     """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
-    from rollouters.engines.sglang_engine import SglangEngine, SglangServer
+    from rollouters.engines.sglang_engine import MEMORY_SAVER_FLAG, SglangEngine, SglangServer
 
     r = cfg.rollout
     timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
@@ -133,8 +135,10 @@ def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
                 "eos_ids": eos_ids}
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
-    server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed, list(r.sglang.args),
-                          cfg.run_dir / f"sglang-{index}.log", r.sglang.server_start_timeout_s)
+    saver = [MEMORY_SAVER_FLAG] if cfg.launcher.colocate else []  # its sleep frees memory
+    server = SglangServer(r.sglang.module, model_dir, cfg.model.dtype, seed,
+                          [*r.sglang.args, *saver], cfg.run_dir / f"sglang-{index}.log",
+                          r.sglang.server_start_timeout_s)
     return SglangEngine(server.url, server=server, **timeouts)
 
 

@@ -12,6 +12,14 @@ broadcast (see :class:`SglangWeightPeer` for what that asks of the learner side)
 ``ipc`` this process lands them on the GPU it shares with the server and hands the server
 CUDA IPC handles (``/update_weights_from_tensor``); that path builds SGLang's request as its
 ``io_struct`` defines it but has not met a real SGLang server.
+
+In the colocated mode (``launcher.colocate``) the engine sleeps with SGLang's memory saver
+(the server runs with ``--enable-memory-saver``): ``/release_memory_occupation`` of the
+weights and the KV cache, and on waking ``/resume_memory_occupation`` of the weights, the
+update that came while asleep, then of the KV cache: vLLM's order, and the same code
+(:mod:`vllm_sleep`). The server receives the weights itself, so an update that comes while
+asleep cannot be held here: it is deferred (:class:`~rollouters.engines.vllm_sleep.DeferredUpdate`),
+its receiver waiting until the wake runs it. Tested against the schema-checking fixture only.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +43,7 @@ from buffers.protocol import ControlPlane
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 from rollouters.engines.managed_server import ManagedServer, free_port
+from rollouters.engines.vllm_sleep import DeferredUpdate, SleepCycle
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +51,8 @@ PauseMode = Literal["abort", "retract", "in_place"]
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one uint8 broadcast per bucket
 REQUEST_TIMEOUT_KEY = "rollout.request_timeout_s"  # sets timeout_s and generate_timeout_s
 UPDATE_TIMEOUT_KEY = "weights.timeout_s"  # sets update_timeout_s (twice it: see make_engine)
+MEMORY_TAGS = ["weights", "kv_cache"]  # what a sleep releases (SGLang's GPU memory types)
+MEMORY_SAVER_FLAG = "--enable-memory-saver"  # a launched server that will sleep needs it
 
 
 class SglangError(RuntimeError):
@@ -106,6 +117,9 @@ class SglangEngine:
         self._version = version
         self._lock = threading.Lock()  # guards _version (generate threads vs the peer's)
         self._server = server  # launched by us: stopped by close()
+        self._sleep_lock = threading.Lock()  # one update, sleep or wake at a time
+        self._sleep = SleepCycle(self._sleep_lock)  # the gate generate calls pass
+        self._deferred = DeferredUpdate()  # an update that came while asleep, for the wake
 
     @property
     def version(self) -> int:
@@ -146,8 +160,9 @@ class SglangEngine:
         if self.eos_ids:
             sampling["stop_token_ids"] = list(self.eos_ids)
         body = {"input_ids": rows, "return_logprob": True, "sampling_params": sampling}
-        started = self.version
-        answer = self._post("/generate", body, self.generate_timeout_s)
+        with self._sleep.gate.call():  # asleep: waits for the wake
+            started = self.version
+            answer = self._post("/generate", body, self.generate_timeout_s)
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(rows):
             raise SglangError(f"/generate: {len(items)} outputs for {len(rows)} inputs")
@@ -222,6 +237,42 @@ class SglangEngine:
         """Record that the server now holds ``version``."""
         with self._lock:
             self._version = version
+
+    def update(self, send: Callable[[], None]) -> None:
+        """Run a weight update, ``send`` (the requests that make the server take it): awake,
+        with generation paused around it; asleep, at the wake, between the resume of the
+        weights and of the KV cache, while this call waits (up to ``update_timeout_s``:
+        then :class:`SglangTimeout`, and the update is withdrawn)."""
+        with self._sleep_lock:
+            if not self._sleep.in_server:
+                with self.paused():
+                    send()
+                return
+            waiting = self._deferred.defer(send)  # under the lock: before any wake
+        if not self._deferred.wait(waiting, self.update_timeout_s):
+            raise SglangTimeout(f"SGLang {self.url}: asleep for {self.update_timeout_s:.0f}s "
+                                f"with an update waiting for the wake ({UPDATE_TIMEOUT_KEY})")
+
+    # --- sleep and wake (launcher.colocate) ------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleep.asleep
+
+    def sleep(self) -> None:
+        """Let this engine's generate calls in flight finish (new ones wait; SGLang releases
+        only an idle server's memory), then release the weights and the KV cache."""
+        self._sleep.sleep(lambda: self._post("/release_memory_occupation",
+                                             {"tags": MEMORY_TAGS}, self.update_timeout_s,
+                                             UPDATE_TIMEOUT_KEY))
+
+    def wake_up(self) -> None:
+        """Resume the weights, run the deferred update (if one came), resume the KV cache
+        (:func:`~rollouters.engines.vllm_sleep.wake_in_order`); then the waiting generate
+        calls go on."""
+        self._sleep.wake(lambda tags: self._post("/resume_memory_occupation", {"tags": tags},
+                                                 self.update_timeout_s, UPDATE_TIMEOUT_KEY),
+                         self._deferred.run)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Not supported: SGLang loads weights from its own process group (see
@@ -330,25 +381,36 @@ class SglangWeightPeer(WeightReceiver):
     def _receive(self, plan: BucketPlan) -> dict[str, torch.Tensor]:
         """Pause, one request per bucket (the server receives it), resume; no tensors here.
         Over ipc: every bucket lands in this process's pool first, then the paused server
-        loads them bucket by bucket from handles to that pool."""
+        loads them bucket by bucket from handles to that pool. With the engine asleep the
+        requests wait for its wake (:meth:`SglangEngine.update`; ``pause_s`` then counts the
+        wait too)."""
         version = self._version_in_flight
         if self._by_tensor:
             named = super()._receive(plan)
-            started = time.monotonic()
-            with self.engine.paused():
-                for request in tensor_requests(plan, named, version):
+            handles = tensor_requests(plan, named, version)
+
+            def load() -> None:
+                for request in handles:
                     self.engine.update_weights_from_tensor(**request)
+                self.engine.set_version(version)
+
+            started = time.monotonic()
+            self.engine.update(load)  # asleep: waits for the wake (the pool stays ours)
             self.pause_s.append(time.monotonic() - started)
             return {}
         assert self._group_name is not None
-        requests = sglang_requests(plan)
-        started = time.monotonic()
-        with self.engine.paused():
+        requests, group = sglang_requests(plan), self._group_name
+
+        def send() -> None:
             for index, request in enumerate(requests):
                 last = index == len(requests) - 1
                 self.engine.update_weights_from_distributed(
-                    **request, group_name=self._group_name, flush_cache=last,
+                    **request, group_name=group, flush_cache=last,
                     weight_version=str(version) if last else None, load_format=FLATTENED)
+            self.engine.set_version(version)  # before generation goes on (or the wake ends)
+
+        started = time.monotonic()
+        self.engine.update(send)  # asleep: waits for the wake, which runs it
         self.pause_s.append(time.monotonic() - started)
         return {}
 

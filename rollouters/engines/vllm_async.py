@@ -43,10 +43,9 @@ from rollouters.engines.vllm_options import (
 )
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
-    GenerateGate,
     HeldUpdate,
+    SleepCycle,
     memory_report,
-    wake_in_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,10 +69,9 @@ class AsyncVLLMEngine:
         self._ids = itertools.count()
         self.cached_prompt_tokens = 0  # prompt tokens served from the prefix cache, so far
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
-        self._gate = GenerateGate()  # closed while asleep
+        self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sizes: dict[str, int] = {}
-        self._asleep_in_vllm = False  # between vLLM's sleep and its last wake_up
         workers = opts.tensor_parallel_size * opts.data_parallel_size
         self._sender = GlooSender(host, workers, update_timeout_s)
         self._loop = asyncio.new_event_loop()
@@ -124,7 +122,7 @@ class AsyncVLLMEngine:
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = sampling_params(self.opts, n, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=False)
-        with self._gate.call():  # asleep: waits for the wake
+        with self._sleep.gate.call():  # asleep: waits for the wake
             return self._run(self._generate_all(prompts, params, next(self._ids)))
 
     async def _generate_all(self, prompts: list[list[int]], params: Any,
@@ -160,7 +158,7 @@ class AsyncVLLMEngine:
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         timeout = self.update_timeout_s
         with self._update_lock:
-            if self._asleep_in_vllm:
+            if self._sleep.in_server:
                 self._held.hold(tensors, version)
                 return
             self._run(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
@@ -191,39 +189,28 @@ class AsyncVLLMEngine:
 
     @property
     def asleep(self) -> bool:
-        return self._gate.closed
+        return self._sleep.asleep
 
     def sleep(self) -> None:
         """Let the generate calls in flight finish (new ones wait), then vLLM's
         ``sleep(level=1, mode="wait")``: it pauses its scheduler (nothing left to drain) and
         frees the device memory, weights to host (:mod:`vllm_sleep`)."""
-        self._gate.close()
-        with self._update_lock:
-            try:
-                self._run(self._llm.sleep(level=SLEEP_LEVEL, mode="wait"),
-                          self.update_timeout_s)
-            except BaseException:
-                self._gate.open()  # still awake: the waiting calls go on
-                raise
-            self._asleep_in_vllm = True
+        self._sleep.sleep(lambda: self._run(self._llm.sleep(level=SLEEP_LEVEL, mode="wait"),
+                                            self.update_timeout_s))
 
     def wake_up(self) -> None:
         """vLLM's wake in its RL order, with the update held while asleep
         (:func:`~rollouters.engines.vllm_sleep.wake_in_order`); then the waiting generate
         calls go on."""
         timeout = self.update_timeout_s
-        with self._update_lock:
-            if self._asleep_in_vllm:  # not if its sleep failed
-                wake_in_order(lambda tags: self._run(self._llm.wake_up(tags=tags), timeout),
-                              self._held, self._apply)
-                self._asleep_in_vllm = False
-        self._gate.open()
+        self._sleep.wake(lambda tags: self._run(self._llm.wake_up(tags=tags), timeout),
+                         lambda: self._held.apply_with(self._apply))
 
     def memory(self) -> dict[str, int]:
         """The weights and KV cache on the device (0 asleep on a GPU), what waits in host
         memory; on CPU vLLM's sleep frees nothing, and the figures say so
         (:func:`~rollouters.engines.vllm_sleep.memory_report`)."""
-        return memory_report(self._sizes, self._asleep_in_vllm, sleep_frees_memory(self.opts),
+        return memory_report(self._sizes, self._sleep.in_server, sleep_frees_memory(self.opts),
                              self._held.nbytes)
 
     def weight(self, name: str) -> torch.Tensor:

@@ -44,10 +44,9 @@ from rollouters.engines.vllm_options import (
 )
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
-    GenerateGate,
     HeldUpdate,
+    SleepCycle,
     memory_report,
-    wake_in_order,
 )
 
 __all__ = ["CPU_MIN_HEAD_DIM", "VLLMEngine", "VLLMOptions"]
@@ -88,9 +87,8 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one scheduler step, or one weight update
         self._generate_lock = threading.Lock()  # one generate call owns the step loop
         self._ids = itertools.count()
-        self._gate = GenerateGate()  # closed while asleep
+        self._sleep = SleepCycle(self._lock)  # the gate generate calls pass, closed asleep
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
-        self._asleep_in_vllm = False  # between vLLM's sleep and its last wake_up
         set_num_threads = torch.set_num_threads
         try:
             self._engine = LLMEngine.from_engine_args(engine_args(model_dir, opts),
@@ -114,7 +112,7 @@ class VLLMEngine:
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=True)
-        with self._gate.call(), self._generate_lock:  # asleep: waits for the wake
+        with self._sleep.gate.call(), self._generate_lock:  # asleep: waits for the wake
             rows = self._submit(prompts, n, params)
             try:
                 self._run(rows)
@@ -182,7 +180,7 @@ class VLLMEngine:
         reset preempts running rows: their KV cache is recomputed under the new weights."""
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         with self._lock:
-            if self._asleep_in_vllm:  # held (copied) for the wake
+            if self._sleep.in_server:  # held (copied) for the wake
                 self._held.hold(tensors, version)
                 return
             self._apply(tensors, version)
@@ -206,33 +204,22 @@ class VLLMEngine:
 
     @property
     def asleep(self) -> bool:
-        return self._gate.closed
+        return self._sleep.asleep
 
     def sleep(self) -> None:
         """Let the generate calls in flight finish (new ones wait), then vLLM's
         ``sleep(level=1)`` (:mod:`vllm_sleep`)."""
-        self._gate.close()
-        with self._lock:
-            try:
-                self._engine.sleep(level=SLEEP_LEVEL, mode="keep")
-            except BaseException:
-                self._gate.open()  # still awake: the waiting calls go on
-                raise
-            self._asleep_in_vllm = True
+        self._sleep.sleep(lambda: self._engine.sleep(level=SLEEP_LEVEL, mode="keep"))
 
     def wake_up(self) -> None:
         """As the async engine's: vLLM's wake in its RL order with the held update
         (:func:`~rollouters.engines.vllm_sleep.wake_in_order`), then the waiting calls."""
-        with self._lock:
-            if self._asleep_in_vllm:  # not if its sleep failed
-                wake_in_order(lambda tags: self._engine.wake_up(tags=tags), self._held,
-                              self._apply)
-                self._asleep_in_vllm = False
-        self._gate.open()
+        self._sleep.wake(lambda tags: self._engine.wake_up(tags=tags),
+                         lambda: self._held.apply_with(self._apply))
 
     def memory(self) -> dict[str, int]:
         """As the async engine's (:func:`~rollouters.engines.vllm_sleep.memory_report`)."""
-        return memory_report(self._sizes, self._asleep_in_vllm, sleep_frees_memory(self.opts),
+        return memory_report(self._sizes, self._sleep.in_server, sleep_frees_memory(self.opts),
                              self._held.nbytes)
 
     def weight(self, name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollouters.engines.vllm_options import CPU_KV_CACHE_MB, VLLMOptions
+from rollouters.engines.vllm_options import CPU_KV_CACHE_MB, VLLMOptions, sleep_frees_memory
 from rollouters.engines.vllm_options import kv_cache_mb as kv_cache_size_mb
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the extension imports from it
@@ -58,6 +58,8 @@ def serving_flags(opts: VLLMOptions) -> list[str]:
         flags += ["--max-model-len", str(opts.max_model_len)]
     if opts.device == "cuda" and opts.enforce_eager:
         flags.append("--enforce-eager")
+    if sleep_frees_memory(opts):  # launcher.colocate on a GPU: its /sleep frees the memory
+        flags.append("--enable-sleep-mode")
     if opts.device == "cuda" and kv_cache_size_mb(opts):
         flags += ["--kv-cache-memory-bytes", str(kv_cache_size_mb(opts) << 20)]
     for key, value in opts.extra.items():

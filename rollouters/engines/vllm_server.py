@@ -12,6 +12,11 @@ are in :func:`server_args`); a rollout worker attaches to it over HTTP:
   (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/reset_prefix_cache``
   (prefix caching is on: nothing cached under old weights is reused; running rows are
   recomputed under the new ones), ``/resume``: the sequence the other vLLM engines run.
+* ``sleep`` / ``wake_up`` (``launcher.colocate``): the server's ``/sleep?level=1&mode=wait`` and
+  ``/wake_up?tags=weights``, the update held while asleep, ``/wake_up?tags=kv_cache``: the
+  sequence of the in-process engines (:mod:`vllm_sleep`), over HTTP. The routes are vLLM's
+  dev routes (``VLLM_SERVER_DEV_MODE=1``, as the RL routes); the memory is freed only by a
+  server started with ``--enable-sleep-mode`` on a GPU (a launched one is, when it sleeps).
 
 Only the standard library talks HTTP, so this engine adds no dependency. One worker per server:
 the server holds one transfer group, joined at the first update.
@@ -31,6 +36,12 @@ import torch
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 from rollouters.engines.vllm_options import parse_version, span_versions
+from rollouters.engines.vllm_sleep import (
+    SLEEP_LEVEL,
+    HeldUpdate,
+    SleepCycle,
+    memory_report,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +71,26 @@ class VLLMServerEngine:
     ``eos_ids`` empty: no stop token, every row runs to ``max_new_tokens``. ``sampling``: more
     sampling parameters for every request (``top_p``, ``top_k``, ``stop``, ``stop_token_ids``
     besides the EOS ids). ``server``: one this worker launched (:mod:`vllm_fleet`), stopped by
-    :meth:`close`.
+    :meth:`close`. ``sleep_frees``: the server runs with ``--enable-sleep-mode`` on a GPU, so
+    its sleep frees memory (only said in :meth:`memory`; an attached server's is not known
+    here, and is reported as not freeing).
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
                  host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
-                 server: Any = None) -> None:
+                 server: Any = None, sleep_frees: bool = False) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
         self.sampling = dict(sampling or {})
         self.timeout_s = timeout_s
         self._server = server
         self._host = host  # address the transfer group's store binds (the server dials it)
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # one update, sleep or wake at a time
         self._sender: Any = None  # a vllm_gloo.GlooSender, from the first update on
+        self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
+        self._held = HeldUpdate()  # updates that arrived asleep, for the wake
+        self._sleep_frees = sleep_frees
+        self._sizes: dict[str, int] | None = None  # the worker's, asked at the first memory()
         self._version = parse_version(self._request("GET", "/weight_info")["weight_version"], 0)
         self._initial_version = self._version
         logger.info("attached to vLLM server %s at version %d", self.url, self._version)
@@ -95,7 +112,8 @@ class VLLMServerEngine:
                   "ignore_eos": True,  # exactly these ids, every server
                   "detokenize": bool(self.sampling.get("stop"))}
         workers = min(len(prompts), MAX_CONCURRENT_REQUESTS)
-        with ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
+        with self._sleep.gate.call(), \
+                ThreadPoolExecutor(workers, thread_name_prefix="vllm-http") as pool:
             return list(pool.map(lambda p: self._generate_one(p, params), prompts))
 
     def _generate_one(self, prompt: list[int], params: dict[str, Any]) -> list[Completion]:
@@ -119,27 +137,75 @@ class VLLMServerEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Pause (requests kept), broadcast the tensors into the server, label them ``version``,
         reset the prefix cache, resume. Safe beside :meth:`generate`: tokens sampled before
-        the pause keep the old label, those after it get the new one."""
-        from rollouters.engines.vllm_gloo import GlooSender  # imports vLLM: only when sending
-
+        the pause keep the old label, those after it get the new one. Asleep, the update is
+        held (copied) and applied at the wake."""
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
         with self._update_lock:
-            if self._sender is None:
-                self._sender = GlooSender(self._host, 1, self.timeout_s)
-            if self._sender.group is None:  # the first update, or the first after a failed one
-                self._sender.join(lambda info: self._request(
-                    "POST", "/init_weight_transfer_engine", {"init_info": info}))
+            if self._sleep.in_server:
+                self._held.hold(tensors, version)
+                return
             self._request("POST", "/pause?mode=keep")
             try:
-                self._request("POST", "/start_weight_update")
-                self._sender.send(tensors, lambda info: self._request(
-                    "POST", "/update_weights", {"update_info": info}))
-                self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
-                self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
-                self._version = version
+                self._apply(tensors, version)
             finally:
                 self._request("POST", "/resume")
         logger.debug("server %s at version %d (%d tensors)", self.url, version, len(tensors))
+
+    def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """start → broadcast → finish(version) → reset prefix cache, with generation paused
+        (or the server asleep, its weights awake); under the update lock."""
+        from rollouters.engines.vllm_gloo import GlooSender  # imports vLLM: only when sending
+
+        if self._sender is None:
+            self._sender = GlooSender(self._host, 1, self.timeout_s)
+        if self._sender.group is None:  # the first update, or the first after a failed one
+            self._sender.join(lambda info: self._request(
+                "POST", "/init_weight_transfer_engine", {"init_info": info}))
+        self._request("POST", "/start_weight_update")
+        self._sender.send(tensors, lambda info: self._request(
+            "POST", "/update_weights", {"update_info": info}))
+        self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+        self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
+        self._version = version
+
+    # --- sleep and wake (launcher.colocate) ------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleep.asleep
+
+    def sleep(self) -> None:
+        """Let this engine's generate calls in flight finish (new ones wait), then
+        ``POST /sleep?level=1&mode=wait``: the server pauses its scheduler and frees the
+        device memory, weights to host (:mod:`vllm_sleep`)."""
+        self._sleep.sleep(lambda: self._request("POST", f"/sleep?level={SLEEP_LEVEL}&mode=wait"))
+
+    def wake_up(self) -> None:
+        """``/wake_up?tags=weights``, the update held while asleep, ``/wake_up?tags=kv_cache``
+        (the server resumes its scheduler: :func:`~rollouters.engines.vllm_sleep.wake_in_order`);
+        then the waiting generate calls go on."""
+        self._sleep.wake(self._wake_tags, lambda: self._held.apply_with(self._apply))
+
+    def _wake_tags(self, tags: list[str]) -> None:
+        self._request("POST", "/wake_up?" + "&".join(f"tags={tag}" for tag in tags))
+
+    def memory(self) -> dict[str, int]:
+        """What the server holds, by :func:`~rollouters.engines.vllm_sleep.memory_report`:
+        the sizes its worker reports (our extension's ``asyncrl_memory``, over the dev route
+        ``/collective_rpc``, asked once)."""
+        if self._sizes is None:
+            self._sizes = self._rpc("asyncrl_memory")
+        return memory_report(self._sizes, self._sleep.in_server, self._sleep_frees,
+                             self._held.nbytes)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """A parameter as the server's model holds it (tests: did an update land?)."""
+        return torch.tensor(self._rpc("asyncrl_weight", name))
+
+    def _rpc(self, method: str, *args: str) -> Any:
+        """Our worker extension's ``method`` on the server's (first) worker."""
+        reply = self._request("POST", "/collective_rpc", {"method": method, "args": list(args)})
+        return reply["results"][0]
 
     # --- HTTP ------------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ SGLang 0.5.x does at its HTTP and process-group boundaries.
   (``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` and its sampling params,
   ``InitWeightsUpdateGroupReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
   ``UpdateWeightsFromDistributedReqInput``, ``PauseGenerationReqInput``,
-  ``ContinueGenerationReqInput``, ``UpdateWeightVersionReqInput``): required fields, field
-  types, and no unknown fields; a violation is answered with HTTP 400. Answers have the
+  ``ContinueGenerationReqInput``, ``UpdateWeightVersionReqInput``,
+  ``ReleaseMemoryOccupationReqInput``, ``ResumeMemoryOccupationReqInput``): required fields,
+  field types, and no unknown fields; a violation is answered with HTTP 400. Answers have the
   documented response shapes, and every call is recorded.
 * ``/init_weights_update_group`` joins the learner's group the way SGLang's
   ``init_custom_process_group`` does: torch's ``tcp://`` rendezvous at
@@ -22,6 +23,13 @@ SGLang 0.5.x does at its HTTP and process-group boundaries.
   :class:`TorchEngine`, returning ``output_ids`` and ``meta_info.output_token_logprobs`` as
   ``[logprob, token_id, null]`` triples; without a model (unit tests) it answers scripted
   tokens. ``/pause_generation`` holds new generation until ``/continue_generation``.
+* ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``--enable-memory-saver``)
+  keep the set of released tags as SGLang's scheduler does (``offload_tags``; no tags: all,
+  here ``weights`` and ``kv_cache``), and refuse what it refuses: a release while a request
+  runs (it must be idle), a resume of a tag not released (SGLang's ``offload_tags.remove``
+  fails). What SGLang cannot do with memory released is refused too, where it would fail or
+  read freed memory: ``/generate`` while anything is released, a weight update while the
+  weights are. Nothing is freed: the fixture only checks the order of the calls.
 
 Run it as ``python -m tests.engines.sglang_fixture`` with ``sglang.launch_server``'s flags (the
 subset :func:`rollouters.engines.sglang_engine.server_args` passes; anything else is refused),
@@ -48,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 INT, STR, BOOL, NUM = (int,), (str,), (bool,), (int, float)
 OPT_STR = (str, type(None))
+MEMORY_TYPES = ("weights", "kv_cache")  # SGLang's GPU memory tags that this fixture knows
 GROUP_TIMEOUT_S = 60.0
 
 
@@ -75,6 +84,10 @@ SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "/pause_generation": ({}, {"mode": lambda v: v in ("abort", "retract", "in_place")}),
     "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
     "/update_weight_version": ({"new_version": STR}, {"abort_all_requests": BOOL}),
+    "/release_memory_occupation": ({}, {"tags": lambda v: v is None or _str_list(v),
+                                        "rid": OPT_STR}),
+    "/resume_memory_occupation": ({}, {"tags": lambda v: v is None or _str_list(v),
+                                       "rid": OPT_STR}),
 }
 SAMPLING = {"temperature": NUM, "max_new_tokens": INT, "n": INT, "top_p": NUM, "top_k": INT,
             "stop_token_ids": list, "ignore_eos": BOOL}
@@ -158,8 +171,10 @@ class FakeSglang:
         self.join_groups = join_groups
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.received: dict[str, torch.Tensor] = {}
-        self._running = threading.Condition()  # guards _paused
+        self._running = threading.Condition()  # guards _paused and _generating
         self._paused = False
+        self._generating = 0  # /generate calls being answered
+        self.released: set[str] = set()  # SGLang's offload_tags
         self.engine = None
         if model_dir is not None:
             from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
@@ -171,8 +186,19 @@ class FakeSglang:
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         self.calls.append((path, body))
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return self._memory(path, body.get("tags") or list(MEMORY_TYPES))
+        refused = self._refused_while_released(path)
+        if refused:
+            return 400, {"error": {"message": refused}}
         if path == "/generate":
-            return 200, self._generate(body)
+            with self._running:
+                self._generating += 1
+            try:
+                return 200, self._generate(body)
+            finally:
+                with self._running:
+                    self._generating -= 1
         if path == "/pause_generation":
             with self._running:
                 self._paused = True
@@ -194,6 +220,36 @@ class FakeSglang:
         if path == "/update_weights_from_distributed" and body.get("weight_version"):
             self.weight_version = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def _memory(self, path: str, tags: list[str]) -> tuple[int, Any]:
+        """SGLang's scheduler: a release (idle only) adds the tags to ``offload_tags``, a
+        resume removes them (a tag not released fails there). Answers ``null``, as its
+        route does."""
+        unknown = [tag for tag in tags if tag not in MEMORY_TYPES]
+        if unknown:
+            return 400, {"error": {"message": f"unknown memory tags {unknown}"}}
+        with self._running:
+            if path == "/release_memory_occupation":
+                if self._generating:
+                    return 400, {"error": {"message": "release_memory_occupation should be "
+                                                      "called only when server is idle."}}
+                self.released.update(tags)
+                return 200, None
+            missing = [tag for tag in tags if tag not in self.released]
+            if missing:
+                return 400, {"error": {"message": f"KeyError: {missing[0]!r}"}}
+            self.released.difference_update(tags)
+        return 200, None
+
+    def _refused_while_released(self, path: str) -> str | None:
+        """What SGLang cannot serve with memory released: no generation while anything is
+        (no KV cache, or freed weights), no weight update while the weights are."""
+        released = sorted(self.released)
+        if path == "/generate" and released:
+            return f"/generate with memory released: {released}"
+        if path.startswith("/update_weights") and "weights" in released:
+            return f"{path} with the weights released"
+        return None
 
     def _join(self, body: dict[str, Any]) -> tuple[int, Any]:
         name = body.get("group_name", "weight_update_group")
@@ -344,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--enable-memory-saver", action="store_true")  # colocate: sleeps
     args = parser.parse_args(argv)
     if not args.skip_tokenizer_init:
         parser.error("this fixture serves token ids only: pass --skip-tokenizer-init")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -32,6 +33,27 @@ from rollouters.engines.sglang_engine import (
     sglang_requests,
 )
 from tests.engines.sglang_fixture import FakeSglang, serve
+
+
+@contextmanager
+def weight_sync(engine: SglangEngine,
+                weights: WeightsConfig) -> Iterator[tuple[SglangWeightPeer, WeightBroadcaster]]:
+    """The real broker, a learner's broadcaster and ``engine``'s peer (a member, started)."""
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
+    learner, own = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
+    peer = SglangWeightPeer(own, "sglang-0", engine)
+    broadcaster = WeightBroadcaster(learner, weights, align=broadcast_align("sglang"))
+    try:
+        learner.heartbeat("sglang-0", "rollout", {})
+        peer.start()
+        yield peer, broadcaster
+    finally:
+        peer.stop()
+        broadcaster.close()
+        learner.close()
+        own.close()
+        stop_broker()
 
 
 @pytest.fixture
@@ -163,16 +185,9 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
     versions: the group is reused; the peer's stop makes the server drop it."""
     url, fake = server
     fake.join_groups = True
-    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
-                                               groups_per_step=1)
-    learner, own = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     engine = SglangEngine(url, update_timeout_s=20.0)
-    peer = SglangWeightPeer(own, "sglang-0", engine)
-    broadcaster = WeightBroadcaster(learner, WeightsConfig(bucket_mb=0.0001, timeout_s=10),
-                                    align=broadcast_align("sglang"))
-    try:
-        learner.heartbeat("sglang-0", "rollout", {})
-        peer.start()
+    with weight_sync(engine, WeightsConfig(bucket_mb=0.0001, timeout_s=10)) as parts:
+        peer, broadcaster = parts
         state = {"a": torch.randn(4, 4), "b": torch.randn(8).to(torch.bfloat16),
                  "c": torch.randn(2, 16)}
         metrics = broadcaster.sync(state, version=5)
@@ -198,12 +213,6 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
         assert [p for p, _ in fake.calls].count("/init_weights_update_group") == 1
         peer.stop()
         assert fake.groups == {} and fake.calls[-1][0] == "/destroy_weights_update_group"
-    finally:
-        peer.stop()
-        broadcaster.close()
-        learner.close()
-        own.close()
-        stop_broker()
 
 
 def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> None:
@@ -243,3 +252,83 @@ def test_sglang_plans_pack_every_tensor() -> None:
     assert engine_weights(cfg, "sglang").alone_mb == 0.0
     assert engine_weights(cfg, "torch") is cfg and broadcast_align("torch") == 16
     assert broadcast_align("sglang") == 1
+
+
+def test_sleep_defers_an_update_to_the_wake_and_generates_the_new_weights(
+        tiny_model_dir, reference_state: dict) -> None:
+    """``launcher.colocate`` with SGLang's memory saver, against the fixture serving a tiny
+    model: sleep releases the weights and KV cache; a generate call made asleep waits; an
+    update broadcast while asleep waits too (the server receives it itself: nothing to hold
+    here) and runs at the wake between the resume of the weights and of the KV cache; the
+    waiting call then returns the new weights' greedy tokens, labelled with their version."""
+    from tests.engines.test_vllm_engine import PROMPTS, _flat, _patched, _reference_engine
+
+    fake = FakeSglang(str(tiny_model_dir), join_groups=True)
+    patched = _patched(reference_state)
+    with serve(fake) as (url, _):
+        engine = SglangEngine(url, update_timeout_s=30.0)
+        with weight_sync(engine, WeightsConfig(bucket_mb=1.0, timeout_s=30)) as (_, sender):
+            engine.sleep()
+            assert engine.asleep and fake.released == {"weights", "kv_cache"}
+            result: list[Any] = []
+            call = threading.Thread(target=lambda: result.append(engine.generate(
+                PROMPTS, n=1, temperature=1.0, max_new_tokens=6, greedy=True)))
+            call.start()
+            sync = threading.Thread(target=lambda: sender.sync(patched, version=1))
+            sync.start()
+            sync.join(1.0)
+            assert call.is_alive() and sync.is_alive()  # both wait for the wake
+            assert engine.version == 0 and fake.received == {}
+            engine.wake_up()
+            sync.join(30)
+            call.join(30)
+            assert not sync.is_alive() and not call.is_alive() and not engine.asleep
+    assert engine.version == 1 and fake.released == set()
+    paths = [p for p, _ in fake.calls if p not in ("/init_weights_update_group",
+                                                   "/destroy_weights_update_group")]
+    assert paths[:2] == ["/release_memory_occupation", "/resume_memory_occupation"]
+    assert paths[-2:] == ["/resume_memory_occupation", "/generate"]
+    assert set(paths[2:-2]) == {"/update_weights_from_distributed"}  # no pause: asleep
+    tags = [b["tags"] for p, b in fake.calls if "memory_occupation" in p]
+    assert tags == [["weights", "kv_cache"], ["weights"], ["kv_cache"]]
+    expected = _flat(_reference_engine(tiny_model_dir, patched).generate(
+        PROMPTS, 1, 1.0, 6, greedy=True))
+    got = _flat(result[0])
+    assert [c.tokens for c in got] == [c.tokens for c in expected]
+    assert all(c.versions == [1] * len(c.tokens) for c in got)
+
+
+def test_a_sleep_waits_for_the_call_in_flight_and_an_update_awake_pauses(server) -> None:
+    """The fixture refuses a release while a request runs (SGLang's scheduler must be idle):
+    the sleep waits for this engine's call; awake, an update is paused around as before."""
+    url, fake = server
+    engine = SglangEngine(url)
+    fake.hold = True
+    call = threading.Thread(target=lambda: engine.generate([[1]], 1, 1.0, 2))
+    call.start()
+    assert fake.arrived.wait(timeout=10)
+    asleep = threading.Thread(target=engine.sleep)
+    asleep.start()
+    asleep.join(0.3)
+    assert asleep.is_alive() and engine.asleep  # closed to new calls, waiting for this one
+    fake.release.set()
+    call.join(10)
+    asleep.join(10)
+    assert [p for p, _ in fake.calls] == ["/generate", "/release_memory_occupation"]
+    engine.wake_up()
+    fake.calls.clear()
+    engine.update(lambda: engine.update_weight_version(3))
+    assert [p for p, _ in fake.calls] == ["/pause_generation", "/update_weight_version",
+                                          "/continue_generation"]
+
+
+def test_an_update_no_wake_comes_for_is_withdrawn_naming_the_key(server) -> None:
+    url, fake = server
+    engine = SglangEngine(url, update_timeout_s=0.1)
+    engine.sleep()
+    with pytest.raises(SglangTimeout, match="weights.timeout_s"):
+        engine.update(lambda: engine.update_weight_version(3))
+    engine.wake_up()  # nothing left to run
+    assert [p for p, _ in fake.calls] == ["/release_memory_occupation",
+                                          "/resume_memory_occupation",
+                                          "/resume_memory_occupation"]

@@ -91,10 +91,14 @@ def test_vllm_backends_without_a_sender_are_refused_naming_the_key(
 def test_sleep_mode_is_vllms_on_gpus_only(device: str, enabled: bool,
                                           tiny_model_dir: Path) -> None:
     """``launcher.colocate`` asks for vLLM's sleep mode where it frees memory; on CPU vLLM
-    refuses the option (its sleep is a no-op there), so it is left unset."""
+    refuses the option (its sleep is a no-op there), so it is left unset: in-process, and as
+    the flag of a server a worker launches (``vllm-server``)."""
+    from rollouters.engines.vllm_launch import serving_flags
     from rollouters.engines.vllm_options import engine_kwargs
 
     opts = VLLMOptions(eos_ids=(3,), device=device, sleep_mode=True)
     assert engine_kwargs(tiny_model_dir, opts).get("enable_sleep_mode", False) is enabled
+    assert ("--enable-sleep-mode" in serving_flags(opts)) is enabled
     off = VLLMOptions(eos_ids=(3,), device=device)
     assert "enable_sleep_mode" not in engine_kwargs(tiny_model_dir, off)
+    assert "--enable-sleep-mode" not in serving_flags(off)

@@ -28,6 +28,10 @@ from tests.engines.test_vllm_engine import (
     _patched,
     _reference_engine,
 )
+from tests.engines.vllm_sleep_checks import (
+    check_a_sleep_without_an_update_wakes_with_the_same_weights,
+    check_update_while_asleep_lands_at_the_wake,
+)
 from tests.integration.conftest import wait_for
 
 MAX_NUM_SEQS = 128
@@ -114,6 +118,18 @@ def test_server_update_changes_outputs(server_engine, tiny_model_dir: Path,
     again = _flat(server_engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
     assert [c.tokens for c in again] == [c.tokens for c in before]
     assert all(set(c.versions) == {2} for c in again)
+
+
+def test_server_update_while_asleep_lands_at_the_wake(server_engine, tiny_model_dir: Path,
+                                                      reference_state: dict) -> None:
+    """``launcher.colocate`` over HTTP: ``/sleep``, a generate call that waits, an update held
+    for the wake, ``/wake_up`` by tags: the call returns the new version's greedy tokens and
+    logprobs (the in-process engines' check, on this module's server)."""
+    check_update_while_asleep_lands_at_the_wake(server_engine, tiny_model_dir, reference_state)
+
+
+def test_server_sleep_without_an_update_wakes_with_the_same_weights(server_engine) -> None:
+    check_a_sleep_without_an_update_wakes_with_the_same_weights(server_engine)
 
 
 def _post(url: str) -> str:

@@ -1,6 +1,7 @@
 """The vLLM engines' sleep and wake (``launcher.colocate``), against a real vLLM on CPU: checks
-run on each mode's engine by ``test_vllm_engine`` (in-process) and ``test_vllm_async``, on the
-engine each module has started already (``sleep_mode`` changes nothing on CPU).
+run on each mode's engine by ``test_vllm_engine`` (in-process), ``test_vllm_async`` and
+``test_vllm_server`` (over HTTP), on the engine each module has started already
+(``sleep_mode`` changes nothing on CPU).
 
 vLLM's sleep frees nothing on CPU (its CPU worker's ``sleep``/``wake_up`` are logged no-ops,
 and ``enable_sleep_mode`` is refused there), so this tests our sequence around it, with vLLM's
@@ -24,6 +25,12 @@ WAITED_S = 0.5  # how long a generate call made asleep is seen not to return
 
 def _vllm_sleeping(engine) -> bool:
     """vLLM's own word: is its engine core asleep (scheduler paused or memory released)?"""
+    if hasattr(engine, "url"):  # a server: its dev route
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{engine.url}/is_sleeping", timeout=30) as answer:
+            return bool(json.loads(answer.read())["is_sleeping"])
     llm = getattr(engine, "_llm", None)
     if llm is not None:
         return engine._run(llm.is_sleeping())

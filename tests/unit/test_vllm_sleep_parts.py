@@ -1,14 +1,23 @@
-"""The parts of the vLLM engines' sleep that need no vLLM (``rollouters.engines.vllm_sleep``):
-an update held while asleep, the gate generate calls wait at, and what an engine reports.
+"""The parts of the engines' sleep that need no server (``rollouters.engines.vllm_sleep``):
+an update held or deferred while asleep, the gate generate calls wait at, the cycle every
+sleeping vLLM and SGLang engine runs, and what an engine reports.
 The sequence against a real vLLM is ``tests/engines/vllm_sleep_checks.py``'s."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from rollouters.engines.vllm_sleep import GenerateGate, HeldUpdate, memory_report, wake_in_order
+from rollouters.engines.vllm_sleep import (
+    DeferredUpdate,
+    GenerateGate,
+    HeldUpdate,
+    SleepCycle,
+    memory_report,
+    wake_in_order,
+)
 
 
 def test_updates_held_while_asleep_merge_by_name_and_keep_the_newest_version() -> None:
@@ -58,7 +67,8 @@ def test_the_wake_applies_the_held_update_between_weights_and_kv_cache() -> None
     calls: list[object] = []
     held = HeldUpdate()
     held.hold([("w", torch.ones(1))], version=5)
-    wake_in_order(calls.append, held, lambda tensors, version: calls.append(version))
+    wake_in_order(calls.append,
+                  lambda: held.apply_with(lambda tensors, version: calls.append(version)))
     assert calls == [["weights"], 5, ["kv_cache"]]
 
     def fails(tensors: object, version: int) -> None:
@@ -66,8 +76,74 @@ def test_the_wake_applies_the_held_update_between_weights_and_kv_cache() -> None
 
     calls.clear()
     held.hold([("w", torch.ones(1))], version=6)
-    wake_in_order(calls.append, held, fails)  # logged: the engine still wakes, fully
+    wake_in_order(calls.append, lambda: held.apply_with(fails))  # logged; it still wakes
     assert calls == [["weights"], ["kv_cache"]]
+
+
+def test_a_deferred_update_runs_at_the_wake_and_its_caller_gets_the_outcome() -> None:
+    """SGLang's case: the update is a call (its server receives the weights), its thread waits
+    for the wake, which runs it between the two wakes; an error reaches both sides."""
+    deferred, calls, outcome = DeferredUpdate(), [], []
+    waiting = deferred.defer(lambda: calls.append("update"))
+    waiter = threading.Thread(target=lambda: outcome.append(deferred.wait(waiting, 30)))
+    waiter.start()
+    wake_in_order(calls.append, deferred.run)
+    waiter.join(30)
+    assert calls == [["weights"], "update", ["kv_cache"]] and outcome == [True]
+
+    def fails() -> None:
+        raise RuntimeError("group gone")
+
+    errors: list[BaseException] = []
+    waiting = deferred.defer(fails)
+
+    def bring() -> None:
+        try:
+            deferred.wait(waiting, 30)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=bring)
+    waiter.start()
+    calls.clear()
+    wake_in_order(calls.append, deferred.run)  # logged; the engine still wakes, fully
+    waiter.join(30)
+    assert calls == [["weights"], ["kv_cache"]] and [str(e) for e in errors] == ["group gone"]
+
+
+def test_a_deferred_update_no_wake_runs_is_withdrawn() -> None:
+    deferred, calls = DeferredUpdate(), []
+    assert deferred.wait(deferred.defer(lambda: calls.append("update")), 0.05) is False
+    deferred.run()  # a later wake finds nothing to run
+    assert calls == []
+
+
+def test_a_second_deferred_update_is_refused() -> None:
+    deferred = DeferredUpdate()
+    first = deferred.defer(lambda: None)
+    with pytest.raises(RuntimeError, match="already waiting"):
+        deferred.defer(lambda: None)
+    deferred.run()
+    assert deferred.wait(first, 1)
+
+
+def test_a_failed_sleep_leaves_the_engine_awake_and_its_wake_calls_nothing() -> None:
+    """Every engine's cycle (:class:`SleepCycle`): a server that refuses to sleep leaves the
+    gate open; a wake then only opens it (no wake call to a server that never slept)."""
+    cycle, calls = SleepCycle(threading.Lock()), []
+
+    def refuses() -> None:
+        raise RuntimeError("HTTP 500")
+
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        cycle.sleep(refuses)
+    assert not cycle.asleep and not cycle.in_server
+    cycle.wake(calls.append, lambda: calls.append("held"))
+    assert calls == []
+    cycle.sleep(lambda: calls.append("sleep"))
+    assert cycle.asleep and cycle.in_server
+    cycle.wake(calls.append, lambda: calls.append("held"))
+    assert calls == ["sleep", ["weights"], "held", ["kv_cache"]] and not cycle.asleep
 
 
 def test_memory_report_says_what_vllms_sleep_freed() -> None:
