@@ -112,6 +112,7 @@ class EngineEvaluator:
         from asyncrl.devices import resolve_device
         from asyncrl.models import load_causal_lm
         from asyncrl.tokens import special_tokens
+        from asyncrl.vlm import image_processor_for
         from rollouters.engines.torch_engine import TorchEngine
 
         self._score = make_evaluator(cfg, model_dir)
@@ -119,7 +120,7 @@ class EngineEvaluator:
         device = resolve_device(cfg.eval.device, 0, "eval.device")
         self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, str(device)),
                                    eos_ids=special.eos_ids, pad_id=special.pad_id,
-                                   device=device)
+                                   device=device, image_processor=image_processor_for(model_dir))
 
     def evaluate(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
         self._engine.load_weights(state.items(), version=version)

@@ -17,6 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class _Batch:
     logprobs: list[torch.Tensor]
     versions: list[int]
     routing: list[torch.Tensor] = field(default_factory=list)  # per forward, when recorded
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)  # the prefill's image inputs
+    rope_deltas: torch.Tensor | None = None  # (B, 1) VLM: M-RoPE position - sequence index
 
 
 class TorchEngine:
@@ -47,15 +50,18 @@ class TorchEngine:
     ``on_step(step)`` (optional) is called after each decode step, outside the lock: a test hook
     to interleave weight loads deterministically. ``record_routing``: each completion carries
     the experts its tokens were routed to (an MoE model; :mod:`rollouters.engines.routing`).
+    ``image_processor``: a vision-language model's (:mod:`asyncrl.vlm`); prompts may then come
+    with images.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Sequence[int], pad_id: int,
                  version: int = 0,
                  device: str | torch.device = "cpu", seed: int | None = None,
                  on_step: Callable[[int], None] | None = None,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, image_processor: Any = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.image_processor = image_processor
         self._routing = RoutingRecorder(self.model) if record_routing else None
         self.eos_ids = tuple(eos_ids)  # any of them ends a row (asyncrl.tokens)
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -82,24 +88,33 @@ class TorchEngine:
         return self._version
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1.
+        ``images``: each prompt's encoded images, its ids already expanded
+        (:mod:`asyncrl.vlm`)."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        if images is not None and any(images) and self.image_processor is None:
+            raise ValueError("images were given to a torch engine without an image processor "
+                             "(a text-only model?)")
         with self._phase:  # asleep: wait for the wake (launcher.colocate)
             self._phase.wait_for(lambda: not self._asleep)
             self._active += 1
         try:
-            return self._generate(prompts, n, temperature, max_new_tokens, greedy)
+            return self._generate(prompts, n, temperature, max_new_tokens, greedy, images)
         finally:
             with self._phase:
                 self._active -= 1
                 self._phase.notify_all()
 
     def _generate(self, prompts: list[list[int]], n: int, temperature: float,
-                  max_new_tokens: int, greedy: bool) -> list[list[Completion]]:
+                  max_new_tokens: int, greedy: bool,
+                  images: list[list[bytes]] | None) -> list[list[Completion]]:
         temperature = 1.0 if greedy else temperature
         rows = [p for p in prompts for _ in range(n)]
         input_ids, batch = self._left_pad(rows)
+        if images is not None and any(images):
+            self._add_vision(input_ids, batch, [i for i in images for _ in range(n)])
         past = None
         for step in range(max_new_tokens):
             past = self._step(input_ids, batch, past, temperature, greedy)
@@ -126,21 +141,45 @@ class TorchEngine:
                        tokens=[], logprobs=[], versions=[])
         return ids, batch
 
+    def _add_vision(self, input_ids: torch.Tensor, batch: _Batch,
+                    row_images: list[list[bytes]]) -> None:
+        """The prefill's pixels and grids (each row's images, in row order) and the rows'
+        M-RoPE positions (:func:`asyncrl.vlm.rope_positions`)."""
+        from asyncrl.vlm import rope_positions, vision_inputs
+
+        flat = [image for images in row_images for image in images]
+        pixel_values, grid = vision_inputs(self.image_processor, flat)
+        batch.vision = {"pixel_values": pixel_values.to(self.device),
+                        "image_grid_thw": grid.to(self.device)}
+        with self._lock:
+            positions, batch.rope_deltas = rope_positions(self.model, input_ids,
+                                                          batch.attention_mask, grid)
+        batch.vision["position_ids"] = positions
+
+    def _positions(self, batch: _Batch, prefill: bool) -> torch.Tensor:
+        """Position ids of the next forward's inputs: 3-D (M-RoPE) for a VLM's batch."""
+        if prefill:
+            return batch.vision.pop("position_ids", None) if batch.rope_deltas is not None \
+                else (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = batch.next_position[:, None]
+        if batch.rope_deltas is not None:
+            positions = (positions + batch.rope_deltas)[None].expand(3, -1, -1)
+        return positions
+
     def _step(self, input_ids: torch.Tensor, batch: _Batch, past: object,
               temperature: float, greedy: bool) -> object:
         """One forward (the prefill when ``past`` is None) and one sampled token per row."""
-        if past is None:
-            positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        else:
-            positions = batch.next_position[:, None]
+        positions = self._positions(batch, prefill=past is None)
+        if past is not None:
             ones = torch.ones_like(batch.attention_mask[:, :1])
             batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)
             batch.next_position = batch.next_position + 1
+        vision = batch.vision if past is None else {}
         with (self._lock, torch.inference_mode(),
               maybe_record(self._routing, batch.routing, input_ids.shape)):
             out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask,
                              position_ids=positions, past_key_values=past, use_cache=True,
-                             logits_to_keep=1)
+                             logits_to_keep=1, **vision)
             version = self._version
             logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
             if greedy:
