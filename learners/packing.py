@@ -23,15 +23,18 @@ one sequence per row, whatever the layout of the forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from asyncrl.vlm import placeholders_only
 from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
 from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
 from learners.lora import hf_model
+from learners.vision import forward_inputs, refuse_packing
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, packing: bool) -> list[list[int]]:
@@ -113,6 +116,7 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
     that many tokens at a time and the ``[tokens, vocab]`` logits never exist whole
     (``learners.fused_logprobs``); otherwise the full logits (the plain path, which the fused
     one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
+    refuse_packing(packing, batch.pixel_values)
     if packing:
         input_ids, position_ids, (rows, cols) = pack(batch)
         # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers
@@ -125,8 +129,14 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "use_cache": False}
         targets = batch.targets
-    logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
-                                      entropy and entropy_grad, temperature)
+    placeholders = None
+    if batch.pixel_values is not None:   # a vision-language model (learners.vision)
+        vision, placeholders = forward_inputs(model, batch.input_ids, batch.attention_mask,
+                                              batch.pixel_values, batch.image_grid_thw)
+        inputs.update(vision)
+    with nullcontext() if placeholders is None else placeholders_only(model, placeholders):
+        logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
+                                          entropy and entropy_grad, temperature)
     if not (entropy and entropy_grad):
         ent = ent.detach()
     if packing:

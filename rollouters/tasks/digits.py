@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import TaskConfig
+from asyncrl.config.schema import TaskConfig, TinyModelConfig
 from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID
 
 HOLDOUT_MODULUS = 8
@@ -31,11 +31,13 @@ _TRANSFORMS: dict[str, Callable[[str], str]] = {
 
 @dataclass(frozen=True)
 class Prompt:
-    """One task instance: what the policy sees (``tokens``) and what it should write."""
+    """One task instance: what the policy sees (``tokens``, and ``images``: encoded PNGs, for
+    a vision-language model) and what it should write."""
 
     prompt_id: str
     tokens: list[int]
     target: list[int]
+    images: tuple[bytes, ...] = ()
 
 
 class Task(Protocol):
@@ -145,6 +147,11 @@ class DigitTask:
         return list(chosen)
 
 
-def make_task(cfg: TaskConfig, seed: int) -> DigitTask:
-    """The task a config names; ``seed`` fixes which held-out prompts form the eval set."""
+def make_task(cfg: TaskConfig, seed: int, tiny: TinyModelConfig | None = None) -> Task:
+    """The task a config names; ``seed`` fixes which held-out prompts form the eval set.
+    ``tiny``: the tiny model's config, whose token ids the visual ``colour`` task uses."""
+    if cfg.name == "colour":
+        from rollouters.tasks.colours import make_colour_task
+
+        return make_colour_task(cfg, tiny or TinyModelConfig(), seed)
     return DigitTask(cfg.name, cfg.length, cfg.eval_size, seed)
