@@ -23,16 +23,14 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from asyncrl.vlm import (ImageError, VisionSpec, image_placeholders, image_processor_for,
-                         rope_positions, vision_inputs, vl_model)
-from asyncrl.vlm import vision_spec as read_vision_spec
+from asyncrl.vlm import (ImageError, PromptImages, image_placeholders, rope_positions,
+                         vision_inputs, vl_model)
 from asyncrl.wire import TrajectoryGroup, WireError
 from asyncrl.wire.images import IMAGE_SIZES, IMAGES, group_images
 
@@ -43,17 +41,9 @@ GroupVision = tuple[Tensor, Tensor] | None
 
 
 @dataclass(frozen=True)
-class LearnerVision:
-    """What rank 0 needs to turn a VLM group's image bytes into pixels."""
-
-    processor: Any
-    spec: VisionSpec
-
-    @classmethod
-    def of(cls, model_dir: str | Path) -> LearnerVision | None:
-        """The model's, or None for a text-only model."""
-        spec = read_vision_spec(model_dir)
-        return None if spec is None else cls(image_processor_for(model_dir), spec)
+class LearnerVision(PromptImages):
+    """What rank 0 needs to turn a VLM group's image bytes into pixels: the model's image
+    processor and ids (``LearnerVision.of(model_dir)``: None for a text-only model)."""
 
     def prepare(self, groups: Sequence[TrajectoryGroup]
                 ) -> tuple[list[TrajectoryGroup], list[GroupVision], Counter[str]]:
