@@ -13,7 +13,8 @@ forward concatenates the rows' real patches in row order, which is the order of 
 tokens in the batch, and passes M-RoPE positions computed from the rows' grids.
 
 VLM batches run padded (``learner.packing = false``): Qwen2-VL's 3-D positions are computed
-per row from the padded layout; a packed VLM micro-batch is refused naming the key.
+per row from the padded layout; a packed VLM micro-batch is refused naming the key. With
+several ranks, each share's rows travel with their pixels and grids (``learners.balance``).
 """
 
 from __future__ import annotations
@@ -113,12 +114,9 @@ def forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
             placeholders if sampled else None)
 
 
-def check_vlm_learner(world: int, cfg: Any) -> None:
-    """What the learner does not do with a VLM yet, refused naming the key: several ranks (the
-    scatter of shares carries no images) and packed micro-batches."""
-    if world > 1:
-        raise ValueError(f"learner.ranks = {world}: a vision-language model trains on one "
-                         "learner rank for now (the shares' scatter carries no images)")
+def check_vlm_learner(cfg: Any) -> None:
+    """What the learner does not do with a VLM yet, refused naming the key: packed
+    micro-batches."""
     refuse_packing(cfg.packing, torch.zeros(0))
 
 

@@ -208,7 +208,7 @@ class Fsdp2Trainer:
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
         if is_vlm(model):
-            check_vlm_learner(self.world, self.cfg)
+            check_vlm_learner(self.cfg)
             if self.freeze_vision:   # before the optimizer is built: the tower gets no state
                 logger.info("vision tower frozen (model.freeze_vision): %d parameters",
                             freeze_vision(model))

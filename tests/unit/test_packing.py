@@ -80,8 +80,8 @@ def test_split_keeps_whole_batch_group_tokens() -> None:
 
 def test_wire_table_names_every_field() -> None:
     """Every field but ``routing``, which the scatter lays out last, and only when the batch
-    carries it (``learners.balance._layout``), and a VLM's images, which one learner rank
-    trains on for now (``learners.vision.check_vlm_learner``)."""
+    carries it (``learners.balance._layout``), and a VLM's pixels and grids, laid out only
+    when a share has images."""
     assert set(_WIRE) | {"routing", *ROW_FIELDS} == {f.name for f in fields(TrainBatch)}
 
 

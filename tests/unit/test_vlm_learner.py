@@ -88,10 +88,41 @@ def _train_vlm(rank: int, world: int, device: torch.device, model_dir: str, out_
     torch.save(result, Path(out_dir) / "result.pt")
 
 
+def _train_vlm_shares(rank: int, world: int, device: torch.device, model_dir: str,
+                      out_dir: str) -> None:
+    """Two ranks: rank 0's batch scattered with its images, each rank's share recomputed."""
+    from learners.backends.fsdp2 import Fsdp2Trainer
+    from learners.balance import scatter_batch
+    from learners.vision import LearnerVision
+
+    trainer = Fsdp2Trainer(model_dir, LearnerConfig(lr=1e-2), device, freeze_vision=False)
+    engine, task = _engine_and_task(model_dir)
+    batch = _batch(engine, task, LearnerVision.of(model_dir), seed=0) if rank == 0 else None
+    share = scatter_batch(batch, rank, world)
+    result = {"rows": share.num_samples, "mismatch": _mismatch(trainer, share),
+              "metrics": trainer.train_step(share)}
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def _run(rank: int, world: int, device: torch.device, model_dir: str, out_dir: str,
+         freeze: bool | None) -> None:
+    if freeze is None:
+        _train_vlm_shares(rank, world, device, model_dir, out_dir)
+    else:
+        _train_vlm(rank, world, device, model_dir, out_dir, freeze)
+
+
 def test_fsdp2_trains_a_vlm_and_the_engines_match_it_frozen_or_not(vlm_dir: Path,
                                                                    tmp_path: Path) -> None:
-    out = spawn_runs(_train_vlm, vlm_dir, tmp_path,
-                     {"frozen": (1, (True,)), "trained": (1, (False,))}, timeout_s=120)
+    """Frozen and trained tower on one rank; two ranks scattering a VLM batch."""
+    # One spawn: the world-1 runs take turns in one process while the two ranks run.
+    out = spawn_runs(_run, vlm_dir, tmp_path, {"frozen": (1, (True,)), "trained": (1, (False,)),
+                                               "shares": (2, (None,))}, timeout_s=120)
+    shares = out["shares"]
+    for rank in (0, 1):   # each rank got its rows' images with their tokens
+        saved = torch.load(shares / f"rank{rank}.pt", weights_only=False)
+        assert saved["rows"] == 6 and saved["mismatch"] < 1e-4, saved
+        assert saved["metrics"]["actor/grad_norm"] > 0
     frozen = torch.load(out["frozen"] / "result.pt", weights_only=False)
     trained = torch.load(out["trained"] / "result.pt", weights_only=False)
     # Vision and language blocks are each an FSDP2 unit of their own.
