@@ -23,7 +23,7 @@ from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import TaskConfig, TinyModelConfig
 from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID, VOCAB
 from asyncrl.vlm import IMAGE_TOKENS, encode_png
-from rollouters.tasks.digits import HOLDOUT_MODULUS, DigitTask, Prompt
+from rollouters.tasks.digits import HOLDOUT_MODULUS, Prompt, exact_match, positions_matched
 
 COLOURS: tuple[tuple[int, int, int], ...] = ((200, 40, 40), (40, 200, 40), (40, 40, 200),
                                              (200, 200, 40))
@@ -77,10 +77,11 @@ class ColourTask:
         return [self.make_prompt(*instance) for instance in self._eval]
 
     def reward(self, prompt: Prompt, completion_tokens: Sequence[int]) -> float:
-        return DigitTask.reward(self, prompt, completion_tokens)  # type: ignore[arg-type]
+        """The digit tasks' reward: the digit, then EOS, position by position."""
+        return positions_matched(prompt.target, completion_tokens)
 
     def exact(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
-        return DigitTask.exact(self, prompt, completion_tokens)  # type: ignore[arg-type]
+        return exact_match(prompt.target, completion_tokens)
 
 
 def _held_out(colour: int, instance: int) -> bool:

@@ -181,3 +181,17 @@ def test_a_prompt_of_two_images_of_several_tokens_generates_as_the_model_reads_i
         logp = torch.log_softmax(logits.float(), -1)
         want = [float(logp[len(prompts[0]) - 1 + i, t]) for i, t in enumerate(completion.tokens)]
         np.testing.assert_allclose(completion.logprobs, want, atol=1e-4)
+
+
+def test_what_the_vlm_path_does_not_do_is_refused_naming_the_keys() -> None:
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.config.load import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "vlm_quickstart.toml"
+    assert load_config(config).task.name == "colour"
+    for overrides, message in (
+            (["model.tiny.vision.depth=0"], 'task.name = "colour" needs the tiny vision-'),
+            (["learner.backend=deepspeed"], 'needs learner.backend = "fsdp2", not "deepspeed"'),
+            (["learner.loss.advantage=gae"], 'learner.loss.advantage = "gae" is not supported')):
+        with pytest.raises(ConfigError, match=message):
+            load_config(config, overrides)
