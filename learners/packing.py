@@ -23,13 +23,12 @@ one sequence per row, whatever the layout of the forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from asyncrl.vlm import placeholders_only
 from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
 from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
@@ -129,12 +128,11 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "use_cache": False}
         targets = batch.targets
-    placeholders = None
+    context: AbstractContextManager = nullcontext()
     if batch.pixel_values is not None:   # a vision-language model (learners.vision)
-        vision, placeholders = forward_inputs(model, batch.input_ids, batch.attention_mask,
-                                              batch.pixel_values, batch.image_grid_thw)
+        vision, context = forward_inputs(model, batch)
         inputs.update(vision)
-    with nullcontext() if placeholders is None else placeholders_only(model, placeholders):
+    with context:
         logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
                                           entropy and entropy_grad, temperature)
     if not (entropy and entropy_grad):

@@ -8,9 +8,11 @@ never a crash.
 
 Every row of a :class:`~learners.batching.TrainBatch` carries its own images (``pixel_values``
 ``[B, patches, C·T·P·P]`` and ``image_grid_thw`` ``[B, images, 3]``, zero-padded), so every
-split of the batch into micro-batches or shares keeps a sample's images with its tokens. The
-forward concatenates the rows' real patches in row order, which is the order of their image
-tokens in the batch, and passes M-RoPE positions computed from the rows' grids.
+split of the batch into micro-batches or shares keeps a sample's images with its tokens. A
+forward runs the vision tower on one row of each group present (the group's samples share
+the prompt) and gives every row its group's features, in row order, which is the order of
+their image tokens in the batch, with M-RoPE positions computed from the rows' grids
+(:func:`forward_inputs`).
 
 VLM batches run padded (``learner.packing = false``): Qwen2-VL's 3-D positions are computed
 per row from the padded layout; a packed VLM micro-batch is refused naming the key. With
@@ -22,18 +24,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from asyncrl.vlm import (ImageError, PromptImages, image_placeholders, rope_positions,
-                         vision_inputs, vl_model)
+from asyncrl.vlm import (ImageError, PromptImages, image_placeholders, placeholders_only,
+                         rope_positions, vision_inputs, vl_model)
 from asyncrl.wire import TrajectoryGroup, WireError
 from asyncrl.wire.images import IMAGE_SIZES, IMAGES, group_images
+
+if TYPE_CHECKING:
+    from learners.batching import TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -94,24 +100,70 @@ def collate_vision(groups: Sequence[TrajectoryGroup], vision: Sequence[GroupVisi
     return pixels, grids
 
 
-def forward_inputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                   pixel_values: Tensor, image_grid_thw: Tensor
-                   ) -> tuple[dict[str, Tensor], Tensor | None]:
-    """The image inputs of one padded forward (the rows' real patches and grids in row order,
-    the rows' M-RoPE positions) and, when a row holds image pad tokens beyond its images'
-    (sampled ones), the placeholder mask to run the forward under
-    (:func:`asyncrl.vlm.placeholders_only`); else None."""
+def forward_inputs(model: nn.Module, batch: TrainBatch
+                   ) -> tuple[dict[str, Any], AbstractContextManager]:
+    """The image inputs of one padded forward of ``batch`` and the context to run it in.
+
+    The samples of a group share its prompt: the vision tower runs once a group (the context
+    gives each row its group's features; their gradients add up as the rows' would) and
+    ``get_rope_index``, a Python loop over rows, runs on one row a group. A row's positions
+    are its group's up to its last image token and ``t + delta`` after it: the images are in
+    the prompt, which the group's rows share at the same indices (right padding). The context
+    also puts the features at a row's own image tokens only, when a row holds sampled ones
+    (:func:`asyncrl.vlm.placeholders_only`)."""
     base = vl_model(model)
-    counts = image_grid_thw.prod(-1)                 # [B, images] patches; 0 on padding
-    grid = image_grid_thw[counts > 0]
-    pixels = torch.cat([pixel_values[row, :int(n)] for row, n in enumerate(counts.sum(-1))])
+    input_ids, grid_rows = batch.input_ids, batch.image_grid_thw
     merge = base.config.vision_config.spatial_merge_size
     image_token = base.config.image_token_id
+    counts = grid_rows.prod(-1)                               # [B, images] patches; 0: none
+    if not bool((counts > 0).any()):   # rows of prompts without images alone
+        return {}, nullcontext()
     placeholders = image_placeholders(input_ids, image_token, counts.sum(-1) // merge ** 2)
-    positions, _ = rope_positions(model, input_ids, attention_mask, grid, placeholders)
-    sampled = bool(((input_ids == image_token) & ~placeholders).any())
-    return ({"pixel_values": pixels, "image_grid_thw": grid, "position_ids": positions},
-            placeholders if sampled else None)
+    groups, source = torch.unique(batch.group_index, return_inverse=True)
+    first = torch.full((len(groups),), len(source), dtype=torch.long, device=source.device)
+    first = first.scatter_reduce(0, source, torch.arange(len(source), device=source.device),
+                                 "amin")                      # each group's first row
+    shown = counts[first] > 0
+    pixels = torch.cat([batch.pixel_values[row, :int(n)]
+                        for row, n in zip(first.tolist(), counts[first].sum(-1).tolist())])
+    positions, deltas = rope_positions(model, input_ids[first], batch.attention_mask[first],
+                                       grid_rows[first][shown], placeholders[first])
+    index = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = torch.where(placeholders, index, -1).max(-1).values   # [B] last image token
+    text = (index[None] + deltas[source]).expand(3, -1, -1)
+    positions = torch.where((index[None] > last[:, None])[None], text, positions[:, source])
+    context = ExitStack()
+    context.enter_context(per_row_features(model, source.tolist(), shown.sum(-1).tolist()))
+    if bool(((input_ids == image_token) & ~placeholders).any()):   # sampled image tokens
+        context.enter_context(placeholders_only(model, placeholders))
+    return ({"pixel_values": pixels, "image_grid_thw": grid_rows[first][shown],
+             "position_ids": positions}, context)
+
+
+@contextmanager
+def per_row_features(model: nn.Module, source: list[int], images_per_group: list[int]
+                     ) -> Iterator[None]:
+    """Within: the model's image features, computed for each group's images once, are given
+    to every row, row ``r`` those of group ``source[r]`` (``get_image_features`` replaced on
+    the instance for the forward, which runs it inside the FSDP root's forward)."""
+    base = vl_model(model)
+    own = base.get_image_features
+
+    def features(pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any
+                 ) -> Any:
+        out = own(pixel_values, image_grid_thw, **kwargs)
+        pooled, by_group, start = list(out.pooler_output), [], 0
+        for count in images_per_group:
+            by_group.append(pooled[start:start + count])
+            start += count
+        out.pooler_output = tuple(image for group in source for image in by_group[group])
+        return out
+
+    base.get_image_features = features
+    try:
+        yield
+    finally:
+        del base.get_image_features
 
 
 def check_vlm_learner(cfg: Any) -> None:
