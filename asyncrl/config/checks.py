@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.limits import WEEK_S
 from asyncrl.config.resolve import selected_table
-from asyncrl.engine_kinds import engine_kind
+from asyncrl.engine_kinds import ENGINE_KINDS, engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -160,6 +160,11 @@ def _vision(cfg: Config) -> Iterator[str]:
     if tiny_vlm and cfg.learner.backend == "deepspeed":
         yield ("model.tiny.vision.depth > 0 (a vision-language model) needs "
                "learner.backend = \"fsdp2\", not \"deepspeed\"")
+    images = (cfg.workflow.type == "digits" and cfg.task.name == "colour") or cfg.data.image_field
+    if images and not engine_kind(cfg.rollout.engine).takes_images:
+        yield (f"rollout.engine = \"{cfg.rollout.engine}\" does not take images yet "
+               "(task.name = \"colour\" or data.image_field): use an engine that does "
+               f"({', '.join(k.name for k in ENGINE_KINDS.values() if k.takes_images)})")
     if tiny_vlm and cfg.learner.loss.advantage == "gae":
         yield ("model.tiny.vision.depth > 0 (a vision-language model) has no critic: "
                "learner.loss.advantage = \"gae\" is not supported with it")

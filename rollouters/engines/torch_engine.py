@@ -40,7 +40,7 @@ class _Batch:
     logprobs: list[torch.Tensor]
     versions: list[int]
     routing: list[torch.Tensor] = field(default_factory=list)  # per forward, when recorded
-    vision: dict[str, torch.Tensor] = field(default_factory=dict)  # the prefill's image inputs
+    vision: dict[str, Any] = field(default_factory=dict)  # the prefill's image inputs
     rope_deltas: torch.Tensor | None = None  # (B, 1) VLM: M-RoPE position - sequence index
 
 

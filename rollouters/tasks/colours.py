@@ -22,7 +22,7 @@ import numpy as np
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.schema import TaskConfig, TinyModelConfig
 from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID, VOCAB
-from asyncrl.vlm import IMAGE_TOKENS, encode_png
+from asyncrl.vlm import encode_png
 from rollouters.tasks.digits import HOLDOUT_MODULUS, Prompt, exact_match, positions_matched
 
 COLOURS: tuple[tuple[int, int, int], ...] = ((200, 40, 40), (40, 200, 40), (40, 40, 200),
@@ -92,4 +92,4 @@ def make_colour_task(cfg: TaskConfig, tiny: TinyModelConfig, seed: int) -> Colou
     return ColourTask(tiny, cfg.eval_size, seed)
 
 
-__all__ = ["COLOURS", "ColourTask", "IMAGE_TOKENS", "make_colour_task"]
+__all__ = ["COLOURS", "ColourTask", "make_colour_task"]

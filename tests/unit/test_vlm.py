@@ -192,6 +192,7 @@ def test_what_the_vlm_path_does_not_do_is_refused_naming_the_keys() -> None:
     for overrides, message in (
             (["model.tiny.vision.depth=0"], 'task.name = "colour" needs the tiny vision-'),
             (["learner.backend=deepspeed"], 'needs learner.backend = "fsdp2", not "deepspeed"'),
-            (["learner.loss.advantage=gae"], 'learner.loss.advantage = "gae" is not supported')):
+            (["learner.loss.advantage=gae"], 'learner.loss.advantage = "gae" is not supported'),
+            (["rollout.engine=vllm"], 'rollout.engine = "vllm" does not take images yet')):
         with pytest.raises(ConfigError, match=message):
             load_config(config, overrides)
