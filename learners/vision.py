@@ -60,7 +60,7 @@ class LearnerVision(PromptImages):
         for group in groups:
             try:
                 images = group_images(group)
-                inputs.append(vision_inputs(self.processor, images) if images else None)
+                inputs.append(self._checked(group, images) if images else None)
             except WireError as exc:
                 dropped[exc.reason] += 1
                 logger.warning("dropped group %s: %s", group.group_id, exc)
@@ -71,6 +71,18 @@ class LearnerVision(PromptImages):
                 continue
             kept.append(group)
         return kept, inputs, dropped
+
+    def _checked(self, group: TrajectoryGroup, images: list[bytes]) -> tuple[Tensor, Tensor]:
+        """The images' pixels and grid; :class:`WireError` ``images`` when a sample holds
+        fewer image tokens than its images fill (the forward would fail on it)."""
+        pixels, grid = vision_inputs(self.processor, images)
+        needed = int(grid.prod(-1).sum()) // self.spec.merge_size ** 2
+        for sample in group.sample_slices():
+            held = int((group.tokens[sample] == self.spec.image_token_id).sum())
+            if held < needed:
+                raise WireError("images", f"a sample holds {held} image tokens, its "
+                                          f"{len(images)} image(s) fill {needed}")
+        return pixels, grid
 
     def without_images(self, group: TrajectoryGroup, pad_id: int) -> TrajectoryGroup:
         """``group`` with its images gone and its image tokens padding: the zero-weight group

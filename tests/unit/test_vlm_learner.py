@@ -145,12 +145,13 @@ def test_a_group_with_bad_images_is_dropped_and_counted(vlm_dir: Path) -> None:
     from rollouters.workflows.single_turn import generate_groups
 
     engine, task = _engine_and_task(str(vlm_dir))
-    groups = generate_groups(engine, task, task.eval_prompts()[:3], 2, 1.0, 2)
+    groups = generate_groups(engine, task, task.eval_prompts()[:4], 2, 1.0, 2)
     corrupt = groups[1].extras[IMAGES].copy()
     corrupt[20:] = 7                                    # a PNG signature, then garbage
     groups[1].extras[IMAGES] = corrupt
     groups[2].extras.pop(IMAGES)
+    groups[3].tokens[groups[3].tokens == task.image_pad] = 5   # no token for its image
     kept, inputs, dropped = LearnerVision.of(vlm_dir).prepare(groups)
     assert [g.group_id for g in kept] == [groups[0].group_id]
-    assert dropped == {"image_decode": 1, "images": 1}
+    assert dropped == {"image_decode": 1, "images": 2}
     assert inputs[0][1].tolist() == [[1, 2, 2]] and np.isfinite(inputs[0][0].numpy()).all()
