@@ -137,9 +137,7 @@ def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{INIT_MODEL_DIRNAME}-", dir=run_dir))
     try:
-        tokenizer = build_char_tokenizer(model_cfg.tiny.extra_tokens)
-        build_tiny_model(model_cfg.tiny, len(tokenizer), seed).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _build_tiny(model_cfg.tiny, seed, tmp)
         if not (tmp / "config.json").is_file():  # never publish a model dir without a model
             raise RuntimeError(
                 f"saving the initial model to {tmp} wrote no config.json: transformers skips "
@@ -157,6 +155,22 @@ def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
     return final
 
 
+def _build_tiny(cfg: TinyModelConfig, seed: int, directory: Path) -> None:
+    """Save the tiny model, its tokenizer and, for a VLM (``cfg.vision.depth > 0``), its image
+    processor in ``directory``."""
+    if not cfg.vision.depth:
+        tokenizer = build_char_tokenizer(cfg.extra_tokens)
+        build_tiny_model(cfg, len(tokenizer), seed).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return
+    from asyncrl.vlm import IMAGE_TOKENS, build_tiny_vlm, tiny_image_processor
+
+    tokenizer = build_char_tokenizer([*cfg.extra_tokens, *IMAGE_TOKENS])
+    build_tiny_vlm(cfg, tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    tiny_image_processor(cfg).save_pretrained(directory)
+
+
 def _hub_kwargs(path: str | Path) -> dict[str, Any]:
     """Local directories never touch the network; a hub id goes through the normal resolver
     (which honours ``HF_HUB_OFFLINE`` and the local cache)."""
@@ -165,15 +179,17 @@ def _hub_kwargs(path: str | Path) -> dict[str, Any]:
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
                    ) -> PreTrainedModel:
-    """Load a causal LM in eval mode, in ``dtype`` ("float32", "bfloat16", ...) on ``device``."""
+    """Load a causal LM (or a vision-language model, :mod:`asyncrl.vlm`) in eval mode, in
+    ``dtype`` ("float32", "bfloat16", ...) on ``device``."""
     import torch
     with _LAZY_IMPORTS:
-        from transformers import AutoModelForCausalLM
+        from asyncrl.vlm import auto_model_class
 
+        model_class = auto_model_class(path)   # a VLM loads as image-text-to-text
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+    model = model_class.from_pretrained(str(path), dtype=torch_dtype,
                                                  **_hub_kwargs(path))
     return model.to(device).eval()
 

@@ -25,6 +25,7 @@ from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.batch_feed import BatchFeed
 from learners.lost import Lost
 from learners.rank_role import RankContext
+from learners.vision import LearnerVision
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class RankZero:
         from asyncrl.tokens import ModelTokenizer
 
         tokens = ModelTokenizer(model_dir)  # loaded once, for the feed's pad id and the eval
-        self.feed = BatchFeed.connect(ctx, tokens.special.pad_id)
+        self.feed = BatchFeed.connect(ctx, tokens.special.pad_id, LearnerVision.of(model_dir))
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
         self.weights_client = connect_buffer(self.cfg, ctx.address, ctx.stop)

@@ -39,8 +39,10 @@ def evaluate(engine: Engine, task: Task, max_new_tokens: int, batch_size: int = 
     position = 0.0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
+        images = [list(p.images) for p in chunk]
         outputs = engine.generate([p.tokens for p in chunk], n=1, temperature=1.0,
-                                  max_new_tokens=max_new_tokens, greedy=True)
+                                  max_new_tokens=max_new_tokens, greedy=True,
+                                  **({"images": images} if any(images) else {}))
         for prompt, (completion,) in zip(chunk, outputs):
             exact += task.exact(prompt, completion.tokens)
             position += task.reward(prompt, completion.tokens)
@@ -97,7 +99,7 @@ def make_evaluator(cfg: Config, tokens: ModelTokenizer) -> Callable[[Engine], di
     if cfg.workflow.type == "digits":
         from rollouters.tasks import make_task
 
-        task = make_task(cfg.task, cfg.run.seed)
+        task = make_task(cfg.task, cfg.run.seed, cfg.model.tiny)
         return lambda engine: evaluate(engine, task, cfg.rollout.max_new_tokens)
     return lambda engine: evaluate_workflow(engine, cfg, tokens.tokenizer, cfg.run.seed)
 
@@ -110,14 +112,16 @@ class EngineEvaluator:
     def __init__(self, cfg: Config, tokens: ModelTokenizer) -> None:
         from asyncrl.devices import resolve_device
         from asyncrl.models import load_causal_lm
+        from asyncrl.vlm import image_processor_for
         from rollouters.engines.torch_engine import TorchEngine
 
         self._score = make_evaluator(cfg, tokens)
         special = tokens.special
         device = resolve_device(cfg.eval.device, 0, "eval.device")
-        self._engine = TorchEngine(load_causal_lm(tokens.model_dir, cfg.model.dtype, str(device)),
+        model_dir = tokens.model_dir
+        self._engine = TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, str(device)),
                                    eos_ids=special.eos_ids, pad_id=special.pad_id,
-                                   device=device)
+                                   device=device, image_processor=image_processor_for(model_dir))
 
     def evaluate(self, state: Mapping[str, Any], version: int) -> dict[str, float]:
         self._engine.load_weights(state.items(), version=version)

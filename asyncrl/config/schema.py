@@ -60,6 +60,32 @@ class RunConfig(Section):
         return self
 
 
+class TinyVisionConfig(Section):
+    """The tiny model's vision tower (``depth > 0``: a Qwen2-VL vision-language model,
+    :mod:`asyncrl.vlm`); every image is resized to ``image_size``² pixels."""
+
+    depth: int = Field(0, ge=0, le=64, description="Vision blocks; 0: a text-only model.")
+    embed_dim: int = Field(32, ge=8, le=8192, description="Vision width; num_heads divides it.")
+    num_heads: int = Field(2, ge=1, le=64, description="Vision attention heads.")
+    mlp_ratio: int = Field(2, ge=1, le=16, description="Vision MLP width / embed_dim.")
+    patch_size: int = Field(14, ge=2, le=64, description="Pixels per patch side.")
+    merge_size: int = Field(2, ge=1, le=8, description="Patches merged per token, per side.")
+    image_size: int = Field(28, ge=8, le=1024, description="Pixels per image side after "
+                                                          "resizing: a multiple of "
+                                                          "patch_size × merge_size.")
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> TinyVisionConfig:
+        key = "model.tiny.vision"
+        if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 2:
+            raise ValueError(f"{key}.num_heads = {self.num_heads} must divide {key}.embed_dim "
+                             f"= {self.embed_dim} into even head sizes")
+        if self.image_size % (self.patch_size * self.merge_size):
+            raise ValueError(f"{key}.image_size = {self.image_size} must be a multiple of "
+                             f"patch_size × merge_size = {self.patch_size * self.merge_size}")
+        return self
+
+
 class TinyModelConfig(Section):
     """A random-init Qwen2-style model built in code (used when ``model.path`` is empty)."""
 
@@ -83,6 +109,8 @@ class TinyModelConfig(Section):
                                                                 "routed to (MoE only).")
     moe_intermediate_size: int = Field(64, ge=8, le=65536, description="Each expert's MLP "
                                                                       "width (MoE only).")
+    vision: TinyVisionConfig = Field(default_factory=TinyVisionConfig,
+                                     description="A vision tower (depth > 0): a Qwen2-VL model.")
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyModelConfig:
@@ -104,6 +132,12 @@ class TinyModelConfig(Section):
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"{key}.num_experts_per_tok = {self.num_experts_per_tok} must not "
                              f"exceed {key}.num_experts = {self.num_experts}")
+        if self.vision.depth and self.num_experts:
+            raise ValueError(f"{key}.vision.depth > 0 builds a Qwen2-VL model, which has no "
+                             f"experts: set {key}.num_experts = 0")
+        if self.vision.depth and (self.hidden_size // self.num_heads) % 8:
+            raise ValueError(f"{key}.hidden_size / {key}.num_heads must be a multiple of 8 "
+                             "with a vision tower (M-RoPE splits the rotary pairs in three)")
         if any(not token.strip() for token in self.extra_tokens) or \
                 len(set(self.extra_tokens)) != len(self.extra_tokens):
             raise ValueError(f"{key}.extra_tokens must be distinct, non-blank tokens, got "
@@ -156,6 +190,8 @@ class ModelConfig(Section):
     path: Name = Field("", description="HF model directory or hub id; empty builds `tiny` in code.")
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    freeze_vision: bool = Field(True, description="VLMs: the vision tower is not trained "
+                                "(as verl) and weight updates leave it out.")
     lora: LoraConfig = Field(default_factory=LoraConfig,
                              description="LoRA adapters (rank 0 = off: full training).")
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "flex_attention", "eager",
@@ -168,7 +204,9 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["copy", "reverse", "sort"] = Field("copy", description="Built-in digit task.")
+    name: Literal["copy", "reverse", "sort", "colour"] = Field(
+        "copy", description="Built-in task: a digit task, or colour (name an image's colour; "
+                            "a vision-language model, model.tiny.vision).")
     length: int = Field(4, ge=1, le=32, description="Digits per prompt.")
     eval_size: int = Field(256, ge=1, le=1_000_000,
                            description="Held-out prompts for greedy evaluation.")
@@ -244,6 +282,12 @@ class DataConfig(Section):
                                                     "reward_model.ground_truth).")
     id_field: Name = Field("", description="Row field used as the sample id, dotted paths "
                                           "allowed (empty: the row index).")
+    image_field: Name = Field("", description="Row field holding the prompt's images, for a "
+                                             "vision-language model: a list (or one) of file "
+                                             "paths, encoded bytes, or {bytes, path} objects "
+                                             "(verl's `images` column: \"images\"); each "
+                                             "<image> in the prompt marks where one goes "
+                                             "(none: all before the text). Empty: no images.")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Shuffle seed.")
     epochs: int = Field(0, ge=0, le=MAX_STEPS,

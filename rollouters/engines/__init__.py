@@ -44,11 +44,13 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int,
         return _vllm_engine(cfg, model_dir, device, seed, special.eos_ids)
     if kind == "torch":
         from asyncrl.models import load_causal_lm
+        from asyncrl.vlm import image_processor_for
         from rollouters.engines.torch_engine import TorchEngine
 
         return TorchEngine(load_causal_lm(model_dir, cfg.model.dtype, device),
                            eos_ids=special.eos_ids, pad_id=special.pad_id, device=device,
-                           seed=seed, record_routing=cfg.learner.routing_replay)
+                           seed=seed, record_routing=cfg.learner.routing_replay,
+                           image_processor=image_processor_for(model_dir))
     raise ValueError(f"unknown rollout.engine {kind!r}")
 
 

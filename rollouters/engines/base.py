@@ -28,8 +28,12 @@ class Completion:
 
 
 def check_generate_args(prompts: list[list[int]], n: int, temperature: float,
-                        max_new_tokens: int, greedy: bool) -> None:
+                        max_new_tokens: int, greedy: bool,
+                        images: list[list[bytes]] | None = None) -> None:
     """The argument checks every engine's :meth:`Engine.generate` makes, in one place."""
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts: give one "
+                         "(possibly empty) list per prompt")
     if not prompts or n < 1 or max_new_tokens < 1:
         raise ValueError("need at least one prompt, n >= 1 and max_new_tokens >= 1")
     if not greedy and temperature <= 0:
@@ -45,8 +49,13 @@ class Engine(Protocol):
         """Policy version of the weights currently loaded."""
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions for each prompt (token ids in, token ids out)."""
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """``n`` completions for each prompt (token ids in, token ids out). ``images``: None,
+        or one list per prompt of its encoded images (PNG or JPEG bytes), for a
+        vision-language model; the prompt's ids are then already expanded, one image pad
+        token per merged patch (:mod:`asyncrl.vlm`), so the learner recomputes the same
+        sequence."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace weights by name and set :attr:`version`; safe to call from another thread

@@ -17,6 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class _Batch:
     logprobs: list[torch.Tensor]
     versions: list[int]
     routing: list[torch.Tensor] = field(default_factory=list)  # per forward, when recorded
+    vision: dict[str, Any] = field(default_factory=dict)  # the prefill's image inputs
+    rope_deltas: torch.Tensor | None = None  # (B, 1) VLM: M-RoPE position - sequence index
 
 
 class TorchEngine:
@@ -47,15 +50,18 @@ class TorchEngine:
     ``on_step(step)`` (optional) is called after each decode step, outside the lock: a test hook
     to interleave weight loads deterministically. ``record_routing``: each completion carries
     the experts its tokens were routed to (an MoE model; :mod:`rollouters.engines.routing`).
+    ``image_processor``: a vision-language model's (:mod:`asyncrl.vlm`); prompts may then come
+    with images.
     """
 
     def __init__(self, model: torch.nn.Module, eos_ids: Sequence[int], pad_id: int,
                  version: int = 0,
                  device: str | torch.device = "cpu", seed: int | None = None,
                  on_step: Callable[[int], None] | None = None,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, image_processor: Any = None) -> None:
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        self.image_processor = image_processor
         self._routing = RoutingRecorder(self.model) if record_routing else None
         self.eos_ids = tuple(eos_ids)  # any of them ends a row (asyncrl.tokens)
         self._eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -82,24 +88,33 @@ class TorchEngine:
         return self._version
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1.
+        ``images``: each prompt's encoded images, its ids already expanded
+        (:mod:`asyncrl.vlm`)."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        if images is not None and any(images) and self.image_processor is None:
+            raise ValueError("images were given to a torch engine without an image processor "
+                             "(a text-only model?)")
         with self._phase:  # asleep: wait for the wake (launcher.colocate)
             self._phase.wait_for(lambda: not self._asleep)
             self._active += 1
         try:
-            return self._generate(prompts, n, temperature, max_new_tokens, greedy)
+            return self._generate(prompts, n, temperature, max_new_tokens, greedy, images)
         finally:
             with self._phase:
                 self._active -= 1
                 self._phase.notify_all()
 
     def _generate(self, prompts: list[list[int]], n: int, temperature: float,
-                  max_new_tokens: int, greedy: bool) -> list[list[Completion]]:
+                  max_new_tokens: int, greedy: bool,
+                  images: list[list[bytes]] | None) -> list[list[Completion]]:
         temperature = 1.0 if greedy else temperature
         rows = [p for p in prompts for _ in range(n)]
         input_ids, batch = self._left_pad(rows)
+        if images is not None and any(images):
+            self._add_vision(input_ids, batch, images, n)
         past = None
         for step in range(max_new_tokens):
             past = self._step(input_ids, batch, past, temperature, greedy)
@@ -126,21 +141,71 @@ class TorchEngine:
                        tokens=[], logprobs=[], versions=[])
         return ids, batch
 
+    def _add_vision(self, input_ids: torch.Tensor, batch: _Batch, images: list[list[bytes]],
+                    n: int) -> None:
+        """The prefill's image inputs and the rows' M-RoPE positions
+        (:func:`asyncrl.vlm.rope_positions`). A prompt's ``n`` rows are identical until they
+        sample: its images are decoded, encoded by the vision tower (:meth:`_step`) and its
+        positions computed once, not ``n`` times."""
+        from asyncrl.vlm import rope_positions, vision_inputs
+
+        pixels, grids, counts = [], [], []
+        for prompt_images in images:
+            if prompt_images:
+                pixel_values, grid = vision_inputs(self.image_processor, prompt_images)
+                pixels.append(pixel_values)
+                grids.append(grid)
+                counts.append(len(prompt_images))
+        grid = torch.cat(grids)   # each prompt's images once
+        batch.vision = {"pixel_values": torch.cat(pixels).to(self.device),
+                        "image_grid_thw": grid.to(self.device),
+                        "images_per_prompt": torch.tensor(counts), "rows_per_prompt": n}
+        positions, deltas = rope_positions(self.model, input_ids[::n], batch.attention_mask[::n],
+                                           grid)
+        batch.rope_deltas = deltas.repeat_interleave(n, 0)
+        batch.vision["position_ids"] = positions.repeat_interleave(n, 1)
+
+    def _encoded_images(self, vision: dict) -> dict:
+        """The prefill's image features: each prompt's images through the vision tower once,
+        given to each of its rows (``mm_encoder_outputs``). Under the lock: the weights of the
+        features and of the prefill are one version."""
+        from asyncrl.vlm import vl_model
+
+        features = vl_model(self.model).get_image_features(
+            vision["pixel_values"], vision["image_grid_thw"], return_dict=True)
+        per_image = list(features.pooler_output)
+        rows, start = [], 0
+        for count in vision["images_per_prompt"].tolist():
+            rows += per_image[start:start + count] * vision["rows_per_prompt"]
+            start += count
+        features.pooler_output = tuple(rows)
+        return {"mm_encoder_outputs": {"image": features}}
+
+    def _positions(self, batch: _Batch, prefill: bool) -> torch.Tensor:
+        """Position ids of the next forward's inputs: 3-D (M-RoPE) for a VLM's batch."""
+        if prefill:
+            return batch.vision.pop("position_ids", None) if batch.rope_deltas is not None \
+                else (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = batch.next_position[:, None]
+        if batch.rope_deltas is not None:
+            positions = (positions + batch.rope_deltas)[None].expand(3, -1, -1)
+        return positions
+
     def _step(self, input_ids: torch.Tensor, batch: _Batch, past: object,
               temperature: float, greedy: bool) -> object:
         """One forward (the prefill when ``past`` is None) and one sampled token per row."""
-        if past is None:
-            positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        else:
-            positions = batch.next_position[:, None]
+        positions = self._positions(batch, prefill=past is None)
+        if past is not None:
             ones = torch.ones_like(batch.attention_mask[:, :1])
             batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)
             batch.next_position = batch.next_position + 1
         with (self._lock, torch.inference_mode(),
               maybe_record(self._routing, batch.routing, input_ids.shape)):
+            vision = self._encoded_images(batch.vision) if past is None and batch.vision \
+                else {}
             out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask,
                              position_ids=positions, past_key_values=past, use_cache=True,
-                             logits_to_keep=1)
+                             logits_to_keep=1, **vision)
             version = self._version
             logp = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)
             if greedy:
