@@ -72,7 +72,8 @@ def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...])
         max_model_len=v.max_model_len, tensor_parallel_size=v.tensor_parallel_size,
         data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
         stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
-        weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport], extra=dict(v.engine_args))
+        weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport],
+        freeze_vision=cfg.model.freeze_vision, extra=dict(v.engine_args))
 
 
 def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,

@@ -36,7 +36,10 @@ from rollouters.engines.vllm_options import (
     completion,
     configure_process_env,
     engine_args,
+    prepare_vlm,
     sampling_params,
+    sent_weights,
+    vllm_prompts,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class AsyncVLLMEngine:
                              f"not {opts.weight_backend!r} (weights.transport)")
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=False)
+        self._vision = prepare_vlm(model_dir)
         self.opts = opts
         self.update_timeout_s = update_timeout_s
         self._version = version
@@ -104,15 +108,18 @@ class AsyncVLLMEngine:
     # --- generation ------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """As :meth:`VLLMEngine.generate <rollouters.engines.vllm_engine.VLLMEngine.generate>`,
+        one request per prompt with vLLM's ``n``."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        inputs = vllm_prompts(prompts, images, self._vision)
         params = sampling_params(self.opts, n, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=False)
         call = next(self._ids)
-        return self._run(self._generate_all(prompts, params, call))
+        return self._run(self._generate_all(inputs, params, call))
 
-    async def _generate_all(self, prompts: list[list[int]], params: Any,
+    async def _generate_all(self, prompts: list[dict[str, Any]], params: Any,
                             call: int) -> list[list[Completion]]:
         ids = [f"asyncrl-{call}-{i}" for i in range(len(prompts))]
         tasks = [asyncio.ensure_future(self._generate_one(p, params, rid))
@@ -125,11 +132,10 @@ class AsyncVLLMEngine:
             await self._llm.abort(ids)
             raise
 
-    async def _generate_one(self, prompt: list[int], params: Any,
+    async def _generate_one(self, prompt: dict[str, Any], params: Any,
                             request_id: str) -> list[Completion]:
         final = None
-        async for output in self._llm.generate({"prompt_token_ids": list(prompt)}, params,
-                                               request_id=request_id):
+        async for output in self._llm.generate(dict(prompt), params, request_id=request_id):
             final = output
         assert final is not None and final.finished, request_id
         self.cached_prompt_tokens += final.num_cached_tokens or 0
@@ -142,7 +148,8 @@ class AsyncVLLMEngine:
         """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
         resume. Tokens sampled before the pause keep their label, those after carry
         ``version``."""
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
+                                for name, t in weights], self.opts)
         timeout = self.update_timeout_s
         with self._update_lock:
             if self._sender.group is None:  # the first update, or the first after a failed one

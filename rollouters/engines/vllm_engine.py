@@ -34,8 +34,11 @@ from rollouters.engines.vllm_options import (
     check_head_dim,
     configure_process_env,
     engine_args,
+    prepare_vlm,
     sampling_params,
+    sent_weights,
     span_versions,
+    vllm_prompts,
 )
 
 __all__ = ["CPU_MIN_HEAD_DIM", "VLLMEngine", "VLLMOptions"]
@@ -68,6 +71,7 @@ class VLLMEngine:
                              f"not {opts.weight_backend!r} (weights.transport)")
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=True)
+        self._vision = prepare_vlm(model_dir)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.opts = opts
@@ -93,13 +97,17 @@ class VLLMEngine:
         return self._version
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1.
+        ``images``: each prompt's encoded images, its ids already expanded (:func:`vllm_prompt`
+        says how vLLM gets them)."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        inputs = vllm_prompts(prompts, images, self._vision)
         params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=True)
         with self._generate_lock:
-            rows = self._submit(prompts, n, params)
+            rows = self._submit(inputs, n, params)
             try:
                 self._run(rows)
             finally:
@@ -108,7 +116,7 @@ class VLLMEngine:
         completions = [self._completion(row) for row in ordered]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _submit(self, prompts: list[list[int]], n: int, params: Any) -> dict[str, _Row]:
+    def _submit(self, prompts: list[dict[str, Any]], n: int, params: Any) -> dict[str, _Row]:
         """One request per sample (not vLLM's ``n``): each row is tracked by its own id."""
         call = next(self._ids)
         rows: dict[str, _Row] = {}
@@ -116,8 +124,7 @@ class VLLMEngine:
             for i, prompt in enumerate(prompts):
                 for j in range(n):
                     request_id = f"asyncrl-{call}-{i}-{j}"
-                    self._engine.add_request(request_id, {"prompt_token_ids": list(prompt)},
-                                             params)
+                    self._engine.add_request(request_id, dict(prompt), params)
                     rows[request_id] = _Row()
         return rows
 
@@ -164,7 +171,8 @@ class VLLMEngine:
 
         Copies to CPU happen outside the lock, so generation only stops for the update. The
         reset preempts running rows: their KV cache is recomputed under the new weights."""
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
+                                for name, t in weights], self.opts)
         rpc = self._engine.collective_rpc
         with self._lock:
             if self._sender.group is None:  # the first update, or the first after a failed one
