@@ -36,6 +36,7 @@ from rollouters.engines.vllm_options import (
     completion,
     configure_process_env,
     engine_args,
+    moves_vision,
     prepare_vlm,
     sampling_params,
     sent_weights,
@@ -160,6 +161,8 @@ class AsyncVLLMEngine:
                 self._sender.send(tensors, lambda info: self._run(self._update(info)))
                 self._run(self._llm.finish_weight_update(str(version)), timeout)
                 self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
+                if moves_vision(tensors):  # images' embeddings from the old tower
+                    self._run(self._llm.reset_encoder_cache(), timeout)
                 self._version = version
             finally:
                 self._run(self._llm.resume_generation(), timeout)

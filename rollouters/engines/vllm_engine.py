@@ -34,6 +34,7 @@ from rollouters.engines.vllm_options import (
     check_head_dim,
     configure_process_env,
     engine_args,
+    moves_vision,
     prepare_vlm,
     sampling_params,
     sent_weights,
@@ -170,7 +171,8 @@ class VLLMEngine:
         """vLLM's start → update → finish(version) → prefix-cache reset, between two steps.
 
         Copies to CPU happen outside the lock, so generation only stops for the update. The
-        reset preempts running rows: their KV cache is recomputed under the new weights."""
+        reset preempts running rows: their KV cache is recomputed under the new weights. An
+        update of a VLM's vision tower resets the encoder cache too (:func:`moves_vision`)."""
         tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
                                 for name, t in weights], self.opts)
         rpc = self._engine.collective_rpc
@@ -184,6 +186,8 @@ class VLLMEngine:
             rpc("finish_weight_update")
             self._engine.set_weight_version(str(version))
             self._engine.reset_prefix_cache(reset_running_requests=True)
+            if moves_vision(tensors):
+                self._engine.reset_encoder_cache()
             self._version = version
         logger.debug("vLLM engine loaded %d tensors, version %d", len(tensors), version)
 

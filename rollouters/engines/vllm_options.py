@@ -253,3 +253,11 @@ def sent_weights(tensors: list[tuple[str, Any]], opts: VLLMOptions) -> list[tupl
     if not opts.freeze_vision:
         return tensors
     return [(name, t) for name, t in tensors if not is_vision_name(name)]
+
+
+def moves_vision(tensors: list[tuple[str, Any]]) -> bool:
+    """Does this update change the vision tower? Then vLLM's encoder cache (each image's
+    embeddings, kept by image hash across requests) is stale and must be reset with it: a
+    prefix-cache reset leaves it, and an image seen before the update would be served the old
+    tower's embeddings (tests/engines/test_vllm_vlm.py caught exactly that)."""
+    return any(is_vision_name(name) for name, _ in tensors)

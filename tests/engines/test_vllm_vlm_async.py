@@ -1,9 +1,11 @@
 """vLLM's ``AsyncLLM`` (the default mode) serving the tiny Qwen2-VL. Its engine core runs in a
 spawned process, where only the worker extension can set up vLLM's Qwen2-VL without
-torchvision (:mod:`rollouters.engines.vllm_qwen2_vl`): this test is that it does."""
+torchvision (:mod:`rollouters.engines.vllm_qwen2_vl`): this test is that it does, and that an
+update of the tower reaches an image the engine has seen (its encoder cache reset)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -55,6 +57,14 @@ def test_async_engine_generates_from_images_and_takes_vision_weights(
     logger.info("AsyncLLM vs HF logprobs with images: max %.2e over %d tokens", max(deltas),
                 len(deltas))
     assert len(deltas) >= 4 and max(deltas) < LOGPROB_TOLERANCE
-    vision = hf_model.state_dict()[VISION_PARAM[0]]
-    async_engine.load_weights([(VISION_PARAM[0], vision + 1)], version=1)  # trained tower
-    np.testing.assert_allclose(async_engine.weight(VISION_PARAM[1]), vision + 1)
+    moved = copy.deepcopy(hf_model)  # a trained tower: one vision tensor moved
+    vision = moved.state_dict()[VISION_PARAM[0]]
+    vision.add_(1.0)
+    async_engine.load_weights([(VISION_PARAM[0], vision)], version=1)
+    np.testing.assert_allclose(async_engine.weight(VISION_PARAM[1]), vision)
+    again = async_engine.generate(prompts[:1], n=2, temperature=0.7, max_new_tokens=3,
+                                  images=images[:1])[0]   # the same image: not its old embedding
+    after = [abs(got - want) for c in again
+             for got, want in zip(c.logprobs, hf_logprobs(moved, vlm_dir, prompts[0],
+                                                          images[0][0], c.tokens, 0.7))]
+    assert max(after) < LOGPROB_TOLERANCE, after

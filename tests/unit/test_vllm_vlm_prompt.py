@@ -10,6 +10,7 @@ from asyncrl.vlm import VisionSpec, encode_png, expand_image_tokens
 from rollouters.engines.vllm_options import (
     VLLMOptions,
     collapse_image_tokens,
+    moves_vision,
     sent_weights,
     vllm_prompt,
 )
@@ -44,3 +45,4 @@ def test_a_frozen_vision_tower_is_not_sent() -> None:
     assert [n for n, _ in sent_weights(tensors, frozen)] == [
         "model.language_model.norm.weight", "lm_head.weight"]
     assert sent_weights(tensors, VLLMOptions(eos_ids=(3,), freeze_vision=False)) == tensors
+    assert moves_vision(tensors) and not moves_vision(sent_weights(tensors, frozen))
