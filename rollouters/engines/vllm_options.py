@@ -110,6 +110,10 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         # images only (videos would need torchvision on CPU: vllm_qwen2_vl).
         kwargs["skip_tokenizer_init"] = False
         kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
+        from rollouters.engines import vllm_qwen2_vl
+
+        if vllm_qwen2_vl.needed():  # its stand-ins reach every vLLM process with the config
+            kwargs["hf_overrides"] = vllm_qwen2_vl.keep_config
     kv_mb = kv_cache_mb(opts)
     if kv_mb:
         kwargs["kv_cache_memory_bytes"] = kv_mb << 20

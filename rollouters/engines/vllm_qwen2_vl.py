@@ -11,9 +11,18 @@ the module vLLM imports gets a stand-in holding transformers' own PIL ``smart_re
 image processor (the same resize rule, "Copied from" the torchvision one), and vLLM's
 ``Qwen2VLProcessor`` is :class:`ImageOnlyQwen2VLProcessor` (tokenizer + PIL image processor,
 no video processor: videos are refused). It must run in every process that imports vLLM's
-model: the engine's (before vLLM starts), vLLM's model-inspection subprocess (vLLM imports
-:data:`ARCHITECTURE_CLASS`, this module, registered by :func:`register`) and the engine-core
-process (the worker extension, :mod:`vllm_extension`, imports this module there).
+model, and importing this module runs it. The processes and how each comes to import it:
+
+- the engine's own: :func:`register`, before vLLM starts;
+- vLLM's model-inspection subprocess: it imports :data:`ARCHITECTURE_CLASS`, this module
+  (:func:`register` points the registry here);
+- the spawned engine core (AsyncLLM) and its worker processes: they unpickle the engine's
+  config, whose ``hf_overrides`` is :func:`keep_config`, a function of this module (pickled by
+  reference, so unpickling imports the module first); the worker extension
+  (:mod:`vllm_extension`) installs it too.
+
+vLLM's own mechanism for code in every process is a general plugin, an entry point of an
+installed package: that needs the package reinstalled to take effect, this does not.
 """
 
 from __future__ import annotations
@@ -100,6 +109,12 @@ class NoVideoProcessor:
         raise ValueError("videos need torchvision, which is not installed (images only)")
 
 
+def keep_config(config: Any) -> Any:
+    """``hf_overrides`` for a VLM's engine: the config unchanged. It is there to be pickled
+    into every vLLM process, which then imports this module (and so :func:`install`)."""
+    return config
+
+
 def register() -> None:
     """Point vLLM's registry at this module for Qwen2-VL (after :func:`install`), so vLLM's
     model-inspection subprocess, which imports the class, installs the stand-ins first."""
@@ -119,3 +134,6 @@ def __getattr__(name: str) -> Any:
     from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
     return Qwen2VLForConditionalGeneration
+
+
+install()  # whoever imports this module (an unpickled keep_config, the inspection subprocess)

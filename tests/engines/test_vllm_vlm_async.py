@@ -1,12 +1,16 @@
 """vLLM's ``AsyncLLM`` (the default mode) serving the tiny Qwen2-VL. Its engine core runs in a
 spawned process, where only the worker extension can set up vLLM's Qwen2-VL without
-torchvision (:mod:`rollouters.engines.vllm_qwen2_vl`): this test is that it does, and that an
-update of the tower reaches an image the engine has seen (its encoder cache reset)."""
+torchvision (:mod:`rollouters.engines.vllm_qwen2_vl`) and its own processes (the engine core
+builds the multimodal processor too): this test is that they do (the core is spawned here,
+``VLLM_ENABLE_V1_MULTIPROCESSING=1``, as in a run, not in this process as the other engine
+tests run it), and that an update of the tower reaches an image the engine has seen (its
+encoder cache reset)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +31,7 @@ from tests.engines.test_vllm_vlm import (  # noqa: F401 - module fixtures
 )
 
 logger = logging.getLogger(__name__)
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,13 @@ def async_engine(vllm_env: dict[str, str], vlm_dir: Path) -> Iterator[object]:  
     from rollouters.engines.vllm_options import VLLMOptions
 
     start = time.perf_counter()
-    engine = AsyncVLLMEngine(vlm_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0,
-                                                  freeze_vision=False))
+    saved = os.environ.get(MULTIPROCESSING)
+    os.environ[MULTIPROCESSING] = "1"  # the engine core in a spawned process, as in a run
+    try:
+        engine = AsyncVLLMEngine(vlm_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0,
+                                                      freeze_vision=False))
+    finally:
+        os.environ[MULTIPROCESSING] = saved or "0"
     logger.info("vLLM AsyncLLM VLM engine started in %.1fs", time.perf_counter() - start)
     try:
         yield engine
