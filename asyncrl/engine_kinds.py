@@ -52,10 +52,14 @@ class EngineKind:
     """It can return the experts each token was routed to (``learner.routing_replay``)."""
     routing_note: str = "does not record the experts it routes each token to"
     """Why not, for the config error, where it does not."""
+    takes_images: bool = False
+    """Its ``generate`` takes prompts' images (``images=``, a vision-language model:
+    :mod:`asyncrl.vlm`)."""
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
-    EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True),
+    EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True,
+               takes_images=True),
     EngineKind("vllm", table="vllm", routing_note=(
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "

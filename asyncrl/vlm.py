@@ -26,7 +26,8 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,25 +210,94 @@ def expand_image_tokens(ids: Sequence[int], counts: Sequence[int], image_token_i
     return out
 
 
+IMAGE_MARK = "<image>"
+"""Where a data row's prompt puts an image (verl's and LLaVA's convention)."""
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """What the HF processor does to a prompt with images, for one model: each
+    :data:`IMAGE_MARK` becomes :data:`IMAGE_PLACEHOLDER` (none: one per image before the text),
+    and after tokenizing each image pad is repeated by the image's token count."""
+
+    processor: Any
+    spec: VisionSpec
+
+    @classmethod
+    def of(cls, model_dir: str | Path) -> PromptImages | None:
+        spec = vision_spec(model_dir)
+        return None if spec is None else cls(load_image_processor(model_dir), spec)
+
+    def mark(self, text: str, images: int, first: bool = True) -> str:
+        """``text`` with its image marks as placeholders; ``first``: the text that gets the
+        placeholders when no text of the prompt marks where they go."""
+        if IMAGE_MARK in text:
+            return text.replace(IMAGE_MARK, IMAGE_PLACEHOLDER)
+        return IMAGE_PLACEHOLDER * images + text if first else text
+
+    def expand(self, ids: Sequence[int], images: Sequence[bytes]) -> list[int]:
+        """``ids`` with each image's pad repeated by its token count (its grid from the
+        processor); :class:`ImageError` for bytes that do not decode."""
+        _, grid = vision_inputs(self.processor, images)
+        counts = [image_token_count(g, self.spec.merge_size) for g in grid.tolist()]
+        return expand_image_tokens(ids, counts, self.spec.image_token_id)
+
+
 def rope_positions(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   image_grid_thw: torch.Tensor | None,
+                   placeholders: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(position_ids [3, B, T], deltas [B, 1])``: M-RoPE positions of a (left- or right-)
     padded batch, from the model's own ``get_rope_index``. A generated token at sequence index
-    ``n`` (counting real tokens only) has position ``n + delta`` on all three axes."""
+    ``n`` (counting real tokens only) has position ``n + delta`` on all three axes.
+    ``placeholders``: which tokens stand for the images (default: every image pad token;
+    :func:`image_placeholders` says why a sequence may hold others)."""
     import torch
 
-    base = _vl_model(model)
-    image_token = base.config.image_token_id
-    if image_grid_thw is None or not bool((input_ids == image_token).any()):
+    base = vl_model(model)
+    if placeholders is None:
+        placeholders = input_ids == base.config.image_token_id
+    if image_grid_thw is None or not bool(placeholders.any()):
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return (positions[None].expand(3, -1, -1),
                 torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device))
-    token_types = (input_ids == image_token).int()
-    return base.get_rope_index(input_ids, token_types, image_grid_thw.to(input_ids.device),
+    return base.get_rope_index(input_ids, placeholders.int(), image_grid_thw.to(input_ids.device),
                                attention_mask=attention_mask)
 
 
-def _vl_model(model: Any) -> Any:
+def image_placeholders(input_ids: torch.Tensor, image_token_id: int,
+                       tokens_per_row: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the first ``tokens_per_row[b]`` image pad tokens of each row, those the
+    row's images fill. A policy may sample the image pad token too (a random-init one does):
+    the engine fed it back as an ordinary token, and so must the learner."""
+    pads = input_ids == image_token_id
+    return pads & (pads.cumsum(-1) <= tokens_per_row[:, None])
+
+
+@contextmanager
+def placeholders_only(model: Any, placeholders: torch.Tensor) -> Iterator[None]:
+    """Within: the model puts image features at ``placeholders`` alone, not at every image pad
+    token (its ``get_placeholder_mask``, replaced on the instance for the forward)."""
+    base = vl_model(model)
+    own = base.get_placeholder_mask
+
+    def mask(input_ids: Any, inputs_embeds: Any, image_features: Any = None,
+             video_features: Any = None) -> tuple[Any, Any]:
+        _, video = own(input_ids, inputs_embeds=inputs_embeds, video_features=video_features)
+        if image_features is not None and int(placeholders.sum()) * inputs_embeds.shape[-1] \
+                != image_features.numel():
+            raise ValueError(f"{int(placeholders.sum())} image placeholders for "
+                             f"{image_features.shape[0]} image features")
+        return placeholders.unsqueeze(-1).to(inputs_embeds.device), video
+
+    base.get_placeholder_mask = mask
+    try:
+        yield
+    finally:
+        del base.get_placeholder_mask
+
+
+def vl_model(model: Any) -> Any:
     """The module holding ``get_rope_index`` (``Qwen2VLModel``), under any wrapper."""
     for module in model.modules():
         if hasattr(module, "get_rope_index"):
@@ -282,6 +352,7 @@ def tiny_image_processor(cfg: TinyModelConfig) -> Any:
 
 __all__ = ["IMAGE_PLACEHOLDER", "IMAGE_TOKENS", "ImageError", "VisionSpec", "auto_model_class",
            "build_image_processor", "build_tiny_vlm", "decode_images", "encode_png",
-           "expand_image_tokens", "freeze_vision", "image_processor_for", "image_token_count", "is_vision_name",
+           "expand_image_tokens", "freeze_vision", "image_placeholders", "image_processor_for",
+           "image_token_count", "placeholders_only", "vl_model", "is_vision_name",
            "is_vlm", "load_image_processor", "rope_positions", "tiny_image_processor",
            "vision_inputs", "vision_prefix", "vision_spec"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from learners.batching import TrainBatch
+from learners.batching import ROW_FIELDS, TrainBatch
 
 
 def partition_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -52,16 +52,17 @@ def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
     return [batch.select(rows) if rows else batch.as_pad() for rows in shares]
 
 
-HEADER_COLUMNS = 3
-"""A share's header: ``[rows, width, routing columns]`` (the last: ``layers × top_k`` of its
-``routing``, 0 without: ``learner.routing_replay``)."""
+HEADER_COLUMNS = 6
+"""A share's header: ``[rows, width, routing columns, patches, images, pixel width]``: the
+``layers × top_k`` of its ``routing`` (0 without: ``learner.routing_replay``), and a VLM's
+``pixel_values [rows, patches, pixel width]`` and ``image_grid_thw [rows, images, 3]`` (0s
+without images, :mod:`learners.vision`)."""
 
 
 @dataclass(frozen=True)
 class PackedShares:
     """A global batch split for ``world`` ranks and packed, ready for :func:`scatter_batch`:
-    ``header[r] = [rows, width, routing columns]`` of rank r's share, ``buffers[r]`` its
-    bytes."""
+    ``header[r]`` (:data:`HEADER_COLUMNS`) of rank r's share, ``buffers[r]`` its bytes."""
 
     world: int
     header: torch.Tensor
@@ -72,8 +73,8 @@ def pack_shares(batch: TrainBatch, world: int) -> PackedShares:
     """Rank 0's half of :func:`scatter_batch` that involves no other rank: the token-balanced
     split, and each share's fields padded to the largest share and laid end to end."""
     shares = split_batch(batch, world)
-    header = torch.tensor([[s.num_samples, s.input_ids.shape[1], _routing_columns(s)]
-                           for s in shares])
+    header = torch.tensor([[s.num_samples, s.input_ids.shape[1], _routing_columns(s),
+                            *_image_columns(s)] for s in shares])
     layout = _layout(*(int(v) for v in header.max(dim=0).values))
     return PackedShares(world, header, [_pack(share, layout) for share in shares])
 
@@ -113,11 +114,12 @@ def scatter_batch(batch: TrainBatch | PackedShares | None, rank: int, world: int
     layout = _layout(*(int(v) for v in header.max(dim=0).values))
     out = torch.zeros(sum(nbytes for _, _, _, nbytes in layout), dtype=torch.uint8)
     _scatter(out, packed.buffers if packed is not None else None)
-    rows, width, _ = (int(v) for v in header[rank])
+    rows, width = (int(v) for v in header[rank][:2])
     received, offset = {}, 0
     for name, dtype, shape, nbytes in layout:
         value = out[offset:offset + nbytes].view(dtype).reshape(shape)
-        value = value[:rows, :width] if len(shape) >= 2 else value[:rows]
+        value = value[:rows, :width] if len(shape) >= 2 and name not in ROW_FIELDS \
+            else value[:rows]
         received[name] = value.bool() if name in _BOOL else value
         offset += nbytes
     return TrainBatch(**received)
@@ -135,20 +137,34 @@ _BOOL = ("loss_mask", "sample_mask")
 _ORDER = sorted(_WIRE, key=lambda name: -_WIRE[name][0].itemsize)
 
 
-def _layout(rows: int, width: int, routing: int = 0
-            ) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
-    """(name, wire dtype, padded shape, bytes) of every field, in buffer order; ``routing``
-    (columns per token) last, when the batch carries it: int16, so it cannot misalign the
-    wider fields before it."""
+def _layout(rows: int, width: int, routing: int = 0, patches: int = 0, images: int = 0,
+            pixel_width: int = 0) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(name, wire dtype, padded shape, bytes) of every field, in buffer order: widest dtype
+    first (a VLM's image fields, when a share has images, among them), so every offset stays a
+    multiple of its itemsize; ``routing`` (columns per token) last, when the batch carries
+    it: int16, so it cannot misalign the wider fields before it."""
     out = []
+    if images:
+        out += [("image_grid_thw", torch.int64, (rows, images, 3)),
+                ("pixel_values", torch.float32, (rows, patches, pixel_width))]
     for name in _ORDER:
         dtype, per_token = _WIRE[name]
-        shape = (rows, width) if per_token else (rows,)
-        out.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+        out.append((name, dtype, (rows, width) if per_token else (rows,)))
+    out.sort(key=lambda field: -field[1].itemsize)   # stable: _ORDER's order otherwise
+    out = [(name, dtype, shape, math.prod(shape) * dtype.itemsize)
+           for name, dtype, shape in out]
     if routing:
         shape = (rows, width, routing)
         out.append(("routing", torch.int16, shape, math.prod(shape) * 2))
     return out
+
+
+def _image_columns(share: TrainBatch) -> tuple[int, int, int]:
+    """``(patches, images, pixel width)`` of a share's image fields; 0s without."""
+    if share.pixel_values is None:
+        return 0, 0, 0
+    return (share.pixel_values.shape[1], share.image_grid_thw.shape[1],
+            share.pixel_values.shape[2])
 
 
 def _routing_columns(share: TrainBatch) -> int:

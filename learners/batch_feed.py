@@ -40,15 +40,16 @@ class BatchFeed:
         self.filter_counts: dict[str, int] = {}
 
     @classmethod
-    def connect(cls, ctx: RankContext, pad_id: int) -> BatchFeed:
+    def connect(cls, ctx: RankContext, pad_id: int, vision: Any = None) -> BatchFeed:
         """The next batch is fetched and collated on a thread of its own, with its own
-        client; rows are padded with the model's ``pad_id`` (:mod:`asyncrl.tokens`)."""
+        client; rows are padded with the model's ``pad_id`` (:mod:`asyncrl.tokens`).
+        ``vision``: a VLM's :class:`~learners.vision.LearnerVision` (None: text only)."""
         from learners.prefetch import BatchPrefetcher
 
         cfg = ctx.cfg
         return cls(ctx, BatchPrefetcher(
             connect_buffer(cfg, ctx.address, ctx.stop), ctx.member,
-            cfg.learner.groups_per_step, lambda batch: _prepare(cfg, ctx.world, batch, pad_id),
+            cfg.learner.groups_per_step, lambda batch: _prepare(cfg, ctx.world, batch, pad_id, vision),
             BATCH_POLL_S, cfg.buffer.reclaim_idle_s))
 
     def poll(self, version: int, stop: threading.Event, lost: Lost) -> tuple[bool, bool]:
@@ -117,17 +118,19 @@ class BatchFeed:
                                                            else (None, (None, {})))
 
 
-def _prepare(cfg: Config, world: int, batch, pad_id: int):
+def _prepare(cfg: Config, world: int, batch, pad_id: int, vision: Any = None):
     """On the prefetch thread: the step's batch collated (:func:`_collate`) and, with
     several ranks, already split and packed for the scatter (none of it is collective)."""
     from learners.balance import pack_shares
 
-    whole, filter_counts = _collate(cfg, batch, pad_id)
+    whole, filter_counts = _collate(cfg, batch, pad_id, vision)
     return (pack_shares(whole, world) if world > 1 else whole), filter_counts
 
 
-def _collate(cfg: Config, batch, pad_id: int):
-    """The step's groups, filtered (DAPO), as ONE batch with advantages per group."""
+def _collate(cfg: Config, batch, pad_id: int, vision: Any = None):
+    """The step's groups, filtered (DAPO), as ONE batch with advantages per group; a VLM's
+    groups with their images' pixels, those whose images fail dropped and counted
+    (:mod:`learners.vision`)."""
     from learners.batching import collate
     from learners.losses.filters import filter_groups, zero_loss_mask
 
@@ -135,10 +138,17 @@ def _collate(cfg: Config, batch, pad_id: int):
     # train_step is collective: a step whose groups were all filtered still runs, with a group
     # that trains no token.
     groups = groups or [zero_loss_mask(batch.groups[0])]
+    inputs = None
+    if vision is not None:
+        checked, inputs, dropped = vision.prepare(groups)
+        filter_counts.update({f"dropped_{reason}": n for reason, n in dropped.items()})
+        if not checked:   # every group's images failed: one that trains nothing, no images
+            checked, inputs = [vision.without_images(zero_loss_mask(groups[0]), pad_id)], [None]
+        groups = checked
     loss = cfg.learner.loss
     return collate(groups, cfg.learner.advantage_std_norm, pad_id, advantage=loss.advantage,
-                   step_advantage=loss.step_advantage,
-                   step_gamma=loss.step_gamma), filter_counts
+                   step_advantage=loss.step_advantage, step_gamma=loss.step_gamma,
+                   vision=inputs), filter_counts
 
 
 def consumed_versions(groups, version: int, max_staleness: int) -> dict[str, Any]:

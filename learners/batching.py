@@ -27,6 +27,7 @@ from torch import Tensor
 from asyncrl.wire import TrajectoryGroup
 from learners.losses.advantages import batch_advantages
 from learners.routing_replay import collate_routing
+from learners.vision import GroupVision, collate_vision
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class TrainBatch:
     #                              micro-batch with no sample of its own; trains and counts nothing)
     routing: Tensor | None = None  # [B, T, layers, top_k] int16: the engine's experts for
     #                              input_ids[b, t] (learners.routing_replay), or None
+    pixel_values: Tensor | None = None  # [B, patches, dim] float32: the row's images' pixels,
+    #                              zero-padded (a vision-language model: learners.vision)
+    image_grid_thw: Tensor | None = None  # [B, images, 3] int64: their grids (0: no image)
 
     @property
     def num_samples(self) -> int:
@@ -80,7 +84,9 @@ class TrainBatch:
         out = {}
         for f in fields(self):
             value = _apply(getattr(self, f.name), lambda v: v[index])
-            out[f.name] = _apply(value, lambda v: v[:, :width] if v.dim() >= 2 else v)
+            per_token = f.name not in ROW_FIELDS
+            out[f.name] = _apply(value, lambda v: v[:, :width] if per_token and v.dim() >= 2
+                                 else v)
         return TrainBatch(**out)
 
     def as_pad(self) -> TrainBatch:
@@ -93,6 +99,10 @@ class TrainBatch:
                        sample_mask=torch.zeros_like(row.sample_mask))
 
 
+ROW_FIELDS = ("pixel_values", "image_grid_thw")
+"""Fields with more than one axis that are per row, not per token: never cut to a width."""
+
+
 def _apply(value: Tensor | None, fn: Callable[[Tensor], Tensor]) -> Tensor | None:
     """``fn(value)``, or None for a field the batch does not carry (``routing``)."""
     return None if value is None else fn(value)
@@ -100,7 +110,8 @@ def _apply(value: Tensor | None, fn: Callable[[Tensor], Tensor]) -> Tensor | Non
 
 def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
             advantage: str = "grpo", step_advantage: str = "broadcast",
-            step_gamma: float = 1.0) -> TrainBatch:
+            step_gamma: float = 1.0, vision: Sequence[GroupVision] | None = None
+            ) -> TrainBatch:
     """Right-pad every sample of ``groups`` into one :class:`TrainBatch`.
 
     Advantages by estimator ``advantage`` (``learner.loss.advantage``; see
@@ -109,6 +120,8 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
     group boundaries if it is to keep its advantages. ``step_advantage = "per_step"`` gives
     each step (model turn) of a multi-step trajectory its own advantage
     (:mod:`learners.losses.stepwise`); ``broadcast`` gives the trajectory's to all its tokens.
+    ``vision``: each group's pixels and grid (:meth:`learners.vision.LearnerVision.prepare`),
+    given to each of its samples.
     """
     samples = [(group, s) for group in groups for s in group.sample_slices()]
     if not samples:
@@ -127,6 +140,7 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
     loss_mask = stacked["loss_mask"].bool()
     group_index = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.size)],
                                dtype=torch.int64)
+    pixel_values, image_grid_thw = collate_vision(groups, vision)
     return TrainBatch(
         input_ids=stacked["input_ids"].long(),
         attention_mask=(positions < lengths.unsqueeze(1)).long(),
@@ -141,6 +155,8 @@ def collate(groups: Sequence[TrajectoryGroup], std_norm: bool, pad_id: int,
         group_tokens=_group_tokens(loss_mask, group_index),
         sample_mask=torch.ones(len(samples), dtype=torch.bool),
         routing=collate_routing(groups, width),
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
     )
 
 

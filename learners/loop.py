@@ -122,7 +122,8 @@ def _run(ctx: RankContext, model_dir: Path, device, stop: threading.Event,
     cfg = ctx.cfg
     trainer = make_trainer(model_dir, cfg.learner, device, sim=cfg.sim, lora=cfg.model.lora,
                            attn_implementation=cfg.model.attn_implementation,
-                           temperature=cfg.rollout.temperature)
+                           temperature=cfg.rollout.temperature,
+                           freeze_vision=cfg.model.freeze_vision)
     checkpointer = Checkpointer(cfg)
     role = leaving.role = make_role(ctx, model_dir, evaluator)
     reached = reached_before(cfg, resume(ctx, checkpointer, trainer, role))

@@ -170,12 +170,21 @@ def engine_state(trainer: Any, cfg: Config, sent: bool = True) -> dict[str, torc
     the adapters (:func:`sends_adapters`) or the full merged HF weights. COLLECTIVE. On rank
     0 only, unless ``sent`` (the state goes to the engines) with ``weights.fanout`` on: then
     on every rank, each of which sends it to its slice of the engines
-    (:mod:`asyncrl.weights.senders` says what that costs)."""
+    (:mod:`asyncrl.weights.senders` says what that costs). A frozen vision tower
+    (``model.freeze_vision``) is not sent: the engines hold it already, unchanged since the
+    start; the export (not ``sent``) has it."""
     if sends_adapters(cfg):
         return trainer.adapter_state_dict()
-    if sent and fans_out(cfg):
-        return trainer.full_state_dict(every_rank=True)
-    return trainer.full_state_dict()
+    state = trainer.full_state_dict(every_rank=True) if sent and fans_out(cfg) \
+        else trainer.full_state_dict()
+    return without_frozen_vision(state) if sent and cfg.model.freeze_vision else state
+
+
+def without_frozen_vision(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` less a VLM's vision tower (:func:`asyncrl.vlm.is_vision_name`)."""
+    from asyncrl.vlm import is_vision_name
+
+    return {name: value for name, value in state.items() if not is_vision_name(name)}
 
 
 def fans_out(cfg: Config) -> bool:

@@ -23,6 +23,7 @@ one sequence per row, whatever the layout of the forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
 from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
 from learners.lora import hf_model
+from learners.vision import forward_inputs, refuse_packing
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int, packing: bool) -> list[list[int]]:
@@ -113,6 +115,7 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
     that many tokens at a time and the ``[tokens, vocab]`` logits never exist whole
     (``learners.fused_logprobs``); otherwise the full logits (the plain path, which the fused
     one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
+    refuse_packing(packing, batch.pixel_values)
     if packing:
         input_ids, position_ids, (rows, cols) = pack(batch)
         # use_cache=False is REQUIRED: with a cache (the default in eval mode) transformers
@@ -125,8 +128,13 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "use_cache": False}
         targets = batch.targets
-    logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
-                                      entropy and entropy_grad, temperature)
+    context: AbstractContextManager = nullcontext()
+    if batch.pixel_values is not None:   # a vision-language model (learners.vision)
+        vision, context = forward_inputs(model, batch)
+        inputs.update(vision)
+    with context:
+        logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
+                                          entropy and entropy_grad, temperature)
     if not (entropy and entropy_grad):
         ent = ent.detach()
     if packing:

@@ -25,6 +25,7 @@ from buffers.protocol import DONE, RUN_STATUS_KEY
 from learners.batch_feed import BatchFeed
 from learners.lost import Lost
 from learners.rank_role import RankContext
+from learners.vision import LearnerVision
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class RankZero:
         self.senders = fanout_senders(self.cfg, ctx.world)
         from asyncrl.tokens import special_tokens
 
-        self.feed = BatchFeed.connect(ctx, special_tokens(model_dir).pad_id)
+        self.feed = BatchFeed.connect(ctx, special_tokens(model_dir).pad_id,
+                                      LearnerVision.of(model_dir))
         # The publisher delivers weights on a thread of its own: it gets a client of its own.
         # Waiting for a delivery (slow engines: up to weights.timeout_s), this thread beats.
         self.weights_client = connect_buffer(self.cfg, ctx.address, ctx.stop)

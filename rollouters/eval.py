@@ -39,8 +39,10 @@ def evaluate(engine: Engine, task: Task, max_new_tokens: int, batch_size: int = 
     position = 0.0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
+        images = [list(p.images) for p in chunk]
         outputs = engine.generate([p.tokens for p in chunk], n=1, temperature=1.0,
-                                  max_new_tokens=max_new_tokens, greedy=True)
+                                  max_new_tokens=max_new_tokens, greedy=True,
+                                  **({"images": images} if any(images) else {}))
         for prompt, (completion,) in zip(chunk, outputs):
             exact += task.exact(prompt, completion.tokens)
             position += task.reward(prompt, completion.tokens)
@@ -96,7 +98,7 @@ def make_evaluator(cfg: Config, model_dir: str | Path) -> Callable[[Engine], dic
     if cfg.workflow.type == "digits":
         from rollouters.tasks import make_task
 
-        task = make_task(cfg.task, cfg.run.seed)
+        task = make_task(cfg.task, cfg.run.seed, cfg.model.tiny)
         return lambda engine: evaluate(engine, task, cfg.rollout.max_new_tokens)
     from asyncrl.models import load_tokenizer
 

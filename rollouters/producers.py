@@ -24,7 +24,7 @@ class DigitProducer:
         from rollouters.tasks import make_task
 
         self.cfg, self.engine = cfg, engine
-        self.task = make_task(cfg.task, cfg.run.seed)
+        self.task = make_task(cfg.task, cfg.run.seed, cfg.model.tiny)
         self.rng = random.Random(cfg.run.seed * 7919 + index)
         self.exhausted = False
 

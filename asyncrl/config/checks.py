@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.config.limits import WEEK_S
 from asyncrl.config.resolve import selected_table
-from asyncrl.engine_kinds import engine_kind
+from asyncrl.engine_kinds import ENGINE_KINDS, engine_kind
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import Config
@@ -150,7 +150,28 @@ def _routing_replay(cfg: Config) -> Iterator[str]:
                f"{kind.routing_note}")
 
 
+def _vision(cfg: Config) -> Iterator[str]:
+    """The colour task's ids are the tiny VLM's; the tiny VLM trains on FSDP2 (the DeepSpeed
+    backend and the GAE critic load causal LMs only)."""
+    tiny_vlm = not cfg.model.path and cfg.model.tiny.vision.depth > 0
+    if cfg.workflow.type == "digits" and cfg.task.name == "colour" and not tiny_vlm:
+        yield ("task.name = \"colour\" needs the tiny vision-language model: model.path = \"\" "
+               "and model.tiny.vision.depth > 0")
+    if tiny_vlm and cfg.learner.backend == "deepspeed":
+        yield ("model.tiny.vision.depth > 0 (a vision-language model) needs "
+               "learner.backend = \"fsdp2\", not \"deepspeed\"")
+    images = (cfg.workflow.type == "digits" and cfg.task.name == "colour") or cfg.data.image_field
+    if images and not engine_kind(cfg.rollout.engine).takes_images:
+        yield (f"rollout.engine = \"{cfg.rollout.engine}\" does not take images yet "
+               "(task.name = \"colour\" or data.image_field): use an engine that does "
+               f"({', '.join(k.name for k in ENGINE_KINDS.values() if k.takes_images)})")
+    if tiny_vlm and cfg.learner.loss.advantage == "gae":
+        yield ("model.tiny.vision.depth > 0 (a vision-language model) has no critic: "
+               "learner.loss.advantage = \"gae\" is not supported with it")
+
+
 CHECKS: tuple[Callable[[Config], Iterator[str]], ...] = (
     _learner_topology, _buffer_holds_a_step, _digit_positions, _lora_backend, _ports,
-    _restart_backoff, _colocate, _weights_transport, _weights_fanout, _routing_replay)
+    _restart_backoff, _colocate, _weights_transport, _weights_fanout, _routing_replay,
+    _vision)
 """Every cross-section rule, in the order their problems are reported."""

@@ -204,7 +204,9 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["copy", "reverse", "sort"] = Field("copy", description="Built-in digit task.")
+    name: Literal["copy", "reverse", "sort", "colour"] = Field(
+        "copy", description="Built-in task: a digit task, or colour (name an image's colour; "
+                            "a vision-language model, model.tiny.vision).")
     length: int = Field(4, ge=1, le=32, description="Digits per prompt.")
     eval_size: int = Field(256, ge=1, le=1_000_000,
                            description="Held-out prompts for greedy evaluation.")
@@ -280,6 +282,12 @@ class DataConfig(Section):
                                                     "reward_model.ground_truth).")
     id_field: Name = Field("", description="Row field used as the sample id, dotted paths "
                                           "allowed (empty: the row index).")
+    image_field: Name = Field("", description="Row field holding the prompt's images, for a "
+                                             "vision-language model: a list (or one) of file "
+                                             "paths, encoded bytes, or {bytes, path} objects "
+                                             "(verl's `images` column: \"images\"); each "
+                                             "<image> in the prompt marks where one goes "
+                                             "(none: all before the text). Empty: no images.")
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by data.seed + epoch).")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Shuffle seed.")
     epochs: int = Field(0, ge=0, le=MAX_STEPS,

@@ -173,7 +173,7 @@ def _task_errors(cfg: Config) -> list[str]:
     from rollouters.tasks.digits import make_task
 
     try:
-        make_task(cfg.task, cfg.run.seed)
+        make_task(cfg.task, cfg.run.seed, cfg.model.tiny)
     except ConfigError as exc:
         return [str(exc)]
     return []

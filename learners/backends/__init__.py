@@ -19,16 +19,18 @@ if TYPE_CHECKING:
 def make_trainer(model_path: str | Path, cfg: LearnerConfig, device: torch.device | str,
                  version: int = 0, sim: SimConfig | None = None,
                  lora: LoraConfig | None = None, attn_implementation: str = "auto",
-                 temperature: float = 1.0) -> Trainer:
+                 temperature: float = 1.0, freeze_vision: bool = True) -> Trainer:
     """Build the backend named by ``cfg.backend`` (needs the learner process group first);
     ``sim`` is the root config's ``[sim]`` section, used by the ``sim`` backend only; ``lora``
     is ``model.lora``, which only FSDP2 supports (the config refuses it with other backends);
     ``attn_implementation`` is ``model.attn_implementation`` (``learners.attention``);
-    ``temperature`` is ``rollout.temperature``, which the learner's logprobs divide by."""
+    ``temperature`` is ``rollout.temperature``, which the learner's logprobs divide by;
+    ``freeze_vision`` is ``model.freeze_vision`` (a vision-language model, FSDP2)."""
     if cfg.backend == "fsdp2":
         from learners.backends.fsdp2 import Fsdp2Trainer
         return Fsdp2Trainer(model_path, cfg, device, version=version, lora=lora,
-                            attn_implementation=attn_implementation, temperature=temperature)
+                            attn_implementation=attn_implementation, temperature=temperature,
+                            freeze_vision=freeze_vision)
     if lora is not None and lora.rank:
         raise ValueError(f"model.lora needs learner.backend = 'fsdp2', not {cfg.backend!r}")
     if cfg.backend == "deepspeed":

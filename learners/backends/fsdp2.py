@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                     fully_shard)
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from asyncrl.config.schema import LearnerConfig, LoraConfig
 from learners.attention import attn_kwargs, resolve_attn_implementation
@@ -46,12 +46,14 @@ from learners.backends.micro_steps import (
     save_hf_dir,
 )
 from asyncrl.devices import resolve_device
+from asyncrl.vlm import auto_model_class, freeze_vision, is_vlm
 from learners.liger import apply_liger, check_liger
 from learners.lr_schedule import LrSchedule
 from learners.offload import HostStateAdamW
 from learners.lora import gather_adapters, hf_model, merged_state, wrap_lora
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.step_metrics import step_metrics
+from learners.vision import check_vlm_learner
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +146,9 @@ class Fsdp2Trainer:
                  version: int = 0, dtype: torch.dtype = torch.float32,
                  reference_path: str | Path | None = None,
                  lora: LoraConfig | None = None, attn_implementation: str = "auto",
-                 temperature: float = 1.0) -> None:
+                 temperature: float = 1.0, freeze_vision: bool = True) -> None:
         self.cfg = cfg
+        self.freeze_vision = freeze_vision   # model.freeze_vision: a VLM's tower not trained
         self.lora = lora if lora is not None and lora.rank else None
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -200,9 +203,15 @@ class Fsdp2Trainer:
         """The HF model at ``path``, LoRA-wrapped when ``lora`` is given (before sharding, so
         each adapter is sharded with its layer), with its HF model ``fully_shard``-ed. The
         adapters are made on CPU from a fixed seed, identical on every rank."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attn_kwargs(self.attn))
+        model = auto_model_class(path).from_pretrained(path, dtype=dtype,
+                                                       **attn_kwargs(self.attn))
         # Eval mode = no dropout: on-policy, the importance ratio against the engine must be 1.
         model.eval()
+        if is_vlm(model):
+            check_vlm_learner(self.cfg)
+            if self.freeze_vision:   # before the optimizer is built: the tower gets no state
+                logger.info("vision tower frozen (model.freeze_vision): %d parameters",
+                            freeze_vision(model))
         if self.cfg.liger:
             apply_liger(model)
         if lora is not None:

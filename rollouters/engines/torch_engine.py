@@ -40,7 +40,7 @@ class _Batch:
     logprobs: list[torch.Tensor]
     versions: list[int]
     routing: list[torch.Tensor] = field(default_factory=list)  # per forward, when recorded
-    vision: dict[str, torch.Tensor] = field(default_factory=dict)  # the prefill's image inputs
+    vision: dict[str, Any] = field(default_factory=dict)  # the prefill's image inputs
     rope_deltas: torch.Tensor | None = None  # (B, 1) VLM: M-RoPE position - sequence index
 
 
@@ -114,7 +114,7 @@ class TorchEngine:
         rows = [p for p in prompts for _ in range(n)]
         input_ids, batch = self._left_pad(rows)
         if images is not None and any(images):
-            self._add_vision(input_ids, batch, [i for i in images for _ in range(n)])
+            self._add_vision(input_ids, batch, images, n)
         past = None
         for step in range(max_new_tokens):
             past = self._step(input_ids, batch, past, temperature, greedy)
@@ -141,20 +141,45 @@ class TorchEngine:
                        tokens=[], logprobs=[], versions=[])
         return ids, batch
 
-    def _add_vision(self, input_ids: torch.Tensor, batch: _Batch,
-                    row_images: list[list[bytes]]) -> None:
-        """The prefill's pixels and grids (each row's images, in row order) and the rows'
-        M-RoPE positions (:func:`asyncrl.vlm.rope_positions`)."""
+    def _add_vision(self, input_ids: torch.Tensor, batch: _Batch, images: list[list[bytes]],
+                    n: int) -> None:
+        """The prefill's image inputs and the rows' M-RoPE positions
+        (:func:`asyncrl.vlm.rope_positions`). A prompt's ``n`` rows are identical until they
+        sample: its images are decoded, encoded by the vision tower (:meth:`_step`) and its
+        positions computed once, not ``n`` times."""
         from asyncrl.vlm import rope_positions, vision_inputs
 
-        flat = [image for images in row_images for image in images]
-        pixel_values, grid = vision_inputs(self.image_processor, flat)
-        batch.vision = {"pixel_values": pixel_values.to(self.device),
-                        "image_grid_thw": grid.to(self.device)}
-        with self._lock:
-            positions, batch.rope_deltas = rope_positions(self.model, input_ids,
-                                                          batch.attention_mask, grid)
-        batch.vision["position_ids"] = positions
+        pixels, grids, counts = [], [], []
+        for prompt_images in images:
+            if prompt_images:
+                pixel_values, grid = vision_inputs(self.image_processor, prompt_images)
+                pixels.append(pixel_values)
+                grids.append(grid)
+                counts.append(len(prompt_images))
+        grid = torch.cat(grids)   # each prompt's images once
+        batch.vision = {"pixel_values": torch.cat(pixels).to(self.device),
+                        "image_grid_thw": grid.to(self.device),
+                        "images_per_prompt": torch.tensor(counts), "rows_per_prompt": n}
+        positions, deltas = rope_positions(self.model, input_ids[::n], batch.attention_mask[::n],
+                                           grid)
+        batch.rope_deltas = deltas.repeat_interleave(n, 0)
+        batch.vision["position_ids"] = positions.repeat_interleave(n, 1)
+
+    def _encoded_images(self, vision: dict) -> dict:
+        """The prefill's image features: each prompt's images through the vision tower once,
+        given to each of its rows (``mm_encoder_outputs``). Under the lock: the weights of the
+        features and of the prefill are one version."""
+        from asyncrl.vlm import vl_model
+
+        features = vl_model(self.model).get_image_features(
+            vision["pixel_values"], vision["image_grid_thw"], return_dict=True)
+        per_image = list(features.pooler_output)
+        rows, start = [], 0
+        for count in vision["images_per_prompt"].tolist():
+            rows += per_image[start:start + count] * vision["rows_per_prompt"]
+            start += count
+        features.pooler_output = tuple(rows)
+        return {"mm_encoder_outputs": {"image": features}}
 
     def _positions(self, batch: _Batch, prefill: bool) -> torch.Tensor:
         """Position ids of the next forward's inputs: 3-D (M-RoPE) for a VLM's batch."""
@@ -174,9 +199,10 @@ class TorchEngine:
             ones = torch.ones_like(batch.attention_mask[:, :1])
             batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=-1)
             batch.next_position = batch.next_position + 1
-        vision = batch.vision if past is None else {}
         with (self._lock, torch.inference_mode(),
               maybe_record(self._routing, batch.routing, input_ids.shape)):
+            vision = self._encoded_images(batch.vision) if past is None and batch.vision \
+                else {}
             out = self.model(input_ids=input_ids, attention_mask=batch.attention_mask,
                              position_ids=positions, past_key_values=past, use_cache=True,
                              logits_to_keep=1, **vision)

@@ -257,7 +257,8 @@ def row_problem(row: Any, data: DataConfig | None,
         except (IndexError, ValueError, TypeError, AttributeError) as exc:
             return f"data.prompt_template = {data.prompt_template!r} cannot format it: {exc}"
     for key, field in (("data.answer_field", layout.answer_field),
-                       ("data.id_field", layout.id_field)):
+                       ("data.id_field", layout.id_field),
+                       ("data.image_field", data.image_field)):
         if field and not field_value(row, field)[0]:
             return f"no field {field!r} (named by {key}; the row has {_fields(row)})"
     return None
@@ -280,12 +281,39 @@ def row_to_sample(row: dict[str, Any], index: int, cfg: DataConfig,
         raise ConfigError(f"data.path: row {index + 1}: {problem}")
     sample_id = str(field_value(row, layout.id_field)[1]) if layout.id_field else str(index)
     answer = field_value(row, layout.answer_field)[1] if layout.answer_field else None
+    images = row_images(row, cfg.image_field, index) if cfg.image_field else ()
     if layout.verl:
         messages = [{"role": m["role"], "content": m["content"]} for m in row[VERL_PROMPT]]
         return Sample(sample_id=sample_id, prompt="\n".join(m["content"] for m in messages),
-                      answer=answer, fields=row, messages=messages)
+                      answer=answer, fields=row, messages=messages, images=images)
     return Sample(sample_id=sample_id, prompt=cfg.prompt_template.format(**row),
-                  answer=answer, fields=row)
+                  answer=answer, fields=row, images=images)
+
+
+def row_images(row: dict[str, Any], field: str, index: int) -> tuple[bytes, ...]:
+    """The encoded images ``data.image_field`` names in ``row``: file paths, bytes, or verl's
+    ``{"bytes": ..., "path": ...}`` objects, one or a list of them."""
+    found, value = field_value(row, field)
+    if not found or value is None:
+        raise ConfigError(f"data.path: row {index + 1}: no field {field!r} (named by "
+                          f"data.image_field; the row has {_fields(row)})")
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return tuple(_image_bytes(v, field, index) for v in values)
+
+
+def _image_bytes(value: Any, field: str, index: int) -> bytes:
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_bytes()
+        raise ConfigError(f"data.path: row {index + 1}: image {value!r} of data.image_field "
+                          f"= {field!r} is no file")
+    raise ConfigError(f"data.path: row {index + 1}: data.image_field = {field!r} holds "
+                      f"{type(value).__name__}, not image paths, bytes or {{bytes, path}}")
 
 
 class DatasetSource:

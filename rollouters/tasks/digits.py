@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.schema import TaskConfig
+from asyncrl.config.schema import TaskConfig, TinyModelConfig
 from asyncrl.models import BOS_ID, DIGIT_OFFSET, EOS_ID, SEP_ID
 
 HOLDOUT_MODULUS = 8
@@ -31,11 +31,13 @@ _TRANSFORMS: dict[str, Callable[[str], str]] = {
 
 @dataclass(frozen=True)
 class Prompt:
-    """One task instance: what the policy sees (``tokens``) and what it should write."""
+    """One task instance: what the policy sees (``tokens``, and ``images``: encoded PNGs, for
+    a vision-language model) and what it should write."""
 
     prompt_id: str
     tokens: list[int]
     target: list[int]
+    images: tuple[bytes, ...] = ()
 
 
 class Task(Protocol):
@@ -98,19 +100,11 @@ class DigitTask:
         alone, "the digits, then anything but EOS" scores (L)/(L+1) for every sample once the
         digits are learnt; the group's advantages are then all zero and the policy never finds
         EOS (the quickstart plateaued at 0.8 that way in about one run in seven)."""
-        target = prompt.target
-        tokens = list(completion_tokens)
-        if EOS_ID in tokens:
-            tokens = tokens[:tokens.index(EOS_ID) + 1]
-        hits = sum(1 for got, want in zip(tokens, target) if got == want)
-        return hits / max(len(target), len(tokens))
+        return positions_matched(prompt.target, completion_tokens)
 
     def exact(self, prompt: Prompt, completion_tokens: Sequence[int]) -> bool:
         """The completion up to and including its first EOS equals the target."""
-        tokens = list(completion_tokens)
-        if EOS_ID in tokens:
-            tokens = tokens[:tokens.index(EOS_ID) + 1]
-        return tokens == prompt.target
+        return exact_match(prompt.target, completion_tokens)
 
     def _enumerate(self) -> tuple[list[str], list[str]]:
         everything = (f"{i:0{self.length}d}" for i in range(10 ** self.length))
@@ -145,6 +139,28 @@ class DigitTask:
         return list(chosen)
 
 
-def make_task(cfg: TaskConfig, seed: int) -> DigitTask:
-    """The task a config names; ``seed`` fixes which held-out prompts form the eval set."""
+def _until_eos(tokens: Sequence[int]) -> list[int]:
+    tokens = list(tokens)
+    return tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+def positions_matched(target: Sequence[int], completion_tokens: Sequence[int]) -> float:
+    """:meth:`DigitTask.reward`: positions right over the longer of target and completion."""
+    tokens = _until_eos(completion_tokens)
+    hits = sum(1 for got, want in zip(tokens, target) if got == want)
+    return hits / max(len(target), len(tokens))
+
+
+def exact_match(target: Sequence[int], completion_tokens: Sequence[int]) -> bool:
+    """The completion up to and including its first EOS equals ``target``."""
+    return _until_eos(completion_tokens) == list(target)
+
+
+def make_task(cfg: TaskConfig, seed: int, tiny: TinyModelConfig | None = None) -> Task:
+    """The task a config names; ``seed`` fixes which held-out prompts form the eval set.
+    ``tiny``: the tiny model's config, whose token ids the visual ``colour`` task uses."""
+    if cfg.name == "colour":
+        from rollouters.tasks.colours import make_colour_task
+
+        return make_colour_task(cfg, tiny or TinyModelConfig(), seed)
     return DigitTask(cfg.name, cfg.length, cfg.eval_size, seed)

@@ -19,3 +19,5 @@ class Sample:
     answer: Any = None
     fields: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
+    images: tuple[bytes, ...] = ()
+    """The prompt's images, encoded (PNG or JPEG bytes): ``data.image_field``."""

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.moe_routing import ROUTING, merge_routing, pad_routing
 from asyncrl.wire.group import TrajectoryGroup
+from asyncrl.wire.images import image_extras
 from rollouters.engines.base import Completion
 from rollouters.tasks.sample import Sample
 
@@ -32,10 +33,11 @@ class EpisodeEngine(Protocol):
     def version(self) -> int:
         """Policy version of the weights the engine holds now."""
 
-    async def generate(self, tokens: list[int], max_new_tokens: int | None = None
-                       ) -> Completion:
+    async def generate(self, tokens: list[int], max_new_tokens: int | None = None,
+                       images: list[bytes] | None = None) -> Completion:
         """One sampled continuation of ``tokens`` (token ids in and out, with behaviour
-        logprobs and the version of every generated token)."""
+        logprobs and the version of every generated token); ``images``: the prompt's, encoded,
+        its ids already expanded (:mod:`asyncrl.vlm`)."""
 
 
 class Workflow(Protocol):
@@ -65,6 +67,7 @@ class Trajectory:
     finish_reason: str = "stop"
     metadata: dict[str, Any] = field(default_factory=dict)
     routing: Any = None  # the experts of a prefix of the tokens (asyncrl.moe_routing), or None
+    images: tuple[bytes, ...] = ()  # the prompt's images (encoded): the group carries them
 
     def add_context(self, tokens: Sequence[int]) -> None:
         """Prompt, environment or tool tokens: in the sequence, not trained on."""
@@ -114,9 +117,11 @@ def group_from_trajectories(group_id: str, prompt_id: str, trajectories: list[Tr
         "step_rewards": [[s.reward for s in t.steps] for t in trajectories],
         "outcome_rewards": [t.reward for t in trajectories],
     }
-    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id=prompt_id, run_id=run_id,
-                                        samples=[t.as_sample() for t in trajectories],
-                                        metadata=metadata)
+    group = TrajectoryGroup.from_samples(group_id=group_id, prompt_id=prompt_id, run_id=run_id,
+                                         samples=[t.as_sample() for t in trajectories],
+                                         metadata=metadata)
+    group.extras.update(image_extras(trajectories[0].images))  # one prompt: once a group
+    return group
 
 
 async def maybe_await(value: Any) -> Any:

@@ -19,6 +19,7 @@ class _Request:
     tokens: list[int]
     max_new_tokens: int
     future: asyncio.Future
+    images: list[bytes]
 
 
 class BatchingEngine:
@@ -36,11 +37,11 @@ class BatchingEngine:
     def version(self) -> int:
         return self.engine.version
 
-    async def generate(self, tokens: list[int], max_new_tokens: int | None = None
-                       ) -> Completion:
+    async def generate(self, tokens: list[int], max_new_tokens: int | None = None,
+                       images: list[bytes] | None = None) -> Completion:
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Request(list(tokens), max_new_tokens or self.max_new_tokens,
-                                      future))
+                                      future, list(images or ())))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._drain())
         return await future
@@ -57,10 +58,12 @@ class BatchingEngine:
 
     async def _generate(self, limit: int, requests: list[_Request]) -> None:
         self.calls += 1
+        images = [r.images for r in requests]   # only to engines asked with images
+        extra = {"images": images} if any(images) else {}
         try:
             outputs = await asyncio.to_thread(
                 self.engine.generate, [r.tokens for r in requests], 1, self.temperature,
-                limit, self.greedy)
+                limit, self.greedy, **extra)
         except Exception as exc:  # every waiting episode sees the engine's failure
             for r in requests:
                 if not r.future.done():

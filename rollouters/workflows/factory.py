@@ -100,9 +100,14 @@ def make_workflow(cfg: Config, tokenizer: Any, seed: int) -> Workflow:
         from rollouters.rewards import make_reward
         from rollouters.workflows.single_turn import SingleTurnWorkflow
 
+        images = None
+        if cfg.data.image_field:   # a VLM's processor, saved beside the tokenizer
+            from asyncrl.vlm import PromptImages
+
+            images = PromptImages.of(getattr(tokenizer, "name_or_path", ""))
         return SingleTurnWorkflow(tokenizer, make_reward(cfg.reward),
                                   chat() if wf.chat_template else None,
-                                  wf.system_prompt, cfg.data.max_prompt_tokens)
+                                  wf.system_prompt, cfg.data.max_prompt_tokens, images)
     raise ValueError(f"workflow.type {wf.type!r} has no episode workflow (digits use "
                      "rollouters.workflows.single_turn.generate_groups)")
 

@@ -52,10 +52,11 @@ class _StalenessGuard:
                 not is_fresh(self.engine.version, self.oldest, self.max_staleness):
             raise StaleEpisode(f"oldest token v{self.oldest}, engine v{self.engine.version}")
 
-    async def generate(self, tokens: list[int], max_new_tokens: int | None = None
-                       ) -> Completion:
+    async def generate(self, tokens: list[int], max_new_tokens: int | None = None,
+                       images: list[bytes] | None = None) -> Completion:
         self.check()
-        completion = await self.engine.generate(tokens, max_new_tokens)
+        completion = await (self.engine.generate(tokens, max_new_tokens, images=images)
+                            if images else self.engine.generate(tokens, max_new_tokens))
         if completion.versions:
             low = min(completion.versions)
             self.oldest = low if self.oldest < 0 else min(self.oldest, low)

@@ -11,10 +11,13 @@ the buffer whether the torch engine or vLLM produced the samples.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from asyncrl.moe_routing import ROUTING
+from asyncrl.vlm import IMAGE_MARK, PromptImages
 from asyncrl.wire.group import TrajectoryGroup
+from asyncrl.wire.images import image_extras
 from rollouters.engines.base import Completion, Engine
 from rollouters.rewards.base import RewardScorer
 from rollouters.tasks.digits import Prompt, Task
@@ -29,14 +32,17 @@ def generate_groups(engine: Engine, task: Task, prompts: list[Prompt], group_siz
     """``group_size`` scored samples for each prompt, as one :class:`TrajectoryGroup` each."""
     if not prompts:
         return []
+    images = [list(p.images) for p in prompts]
     completions = engine.generate([p.tokens for p in prompts], n=group_size,
-                                  temperature=temperature, max_new_tokens=max_new_tokens)
-    return [
-        TrajectoryGroup.from_samples(
+                                  temperature=temperature, max_new_tokens=max_new_tokens,
+                                  **({"images": images} if any(images) else {}))
+    groups = []
+    for prompt, group in zip(prompts, completions):
+        groups.append(TrajectoryGroup.from_samples(
             group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id, run_id=run_id,
-            samples=[_sample(task, prompt, c) for c in group])
-        for prompt, group in zip(prompts, completions)
-    ]
+            samples=[_sample(task, prompt, c) for c in group]))
+        groups[-1].extras.update(image_extras(prompt.images))  # once a group: one prompt
+    return groups
 
 
 def _sample(task: Task, prompt: Prompt, completion: Completion) -> dict[str, Any]:
@@ -59,18 +65,27 @@ class SingleTurnWorkflow:
     """Prompt → one response → reward. ``chat=None`` encodes the prompt text as is."""
 
     def __init__(self, tokenizer: Any, reward: RewardScorer, chat: ChatFormat | None,
-                 system_prompt: str = "", max_prompt_tokens: int | None = None) -> None:
+                 system_prompt: str = "", max_prompt_tokens: int | None = None,
+                 images: PromptImages | None = None) -> None:
         self.tokenizer, self.reward, self.chat = tokenizer, reward, chat
         self.system_prompt = system_prompt
         self.max_prompt_tokens = max_prompt_tokens
+        self.images = images   # a vision-language model's (data.image_field)
 
     def prompt_tokens(self, sample: Sample) -> list[int]:
         """The prompt's ids: chat messages (verl's layout) through the chat template, with
         ``workflow.system_prompt`` first unless they bring their own system message; a text
         prompt as a user message, or as it is with ``workflow.chat_template = false``. A
-        prompt the tokenizer cannot encode is refused naming the sample (its row)."""
+        prompt the tokenizer cannot encode is refused naming the sample (its row). Images
+        (``data.image_field``) go where the text marks them, expanded as the model's processor
+        expands them (:class:`asyncrl.vlm.PromptImages`)."""
         try:
-            return self._prompt_tokens(sample)
+            if not sample.images:
+                return self._prompt_tokens(sample)
+            if self.images is None:
+                raise ValueError("data.image_field gave it images, and the model is not a "
+                                 "vision-language model")
+            return self.images.expand(self._prompt_tokens(self._marked(sample)), sample.images)
         except ValueError as exc:
             if str(exc).startswith("sample "):
                 raise
@@ -93,14 +108,28 @@ class SingleTurnWorkflow:
             else []
         return self.chat.prompt_tokens([*messages, {"role": "user", "content": sample.prompt}])
 
+    def _marked(self, sample: Sample) -> Sample:
+        """``sample`` with image placeholders where its text marks the images (else before
+        the text of its first user message)."""
+        count = len(sample.images)
+        if sample.messages is None:
+            return replace(sample, prompt=self.images.mark(sample.prompt, count))
+        marked = any(IMAGE_MARK in m["content"] for m in sample.messages)
+        first = next(i for i, m in enumerate(sample.messages) if m["role"] == "user")
+        return replace(sample, messages=[
+            {**m, "content": self.images.mark(m["content"], count, not marked and i == first)}
+            for i, m in enumerate(sample.messages)])
+
     async def run_episode(self, engine: EpisodeEngine, sample: Sample) -> Trajectory | None:
-        trajectory = Trajectory(metadata={"sample_id": sample.sample_id})
+        trajectory = Trajectory(metadata={"sample_id": sample.sample_id},
+                                images=sample.images)
         prompt = self.prompt_tokens(sample)
         if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
             raise PromptTooLong(f"sample {sample.sample_id}: {len(prompt)} prompt tokens > "
                                 f"data.max_prompt_tokens = {self.max_prompt_tokens}")
         trajectory.add_context(prompt)
-        completion = await engine.generate(trajectory.tokens)
+        completion = await (engine.generate(trajectory.tokens, images=list(sample.images))
+                            if sample.images else engine.generate(trajectory.tokens))
         trajectory.add_turn(completion)
         text = self.tokenizer.decode(completion.tokens, skip_special_tokens=True)
         trajectory.reward = await self.reward.score(text, sample)

@@ -10,7 +10,7 @@ import torch
 
 from asyncrl.wire import TrajectoryGroup
 from learners.balance import _WIRE, partition_by_tokens, split_batch
-from learners.batching import TrainBatch, collate
+from learners.batching import ROW_FIELDS, TrainBatch, collate
 from learners.packing import micro_batches, pack, plan_micro_batches, token_logprobs
 
 torch.set_num_threads(1)
@@ -80,8 +80,9 @@ def test_split_keeps_whole_batch_group_tokens() -> None:
 
 def test_wire_table_names_every_field() -> None:
     """Every field but ``routing``, which the scatter lays out last, and only when the batch
-    carries it (``learners.balance._layout``)."""
-    assert set(_WIRE) | {"routing"} == {f.name for f in fields(TrainBatch)}
+    carries it (``learners.balance._layout``), and a VLM's pixels and grids, laid out only
+    when a share has images."""
+    assert set(_WIRE) | {"routing", *ROW_FIELDS} == {f.name for f in fields(TrainBatch)}
 
 
 # --- plan_micro_batches ---------------------------------------------------------------------------

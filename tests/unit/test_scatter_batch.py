@@ -17,7 +17,8 @@ from tests.unit.test_zmq_buffer import make_group
 pytestmark = pytest.mark.timeout(120)
 
 
-def _check_share(rank: int, world: int, port: int, groups: int, routed: bool) -> None:
+def _check_share(rank: int, world: int, port: int, groups: int, routed: bool,
+                 images: bool = False) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
     try:
@@ -26,6 +27,11 @@ def _check_share(rank: int, world: int, port: int, groups: int, routed: bool) ->
         if routed:  # learner.routing_replay: [B, T, layers, top_k] travels too
             routing = torch.arange(batch.input_ids.numel() * 6, dtype=torch.int16) % 7
             batch = replace(batch, routing=routing.reshape(*batch.input_ids.shape, 3, 2))
+        if images:  # a VLM's rows: [B, patches, dim] pixels and [B, images, 3] grids
+            rows = batch.num_samples
+            pixels = torch.arange(rows * 8 * 5, dtype=torch.float32) / 7   # same on every rank
+            batch = replace(batch, pixel_values=pixels.reshape(rows, 8, 5),
+                            image_grid_thw=torch.arange(rows * 2 * 3).reshape(rows, 2, 3) % 4)
         want = split_batch(batch, world)[rank]  # a pad row where a rank has no sample
         # the batch itself, then packed beforehand (as the learner's prefetch thread does)
         for outgoing in (batch, pack_shares(batch, world)):
@@ -46,11 +52,13 @@ def _check_share(rank: int, world: int, port: int, groups: int, routed: bool) ->
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("groups, routed", [(5, False), (1, False), (5, True)])
-def test_each_rank_receives_its_share_field_for_field(groups: int, routed: bool) -> None:
+@pytest.mark.parametrize("groups, routed, images", [(5, False, False), (1, False, False),
+                                                    (5, True, True)])
+def test_each_rank_receives_its_share_field_for_field(groups: int, routed: bool,
+                                                      images: bool) -> None:
     """1 group = 2 samples for 3 ranks: one pad share. ``routed``: with routing replay's
-    ``routing`` field."""
-    mp.spawn(_check_share, args=(3, free_port(), groups, routed), nprocs=3)
+    ``routing`` field; ``images``: with a VLM's pixels and grids (``learners.vision``)."""
+    mp.spawn(_check_share, args=(3, free_port(), groups, routed, images), nprocs=3)
 
 
 class _Prefetched:

@@ -149,3 +149,50 @@ def test_the_torch_engine_generates_from_images_and_its_logprobs_are_the_models(
             np.testing.assert_allclose(completion.logprobs, want, atol=1e-4)
     with pytest.raises(ValueError, match="1 image lists for 2 prompts"):
         engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=2, images=images[:1])
+
+
+def test_a_prompt_of_two_images_of_several_tokens_generates_as_the_model_reads_it(
+        tmp_path: Path) -> None:
+    """56² images (4 tokens, 16 patches each), two in one prompt, n = 2 rows a prompt: the
+    rows' pixels and positions, computed once a prompt, are each row's own."""
+    from asyncrl.models import load_causal_lm, load_tokenizer, prepare_model_dir
+    from rollouters.engines.torch_engine import TorchEngine
+
+    tiny = {**TINY_VLM, "vision": {**TINY_VLM["vision"], "image_size": 56}}
+    model_dir = prepare_model_dir(ModelConfig.model_validate({"tiny": tiny}), tmp_path, seed=1)
+    model, processor = load_causal_lm(model_dir), vlm.load_image_processor(model_dir)
+    spec, tokenizer = vlm.vision_spec(model_dir), load_tokenizer(model_dir)
+    text = "<bos>" + vlm.IMAGE_PLACEHOLDER + "1" + vlm.IMAGE_PLACEHOLDER + "<sep>"
+    prompts = [vlm.expand_image_tokens(tokenizer.encode(text), [4, 4], spec.image_token_id),
+               tokenizer.encode("<bos>12<sep>")]
+    rng = np.random.default_rng(0)
+    images = [[vlm.encode_png(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8))
+               for _ in range(2)], []]
+    engine = TorchEngine(model, eos_ids=[3], pad_id=0, seed=0, image_processor=processor)
+    out = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=3, images=images)
+    pixels, grid = vlm.vision_inputs(processor, images[0])
+    for completion in out[0]:
+        ids = torch.tensor([prompts[0] + completion.tokens])
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, pixel_values=pixels,
+                           image_grid_thw=grid,
+                           position_ids=vlm.rope_positions(model, ids, mask, grid)[0]).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        want = [float(logp[len(prompts[0]) - 1 + i, t]) for i, t in enumerate(completion.tokens)]
+        np.testing.assert_allclose(completion.logprobs, want, atol=1e-4)
+
+
+def test_what_the_vlm_path_does_not_do_is_refused_naming_the_keys() -> None:
+    from asyncrl.config.errors import ConfigError
+    from asyncrl.config.load import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "vlm_quickstart.toml"
+    assert load_config(config).task.name == "colour"
+    for overrides, message in (
+            (["model.tiny.vision.depth=0"], 'task.name = "colour" needs the tiny vision-'),
+            (["learner.backend=deepspeed"], 'needs learner.backend = "fsdp2", not "deepspeed"'),
+            (["learner.loss.advantage=gae"], 'learner.loss.advantage = "gae" is not supported'),
+            (["rollout.engine=vllm"], 'rollout.engine = "vllm" does not take images yet')):
+        with pytest.raises(ConfigError, match=message):
+            load_config(config, overrides)
