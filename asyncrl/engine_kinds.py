@@ -63,7 +63,7 @@ class EngineKind:
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True,
                takes_images=True),
-    EngineKind("vllm", table="vllm", sleeps=True, routing_note=(
+    EngineKind("vllm", table="vllm", sleeps=True, takes_images=True, routing_note=(
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
         "refused on the CPU install; not wired up for GPUs)")),

@@ -74,7 +74,8 @@ def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...])
         data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
         stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
         weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport],
-        sleep_mode=cfg.launcher.colocate, extra=dict(v.engine_args))
+        sleep_mode=cfg.launcher.colocate, freeze_vision=cfg.model.freeze_vision,
+        extra=dict(v.engine_args))
 
 
 def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,

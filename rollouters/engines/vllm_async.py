@@ -38,8 +38,12 @@ from rollouters.engines.vllm_options import (
     completion,
     configure_process_env,
     engine_args,
+    moves_vision,
+    prepare_vlm,
     sampling_params,
+    sent_weights,
     sleep_frees_memory,
+    vllm_prompts,
 )
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
@@ -63,6 +67,7 @@ class AsyncVLLMEngine:
                              f"not {opts.weight_backend!r} (weights.transport)")
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=False)
+        self._vision = prepare_vlm(model_dir)
         self.opts = opts
         self.update_timeout_s = update_timeout_s
         self._version = version
@@ -117,15 +122,19 @@ class AsyncVLLMEngine:
     # --- generation ------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """As :meth:`VLLMEngine.generate <rollouters.engines.vllm_engine.VLLMEngine.generate>`,
+        one request per prompt with vLLM's ``n``."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        inputs = vllm_prompts(prompts, images, self._vision)
         params = sampling_params(self.opts, n, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=False)
+        call = next(self._ids)
         with self._sleep.gate.call():  # asleep: waits for the wake
-            return self._run(self._generate_all(prompts, params, next(self._ids)))
+            return self._run(self._generate_all(inputs, params, call))
 
-    async def _generate_all(self, prompts: list[list[int]], params: Any,
+    async def _generate_all(self, prompts: list[dict[str, Any]], params: Any,
                             call: int) -> list[list[Completion]]:
         ids = [f"asyncrl-{call}-{i}" for i in range(len(prompts))]
         tasks = [asyncio.ensure_future(self._generate_one(p, params, rid))
@@ -138,11 +147,10 @@ class AsyncVLLMEngine:
             await self._llm.abort(ids)
             raise
 
-    async def _generate_one(self, prompt: list[int], params: Any,
+    async def _generate_one(self, prompt: dict[str, Any], params: Any,
                             request_id: str) -> list[Completion]:
         final = None
-        async for output in self._llm.generate({"prompt_token_ids": list(prompt)}, params,
-                                               request_id=request_id):
+        async for output in self._llm.generate(dict(prompt), params, request_id=request_id):
             final = output
         assert final is not None and final.finished, request_id
         self.cached_prompt_tokens += final.num_cached_tokens or 0
@@ -155,7 +163,8 @@ class AsyncVLLMEngine:
         """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
         resume. Tokens sampled before the pause keep their label, those after carry
         ``version``. Asleep, the update is held (copied) and applied at the wake."""
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
+                                for name, t in weights], self.opts)
         timeout = self.update_timeout_s
         with self._update_lock:
             if self._sleep.in_server:
@@ -178,6 +187,8 @@ class AsyncVLLMEngine:
         self._sender.send(tensors, lambda info: self._run(self._update(info)))
         self._run(self._llm.finish_weight_update(str(version)), timeout)
         self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
+        if moves_vision(tensors):  # images' embeddings from the old tower
+            self._run(self._llm.reset_encoder_cache(), timeout)
         self._version = version
 
     async def _update(self, info: dict) -> None:

@@ -38,9 +38,13 @@ from rollouters.engines.vllm_options import (
     check_head_dim,
     configure_process_env,
     engine_args,
+    moves_vision,
+    prepare_vlm,
     sampling_params,
+    sent_weights,
     sleep_frees_memory,
     span_versions,
+    vllm_prompts,
 )
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
@@ -79,6 +83,7 @@ class VLLMEngine:
                              f"not {opts.weight_backend!r} (weights.transport)")
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=True)
+        self._vision = prepare_vlm(model_dir)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.opts = opts
@@ -107,13 +112,17 @@ class VLLMEngine:
         return self._version
 
     def generate(self, prompts: list[list[int]], n: int, temperature: float,
-                 max_new_tokens: int, greedy: bool = False) -> list[list[Completion]]:
-        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1."""
-        check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
+                 max_new_tokens: int, greedy: bool = False,
+                 images: list[list[bytes]] | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt; greedy takes the argmax and records logprobs at T=1.
+        ``images``: each prompt's encoded images, its ids already expanded (:func:`vllm_prompt`
+        says how vLLM gets them)."""
+        check_generate_args(prompts, n, temperature, max_new_tokens, greedy, images)
+        inputs = vllm_prompts(prompts, images, self._vision)
         params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=True)
         with self._sleep.gate.call(), self._generate_lock:  # asleep: waits for the wake
-            rows = self._submit(prompts, n, params)
+            rows = self._submit(inputs, n, params)
             try:
                 self._run(rows)
             finally:
@@ -122,7 +131,7 @@ class VLLMEngine:
         completions = [self._completion(row) for row in ordered]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _submit(self, prompts: list[list[int]], n: int, params: Any) -> dict[str, _Row]:
+    def _submit(self, prompts: list[dict[str, Any]], n: int, params: Any) -> dict[str, _Row]:
         """One request per sample (not vLLM's ``n``): each row is tracked by its own id."""
         call = next(self._ids)
         rows: dict[str, _Row] = {}
@@ -130,8 +139,7 @@ class VLLMEngine:
             for i, prompt in enumerate(prompts):
                 for j in range(n):
                     request_id = f"asyncrl-{call}-{i}-{j}"
-                    self._engine.add_request(request_id, {"prompt_token_ids": list(prompt)},
-                                             params)
+                    self._engine.add_request(request_id, dict(prompt), params)
                     rows[request_id] = _Row()
         return rows
 
@@ -177,8 +185,10 @@ class VLLMEngine:
         """vLLM's start → update → finish(version) → prefix-cache reset, between two steps.
 
         Copies to CPU happen outside the lock, so generation only stops for the update. The
-        reset preempts running rows: their KV cache is recomputed under the new weights."""
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
+        reset preempts running rows: their KV cache is recomputed under the new weights. An
+        update of a VLM's vision tower resets the encoder cache too (:func:`moves_vision`)."""
+        tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
+                                for name, t in weights], self.opts)
         with self._lock:
             if self._sleep.in_server:  # held (copied) for the wake
                 self._held.hold(tensors, version)
@@ -198,6 +208,8 @@ class VLLMEngine:
         rpc("finish_weight_update")
         self._engine.set_weight_version(str(version))
         self._engine.reset_prefix_cache(reset_running_requests=True)
+        if moves_vision(tensors):  # images' embeddings from the old tower
+            self._engine.reset_encoder_cache()
         self._version = version
 
     # --- sleep and wake (launcher.colocate) ------------------------------------------------

@@ -12,6 +12,8 @@ longer works; the worker's ``reload_weights`` (layer-wise reload, re-packs) does
 Importing this module also registers the ``asyncrl_gloo`` weight-transfer backend
 (:mod:`rollouters.engines.vllm_gloo`): vLLM imports the extension in every worker before it
 builds the worker's transfer engine, so a server started with this extension can use it.
+For the same reason it sets up vLLM's Qwen2-VL without torchvision (:mod:`vllm_qwen2_vl`),
+where that is missing, before the worker loads the model.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rollouters.engines.vllm_gloo import register as register_gloo_backend
+from rollouters.engines.vllm_qwen2_vl import install as install_qwen2_vl
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_CLS = f"{__name__}.AsyncRLWorkerExtension"
 
 register_gloo_backend()
+install_qwen2_vl()  # the engine core's process imports vLLM's Qwen2-VL after this, if served
 
 
 def pack_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> bytes:

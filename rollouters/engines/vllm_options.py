@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.vlm import VisionSpec, is_vision_name, vision_spec
 from rollouters.engines.base import Completion
 from rollouters.engines.vllm_sleep import releases_memory
 
-# Smallest attention head size vLLM's CPU attention kernels support.
+# Smallest attention head size vLLM's CPU attention kernels support (the text model's; the
+# vision tower runs torch SDPA, any head size).
 CPU_MIN_HEAD_DIM = 32
+MAX_IMAGES_PER_PROMPT = 8  # vLLM sizes its encoder budget by it; rollout.vllm.engine_args
+# (limit_mm_per_prompt) overrides it
 DEFAULT_MAX_NUM_SEQS = 256
 CPU_KV_CACHE_MB = 64  # a KV cache in bytes on CPU: a GPU fraction means nothing on a shared host
 
@@ -52,6 +56,9 @@ class VLLMOptions:
     stop_token_ids: tuple[int, ...] = ()
     weight_backend: str = "asyncrl_gloo"
     sleep_mode: bool = False
+    freeze_vision: bool = True
+    """A VLM's vision tower is frozen (``model.freeze_vision``): updates leave its weights
+    out, whatever the sender sends (:func:`sent_weights`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,6 +111,15 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         kwargs["enable_sleep_mode"] = True
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
+    if vision_spec(model_dir) is not None:
+        # vLLM's multimodal processor needs the tokenizer (it refuses skip_tokenizer_init);
+        # images only (videos would need torchvision on CPU: vllm_qwen2_vl).
+        kwargs["skip_tokenizer_init"] = False
+        kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
+        from rollouters.engines import vllm_qwen2_vl
+
+        if vllm_qwen2_vl.needed():  # its stand-ins reach every vLLM process with the config
+            kwargs["hf_overrides"] = vllm_qwen2_vl.keep_config
     kv_mb = kv_cache_mb(opts)
     if kv_mb:
         kwargs["kv_cache_memory_bytes"] = kv_mb << 20
@@ -155,7 +171,7 @@ def check_head_dim(model_dir: str | Path, device: str) -> None:
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()  # a VLM's text model
     head_dim = getattr(config, "head_dim", None) or \
         config.hidden_size // config.num_attention_heads
     if head_dim < CPU_MIN_HEAD_DIM:
@@ -196,3 +212,67 @@ def completion(sample: Any, default_version: int) -> Completion:
                       versions=span_versions(sample.weight_versions, len(tokens),
                                              default_version),
                       finish_reason="stop" if sample.finish_reason == "stop" else "length")
+
+
+def prepare_vlm(model_dir: str | Path) -> VisionSpec | None:
+    """The model's :class:`VisionSpec` (None: text-only); for a VLM, vLLM's Qwen2-VL is made
+    to work without torchvision first, where that is missing (:mod:`vllm_qwen2_vl`)."""
+    spec = vision_spec(model_dir)
+    if spec is not None:
+        from rollouters.engines.vllm_qwen2_vl import register
+
+        register()
+    return spec
+
+
+def vllm_prompts(prompts: list[list[int]], images: list[list[bytes]] | None,
+                 spec: VisionSpec | None) -> list[dict[str, Any]]:
+    """Each prompt as vLLM takes it, with its images (:func:`vllm_prompt`)."""
+    return [vllm_prompt(p, images[i] if images else None, spec) for i, p in enumerate(prompts)]
+
+
+def vllm_prompt(prompt: list[int], images: list[bytes] | None, spec: VisionSpec | None
+                ) -> dict[str, Any]:
+    """One prompt as vLLM takes it. With images: their PIL images as ``multi_modal_data`` and
+    the ids with each image's pads collapsed to one, because vLLM's multimodal processor
+    always expands each image's first pad to ``grid_t·grid_h·grid_w / merge_size²`` pads
+    itself (``PromptReplacement`` in vLLM's ``qwen2_vl.py``): from our already expanded ids
+    it would add pads. The ids vLLM runs are then ours again, which tests check."""
+    if not images:
+        return {"prompt_token_ids": list(prompt)}
+    from asyncrl.vlm import decode_images
+
+    if spec is None:
+        raise ValueError("images were given to a vLLM engine serving a text-only model")
+    return {"prompt_token_ids": collapse_image_tokens(prompt, spec),
+            "multi_modal_data": {"image": decode_images(images)}}
+
+
+def collapse_image_tokens(ids: list[int], spec: VisionSpec) -> list[int]:
+    """``ids`` with each image's pads (the run right after a ``<|vision_start|>``) as one pad:
+    the inverse of :func:`asyncrl.vlm.expand_image_tokens`. A pad anywhere else (a policy may
+    sample one, and a later turn's prompt then holds it) stays as it is."""
+    out: list[int] = []
+    in_image = False
+    for token in ids:
+        if token == spec.image_token_id and in_image and out[-1] == token:
+            continue
+        in_image = token == spec.vision_start_id or (in_image and token == spec.image_token_id)
+        out.append(token)
+    return out
+
+
+def sent_weights(tensors: list[tuple[str, Any]], opts: VLLMOptions) -> list[tuple[str, Any]]:
+    """The tensors an update sends to vLLM: all of them, less a frozen vision tower's
+    (``model.freeze_vision``: the engine's tower never changes, so it is never sent)."""
+    if not opts.freeze_vision:
+        return tensors
+    return [(name, t) for name, t in tensors if not is_vision_name(name)]
+
+
+def moves_vision(tensors: list[tuple[str, Any]]) -> bool:
+    """Does this update change the vision tower? Then vLLM's encoder cache (each image's
+    embeddings, kept by image hash across requests) is stale and must be reset with it: a
+    prefix-cache reset leaves it, and an image seen before the update would be served the old
+    tower's embeddings (tests/engines/test_vllm_vlm.py caught exactly that)."""
+    return any(is_vision_name(name) for name, _ in tensors)

@@ -193,6 +193,7 @@ def test_what_the_vlm_path_does_not_do_is_refused_naming_the_keys() -> None:
             (["model.tiny.vision.depth=0"], 'task.name = "colour" needs the tiny vision-'),
             (["learner.backend=deepspeed"], 'needs learner.backend = "fsdp2", not "deepspeed"'),
             (["learner.loss.advantage=gae"], 'learner.loss.advantage = "gae" is not supported'),
-            (["rollout.engine=vllm"], 'rollout.engine = "vllm" does not take images yet')):
+            (["rollout.engine=sglang"], 'rollout.engine = "sglang" does not take images yet')):
         with pytest.raises(ConfigError, match=message):
             load_config(config, overrides)
+    assert load_config(config, ["rollout.engine=vllm"]).rollout.engine == "vllm"  # takes them
