@@ -1,5 +1,7 @@
-"""`asyncrl up` with ``launcher.colocate = true`` and the vLLM engine (``AsyncLLM``, the default
-mode): the learner and vLLM take turns, through real processes and a real vLLM on CPU.
+"""`asyncrl up` with ``launcher.colocate = true`` and the vLLM engine: the learner and vLLM take
+turns, through real processes and a real vLLM on CPU. The in-process mode: ``AsyncLLM``'s
+spawned engine core costs ~60 s of start on 2 cores, and its sleep sequence has its own test
+(``tests/engines/test_vllm_async.py``); the phases around the engine are the same.
 
 Synchronous (``max_staleness = 0``), so every step's batch comes from the weights the learner
 just sent, whether they reached the engine awake or were held while it slept
@@ -25,7 +27,8 @@ STEPS = 4
 
 def test_colocated_run_with_vllm_stays_on_policy(tmp_path: Path, processes: Processes,
                                                  vllm_env: dict[str, str]) -> None:
-    sets = ["launcher.colocate=true", "rollout.engine=vllm", "rollout.workers=1",
+    sets = ["launcher.colocate=true", "rollout.engine=vllm", "rollout.vllm.mode=inprocess",
+            "rollout.workers=1",
             "buffer.max_staleness=0", f"learner.total_steps={STEPS}", "eval.every_steps=0",
             "task.eval_size=8", f"run.output_dir={tmp_path}", "run.name=vllm"]
     up = processes.start("up", "up", str(QUICKSTART), *[a for s in sets for a in ("--set", s)])
