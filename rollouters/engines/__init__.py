@@ -55,9 +55,11 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int,
 
 
 VLLM_WEIGHT_BACKENDS = {"gloo": "asyncrl_gloo", "auto": "asyncrl_gloo", "sim": "asyncrl_gloo",
-                        "nccl": "nccl", "ipc": "ipc"}
-"""vLLM's weight-transfer backend for each ``weights.transport``: our registered gloo backend
-(:mod:`rollouters.engines.vllm_gloo`, CPU and GPU alike) or vLLM's own ``nccl`` and ``ipc``."""
+                        "nccl": "asyncrl_nccl", "ipc": "ipc"}
+"""vLLM's weight-transfer backend for each ``weights.transport``: our registered backend
+(:mod:`rollouters.engines.vllm_gloo`: one class, ``asyncrl_gloo`` on CPU and GPU alike,
+``asyncrl_nccl`` the same code over torch's NCCL with CUDA buckets), or vLLM's own ``ipc``,
+which the engines refuse (no sender half for it yet)."""
 
 
 def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...]) -> Any:
@@ -106,7 +108,8 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
                 "stop_token_ids": list(opts.stop_token_ids)}
     if r.url.strip():
         return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
-                                timeout_s=r.request_timeout_s, sampling=sampling)
+                                timeout_s=r.request_timeout_s, sampling=sampling,
+                                weight_backend=opts.weight_backend)
     from rollouters.engines.vllm_fleet import VLLMServer
     from rollouters.engines.vllm_options import sleep_frees_memory
 
@@ -114,7 +117,8 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
                         r.vllm.server_start_timeout_s)
     return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
                             sampling=sampling, server=server,
-                            sleep_frees=sleep_frees_memory(opts))
+                            sleep_frees=sleep_frees_memory(opts),
+                            weight_backend=opts.weight_backend)
 
 
 def _server_url(cfg: Config, index: int) -> str:

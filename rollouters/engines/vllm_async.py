@@ -10,7 +10,7 @@ synchronous :class:`~rollouters.engines.base.Engine` protocol holds:
   the ``weight_version`` the engine core held when it sampled the tokens.
 * ``load_weights``: vLLM's RL sequence only: ``pause_generation(mode="keep")`` (requests stay
   queued), ``start_weight_update``, ``update_weights`` while this process broadcasts the
-  tensors on the transfer group (:class:`~rollouters.engines.vllm_gloo.GlooSender`),
+  tensors on the transfer group (:class:`~rollouters.engines.vllm_sender.GroupSender`),
   ``finish_weight_update(version)``, ``reset_prefix_cache`` (running requests are recomputed
   under the new weights, and no prefix cached under old weights is reused), ``resume``. Every
   call is bounded by ``update_timeout_s`` (``weights.timeout_s``).
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from rollouters.engines.base import Completion, check_generate_args
-from rollouters.engines.vllm_gloo import BACKEND, GlooSender
+from rollouters.engines.vllm_gloo import TORCH_BACKENDS
 from rollouters.engines.vllm_options import (
     VLLMOptions,
     check_head_dim,
@@ -45,6 +45,7 @@ from rollouters.engines.vllm_options import (
     sleep_frees_memory,
     vllm_prompts,
 )
+from rollouters.engines.vllm_sender import GroupSender
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
     HeldUpdate,
@@ -62,9 +63,12 @@ class AsyncVLLMEngine:
 
     def __init__(self, model_dir: str | Path, opts: VLLMOptions, version: int = 0,
                  update_timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
-        if opts.weight_backend != BACKEND:
-            raise ValueError(f"the vLLM engine sends weights with {BACKEND!r} only so far, "
-                             f"not {opts.weight_backend!r} (weights.transport)")
+        if opts.weight_backend == "ipc":
+            raise ValueError("weights.transport 'ipc': vLLM's ipc backend has no sender half "
+                             "here yet")
+        if opts.weight_backend not in TORCH_BACKENDS:
+            raise ValueError(f"weights.transport: the vLLM engine sends weights with "
+                             f"{' or '.join(TORCH_BACKENDS)}, not {opts.weight_backend!r}")
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=False)
         self._vision = prepare_vlm(model_dir)
@@ -78,7 +82,8 @@ class AsyncVLLMEngine:
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sizes: dict[str, int] = {}
         workers = opts.tensor_parallel_size * opts.data_parallel_size
-        self._sender = GlooSender(host, workers, update_timeout_s)
+        self._sender = GroupSender(host, workers, update_timeout_s,
+                                   opts.weight_backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async",
                                         daemon=True)
@@ -232,6 +237,7 @@ class AsyncVLLMEngine:
     def close(self) -> None:
         """Shut the engine core down and stop the loop; idempotent. The shutdown runs on the
         loop, where vLLM's output handler task runs (cancelling it elsewhere is unsafe)."""
+        self._sender.drop()
         if self._llm is not None:
             self._run(_shutdown(self._llm))
             self._llm = None

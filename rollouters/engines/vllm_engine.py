@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from rollouters.engines.base import Completion, check_generate_args
-from rollouters.engines.vllm_gloo import BACKEND, GlooSender
+from rollouters.engines.vllm_gloo import BACKEND, NCCL_BACKEND
 from rollouters.engines.vllm_options import (
     CPU_MIN_HEAD_DIM,
     VLLMOptions,
@@ -46,6 +46,7 @@ from rollouters.engines.vllm_options import (
     span_versions,
     vllm_prompts,
 )
+from rollouters.engines.vllm_sender import GroupSender
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
     HeldUpdate,
@@ -68,6 +69,19 @@ class _Row:
     finish_reason: str | None = None
 
 
+def _refusal(backend: str) -> str:
+    """Why the in-process engine refuses ``backend``: its worker runs in this process, on this
+    process's GPU, and NCCL refuses two ranks on one device; ``ipc`` has no sender half yet."""
+    if backend == NCCL_BACKEND:
+        return ("weights.transport 'nccl': the in-process vLLM engine's worker shares this "
+                "process's GPU, and NCCL refuses two ranks on one device (use 'gloo' or "
+                "'auto', or rollout.vllm.mode = 'async' with the sender on a GPU of its own)")
+    if backend == "ipc":
+        return "weights.transport 'ipc': vLLM's ipc backend has no sender half here yet"
+    return (f"weights.transport: the in-process vLLM engine sends weights with {BACKEND!r} "
+            f"only, not {backend!r}")
+
+
 class VLLMEngine:
     """Implements :class:`~rollouters.engines.base.Engine` over an in-process vLLM.
 
@@ -79,8 +93,7 @@ class VLLMEngine:
                  on_step: Callable[[int], None] | None = None,
                  update_timeout_s: float = 60.0) -> None:
         if opts.weight_backend != BACKEND:
-            raise ValueError(f"the in-process vLLM engine sends weights with {BACKEND!r} only, "
-                             f"not {opts.weight_backend!r} (weights.transport)")
+            raise ValueError(_refusal(opts.weight_backend))
         check_head_dim(model_dir, opts.device)
         configure_process_env(opts.device, in_process=True)
         self._vision = prepare_vlm(model_dir)
@@ -103,7 +116,7 @@ class VLLMEngine:
             # assumes a process of its own); in-process, the rest of this process keeps control.
             torch.set_num_threads = set_num_threads
         self._engine.set_weight_version(str(version))  # labels are ours from the start
-        self._sender = GlooSender("127.0.0.1", 1, update_timeout_s)
+        self._sender = GroupSender("127.0.0.1", 1, update_timeout_s)
         self._sizes = self._engine.collective_rpc("asyncrl_memory")[0]
         logger.info("vLLM engine ready (%s, %s)", model_dir, opts.device)
 
@@ -252,7 +265,7 @@ class VLLMEngine:
         )
 
         with self._lock:
-            self._sender.group = None
+            self._sender.drop()
             self._engine.engine_core.shutdown()
             destroy_model_parallel()
             destroy_distributed_environment()

@@ -9,9 +9,10 @@ nested tensors into lists, so tensors travel as one safetensors blob.
 On CPU the linear weights are repacked for oneDNN after start, so ``model.load_weights`` no
 longer works; the worker's ``reload_weights`` (layer-wise reload, re-packs) does, on CPU and GPU.
 
-Importing this module also registers the ``asyncrl_gloo`` weight-transfer backend
-(:mod:`rollouters.engines.vllm_gloo`): vLLM imports the extension in every worker before it
-builds the worker's transfer engine, so a server started with this extension can use it.
+Importing this module also registers our weight-transfer backends, ``asyncrl_gloo`` and
+``asyncrl_nccl`` (:mod:`rollouters.engines.vllm_gloo`): vLLM imports the extension in every
+worker before it builds the worker's transfer engine, so a server started with this extension
+can use them.
 For the same reason it sets up vLLM's Qwen2-VL without torchvision (:mod:`vllm_qwen2_vl`),
 where that is missing, before the worker loads the model.
 """

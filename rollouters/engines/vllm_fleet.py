@@ -29,7 +29,8 @@ class VLLMServer(ManagedServer):
                  extra_flags: tuple[str, ...] = ()) -> None:
         port = free_port(host)
         argv = command(str(model_dir), host, port, opts.device,
-                       [*serving_flags(opts), *extra_flags], kv_cache_mb(opts))
+                       [*serving_flags(opts), *extra_flags], kv_cache_mb(opts),
+                       opts.weight_backend)
         if opts.stop:  # stop strings need the tokenizer to detokenize
             argv.remove("--skip-tokenizer-init")
         super().__init__("vLLM server", argv, f"http://{host}:{port}", log_path,

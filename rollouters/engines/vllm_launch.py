@@ -38,12 +38,14 @@ def device_flags(device: str, kv_cache_mb: int = CPU_KV_CACHE_MB) -> list[str]:
 
 
 def command(model_dir: str, host: str, port: int, device: str,
-            extra: Sequence[str] = (), kv_cache_mb: int = CPU_KV_CACHE_MB) -> list[str]:
+            extra: Sequence[str] = (), kv_cache_mb: int = CPU_KV_CACHE_MB,
+            weight_backend: str | None = None) -> list[str]:
     """The full ``python -m vllm.entrypoints.openai.api_server`` command line."""
     from rollouters.engines.vllm_server import server_args
 
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            *server_args(model_dir, host, port), *device_flags(device, kv_cache_mb), *extra]
+            *server_args(model_dir, host, port, weight_backend),
+            *device_flags(device, kv_cache_mb), *extra]
 
 
 def serving_flags(opts: VLLMOptions) -> list[str]:

@@ -48,9 +48,11 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_REQUESTS = 16
 
 
-def server_args(model_dir: str, host: str, port: int) -> list[str]:
+def server_args(model_dir: str, host: str, port: int,
+                weight_backend: str | None = None) -> list[str]:
     """The api_server flags an attached fleet needs (plus ``VLLM_SERVER_DEV_MODE=1`` in its env
-    for the RL routes, and this repository on its ``PYTHONPATH`` for the extension)."""
+    for the RL routes, and this repository on its ``PYTHONPATH`` for the extension);
+    ``weight_backend``: our transfer backend's name (None: ``asyncrl_gloo``)."""
     from rollouters.engines.vllm_extension import EXTENSION_CLS
     from rollouters.engines.vllm_gloo import BACKEND
 
@@ -58,7 +60,7 @@ def server_args(model_dir: str, host: str, port: int) -> list[str]:
             "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
             "--enable-prefix-caching", "--enable-scale-out",
             "--worker-extension-cls", EXTENSION_CLS,
-            "--weight-transfer-config", json.dumps({"backend": BACKEND})]
+            "--weight-transfer-config", json.dumps({"backend": weight_backend or BACKEND})]
 
 
 class ServerError(RuntimeError):
@@ -73,12 +75,14 @@ class VLLMServerEngine:
     besides the EOS ids). ``server``: one this worker launched (:mod:`vllm_fleet`), stopped by
     :meth:`close`. ``sleep_frees``: the server runs with ``--enable-sleep-mode`` on a GPU, so
     its sleep frees memory (only said in :meth:`memory`; an attached server's is not known
-    here, and is reported as not freeing).
+    here, and is reported as not freeing). ``weight_backend``: the transfer backend the server
+    was started with (``asyncrl_gloo`` or ``asyncrl_nccl``; None: ``asyncrl_gloo``).
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
                  host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
-                 server: Any = None, sleep_frees: bool = False) -> None:
+                 server: Any = None, sleep_frees: bool = False,
+                 weight_backend: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
         self.sampling = dict(sampling or {})
@@ -86,7 +90,8 @@ class VLLMServerEngine:
         self._server = server
         self._host = host  # address the transfer group's store binds (the server dials it)
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
-        self._sender: Any = None  # a vllm_gloo.GlooSender, from the first update on
+        self._weight_backend = weight_backend
+        self._sender: Any = None  # a vllm_sender.GroupSender, from the first update on
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sleep_frees = sleep_frees
@@ -154,10 +159,12 @@ class VLLMServerEngine:
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """start → broadcast → finish(version) → reset prefix cache, with generation paused
         (or the server asleep, its weights awake); under the update lock."""
-        from rollouters.engines.vllm_gloo import GlooSender  # imports vLLM: only when sending
+        from rollouters.engines.vllm_gloo import BACKEND  # imports vLLM: only when sending
+        from rollouters.engines.vllm_sender import GroupSender
 
         if self._sender is None:
-            self._sender = GlooSender(self._host, 1, self.timeout_s)
+            self._sender = GroupSender(self._host, 1, self.timeout_s,
+                                       self._weight_backend or BACKEND)
         if self._sender.group is None:  # the first update, or the first after a failed one
             self._sender.join(lambda info: self._request(
                 "POST", "/init_weight_transfer_engine", {"init_info": info}))
@@ -215,6 +222,8 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         """Forget the transfer group; stop the server if this worker launched it."""
+        if self._sender is not None:
+            self._sender.drop()
         self._sender = None
         if self._server is not None:
             self._server.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrl.config import ConfigError, load_config
 from rollouters.engines.vllm_options import VLLMOptions, engine_args, sampling_params
@@ -76,15 +77,67 @@ def test_the_config_reaches_the_options_and_a_launched_servers_flags(tmp_path: P
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "96"
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_vllm_backends_without_a_sender_are_refused_naming_the_key(
-        backend: str, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_what_the_vllm_engines_cannot_send_is_refused_naming_the_key(
+        transport: str, tiny_model_dir: Path) -> None:
+    """In-process: only ``asyncrl_gloo`` (its worker shares this process's GPU, where NCCL
+    refuses a second rank). AsyncLLM: ``ipc`` refused; ``asyncrl_nccl`` without CUDA refused
+    by its sender before any engine starts. The config refuses the same, earlier."""
+    from rollouters.engines import VLLM_WEIGHT_BACKENDS
     from rollouters.engines.vllm_async import AsyncVLLMEngine
     from rollouters.engines.vllm_engine import VLLMEngine
 
-    for engine in (VLLMEngine, AsyncVLLMEngine):
-        with pytest.raises(ValueError, match="weights.transport"):
-            engine(tiny_model_dir, VLLMOptions(eos_ids=(3,), weight_backend=backend))
+    opts = VLLMOptions(eos_ids=(3,), weight_backend=VLLM_WEIGHT_BACKENDS[transport])
+    with pytest.raises(ValueError, match=f"weights.transport '{transport}'"):
+        VLLMEngine(tiny_model_dir, opts)
+    if transport == "ipc" or not torch.cuda.is_available():
+        with pytest.raises((ValueError, RuntimeError), match=f"weights.transport '{transport}'"):
+            AsyncVLLMEngine(tiny_model_dir, opts)
+    with pytest.raises(ConfigError, match=f"weights.transport = '{transport}'"):
+        load_config(None, ["rollout.engine=vllm", "rollout.vllm.mode=inprocess",
+                           f"weights.transport={transport}", "learner.device=cuda"])
+
+
+def test_nccl_is_the_gloo_backend_with_nccl_and_cuda_buckets() -> None:
+    """``asyncrl_nccl`` is ``asyncrl_gloo``'s class and code: the registered name only picks
+    the group's torch backend and the buckets' device (checked without CUDA: a plan, and the
+    worker half built on a CUDA device it never touches here)."""
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollouters.engines import VLLM_WEIGHT_BACKENDS
+    from rollouters.engines.vllm_gloo import (
+        BACKEND,
+        NCCL_BACKEND,
+        GroupWeightTransfer,
+        TransferPlan,
+        check_devices,
+        register,
+        transfer_plan,
+    )
+    from rollouters.engines.vllm_sender import GroupSender
+
+    register()
+    registry = WeightTransferEngineFactory._registry
+    assert registry[BACKEND]() is registry[NCCL_BACKEND]() is GroupWeightTransfer
+    assert VLLM_WEIGHT_BACKENDS["nccl"] == NCCL_BACKEND
+    assert VLLM_WEIGHT_BACKENDS["gloo"] == VLLM_WEIGHT_BACKENDS["auto"] == BACKEND
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert transfer_plan(BACKEND, gpu) == TransferPlan("gloo", cpu)
+    assert transfer_plan(NCCL_BACKEND, gpu) == TransferPlan("nccl", gpu)
+    assert transfer_plan(NCCL_BACKEND).device.type == "cuda"  # the sender's: its own GPU
+    worker = GroupWeightTransfer(WeightTransferConfig(backend=NCCL_BACKEND), VllmConfig(),
+                                 gpu, None)
+    assert worker.plan == TransferPlan("nccl", gpu)
+    with pytest.raises(ValueError, match="weights.transport"):
+        transfer_plan("nccl")  # vLLM's own name, not ours
+    check_devices(transfer_plan(BACKEND), "cpu", cpu)  # gloo: any two ends
+    with pytest.raises(RuntimeError, match="weights.transport 'nccl'.*one device"):
+        check_devices(transfer_plan(NCCL_BACKEND), "cpu", cpu)  # one device, two ranks
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="weights.transport 'nccl' needs CUDA"):
+            GroupSender("127.0.0.1", 1, 5.0, NCCL_BACKEND)
 
 
 @pytest.mark.parametrize(("device", "enabled"), [("cpu", False), ("cuda", True)])
