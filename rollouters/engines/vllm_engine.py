@@ -115,6 +115,11 @@ class VLLMEngine:
             # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op (it
             # assumes a process of its own); in-process, the rest of this process keeps control.
             torch.set_num_threads = set_num_threads
+        # The OpenMP threads vLLM bound in this thread: its CPU attention builds its metadata
+        # for that many and refuses a kernel run with another count ("Check failed:
+        # input->metadata->thread_num == thread_num (2 vs. 1)"), which a generate call from a
+        # thread of its own (OpenMP's default count there) would be.
+        self._threads = torch.get_num_threads()
         self._engine.set_weight_version(str(version))  # labels are ours from the start
         self._sender = GroupSender("127.0.0.1", 1, update_timeout_s)
         self._sizes = self._engine.collective_rpc("asyncrl_memory")[0]
@@ -135,6 +140,8 @@ class VLLMEngine:
         params = sampling_params(self.opts, 1, 0.0 if greedy else temperature, max_new_tokens,
                                  delta=True)
         with self._sleep.gate.call(), self._generate_lock:  # asleep: waits for the wake
+            if torch.get_num_threads() != self._threads:  # a caller's thread of its own
+                torch.set_num_threads(self._threads)
             rows = self._submit(inputs, n, params)
             try:
                 self._run(rows)
