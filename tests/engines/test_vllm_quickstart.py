@@ -2,7 +2,9 @@
 ``--set rollout.engine=vllm``, end to end through ``asyncrl up`` (real processes).
 
 vLLM's CPU attention kernels need a head size >= 32, so the tiny model runs with 2 heads of 32
-(hidden 64, as in the quickstart) instead of 4 of 16.
+(hidden 64, as in the quickstart) instead of 4 of 16. One rollout worker, not the quickstart's
+two: each vLLM engine's start costs the 2-core CI machine ~25 s of CPU, and one engine
+generates as fast as two there (114 s alone, learning to 0.9).
 
 The intermittent plateau this test once showed (1 run in 4: reward stuck at 0.8, every sample
 at ``max_new_tokens``) was not vLLM's: the torch engine hit it too (1 run in ~7). The copy
@@ -31,6 +33,7 @@ def test_quickstart_learns_with_vllm(tmp_path: Path, processes: Processes,
     tiny = [arg for key, value in TINY_SETS.items()
             for arg in ("--set", f"model.tiny.{key}={value}")]
     up = processes.start("up", "up", str(QUICKSTART), "--set", "rollout.engine=vllm", *tiny,
+                         "--set", "rollout.workers=1",
                          "--set", f"run.output_dir={tmp_path}")
     assert up.wait(timeout=540) == 0, processes.log("up")
     final = json.loads((tmp_path / "quickstart" / "eval.json").read_text())

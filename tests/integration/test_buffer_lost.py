@@ -33,7 +33,7 @@ STEPS = 12
 
 def _sets(output_dir: Path) -> list[str]:
     values = [f"run.output_dir={output_dir}", "run.name=lost", f"learner.total_steps={STEPS}",
-              "learner.ranks=2", "learner.groups_per_step=8", "rollout.workers=4",
+              "learner.ranks=2", "learner.groups_per_step=8", "rollout.workers=2",
               "sim.mean_tokens=32", "checkpoint.every_steps=0", "checkpoint.resume=true",
               "buffer.request_timeout_s=2", "buffer.zmq.reconnect_s=2",
               "buffer.zmq.spill_path=auto"]
@@ -141,7 +141,7 @@ def _reaching_the_target(tmp_path: Path, processes: Processes, monkeypatch: pyte
     monkeypatch.setattr(rollouters.eval, "make_evaluator",
                         lambda cfg, tokens: lambda engine: {"val/test_score/copy": 1.0})
     values = [f"run.output_dir={tmp_path}", "run.name=lost", f"learner.total_steps={STEPS}",
-              "learner.ranks=1", "learner.groups_per_step=8", "rollout.workers=4",
+              "learner.ranks=1", "learner.groups_per_step=8", "rollout.workers=2",
               "sim.mean_tokens=32", "sim.train_token_s=2e-3", "checkpoint.every_steps=0",
               "checkpoint.resume=true", "eval.every_steps=1", "eval.stop_at_accuracy=1",
               "buffer.request_timeout_s=2", "buffer.zmq.reconnect_s=2",

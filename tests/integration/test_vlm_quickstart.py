@@ -18,7 +18,15 @@ VLM_QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "vlm_quicksta
 
 
 def test_vlm_quickstart_learns_from_the_image(tmp_path: Path, processes: Processes) -> None:
-    up = processes.start("up", "up", str(VLM_QUICKSTART), "--set", f"run.output_dir={tmp_path}")
+    check_learnt(tmp_path, processes)
+
+
+def check_learnt(tmp_path: Path, processes: Processes, *sets: str) -> None:
+    """``asyncrl up`` on the VLM quickstart (``--set`` each of ``sets``) reaches 0.9 held-out,
+    from below 0.5, on-policy at step 1, with the quickstart's final accuracy line."""
+    more = [arg for value in sets for arg in ("--set", value)]
+    up = processes.start("up", "up", str(VLM_QUICKSTART), "--set", f"run.output_dir={tmp_path}",
+                         *more)
     assert up.wait(timeout=420) == 0, processes.log("up")
     run_dir = tmp_path / "vlm_quickstart"
     final = json.loads((run_dir / "eval.json").read_text())
