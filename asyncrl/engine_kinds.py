@@ -13,7 +13,9 @@ To add an engine kind: its module and a branch in ``make_engine``, its name in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["ENGINE_KINDS", "EngineKind", "engine_kind"]
 
@@ -58,6 +60,24 @@ class EngineKind:
     takes_images: bool = False
     """Its ``generate`` takes prompts' images (``images=``, a vision-language model:
     :mod:`asyncrl.vlm`)."""
+    transport_refusal: Callable[[Any], str | None] | None = None
+    """Why this kind cannot take the config's ``weights.transport`` (the config error), or
+    None; given the whole config, since the reason may hang on the kind's own keys."""
+
+
+def _vllm_transport_refusal(cfg: Any) -> str | None:
+    """What the vLLM engines' transfer backends cannot do (:mod:`rollouters.engines.vllm_gloo`):
+    ``ipc`` has no sender half for vLLM; ``nccl`` in-process would put the sender and vLLM's
+    worker on one GPU, which NCCL refuses."""
+    engine, transport = cfg.rollout.engine, cfg.weights.transport
+    if transport == "ipc":
+        return (f"weights.transport = 'ipc' with rollout.engine = {engine!r}: no sender half "
+                "for vLLM's ipc backend yet (use 'nccl', 'gloo' or 'auto')")
+    if engine == "vllm" and cfg.rollout.vllm.mode == "inprocess" and transport == "nccl":
+        return ("weights.transport = 'nccl' with rollout.vllm.mode = 'inprocess': the worker "
+                "shares this process's GPU, and NCCL refuses two ranks on one device (use "
+                "rollout.vllm.mode = 'async', or weights.transport = 'gloo' or 'auto')")
+    return None
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
@@ -66,8 +86,10 @@ ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("vllm", table="vllm", sleeps=True, takes_images=True, routing_note=(
         "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
         "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
-        "refused on the CPU install; not wired up for GPUs)")),
-    EngineKind("vllm-server", table="vllm", sleeps=True),
+        "refused on the CPU install; not wired up for GPUs)"),
+        transport_refusal=_vllm_transport_refusal),
+    EngineKind("vllm-server", table="vllm", sleeps=True,
+               transport_refusal=_vllm_transport_refusal),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1, sleeps=True),
     EngineKind("sim", threads=True),
 )}

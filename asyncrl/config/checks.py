@@ -127,21 +127,15 @@ def _weights_transport(cfg: Config) -> Iterator[str]:
         yield (f"weights.transport ({cfg.weights.transport!r}) moves CUDA buckets, but "
                "learner.device is 'cpu' (set learner.device = 'cuda', or weights.transport = "
                "'auto' or 'gloo')")
-    yield from _vllm_weights_transport(cfg)
+    yield from _engine_weights_transport(cfg)
 
 
-def _vllm_weights_transport(cfg: Config) -> Iterator[str]:
-    """What the vLLM engines' transfer backends cannot do (:mod:`rollouters.engines.vllm_gloo`):
-    ``ipc`` has no sender half for vLLM; ``nccl`` in-process would put the sender and vLLM's
-    worker on one GPU, which NCCL refuses."""
-    engine, transport = cfg.rollout.engine, cfg.weights.transport
-    if engine in ("vllm", "vllm-server") and transport == "ipc":
-        yield (f"weights.transport = 'ipc' with rollout.engine = {engine!r}: no sender half "
-               "for vLLM's ipc backend yet (use 'nccl', 'gloo' or 'auto')")
-    if engine == "vllm" and cfg.rollout.vllm.mode == "inprocess" and transport == "nccl":
-        yield ("weights.transport = 'nccl' with rollout.vllm.mode = 'inprocess': the worker "
-               "shares this process's GPU, and NCCL refuses two ranks on one device (use "
-               "rollout.vllm.mode = 'async', or weights.transport = 'gloo' or 'auto')")
+def _engine_weights_transport(cfg: Config) -> Iterator[str]:
+    """What the engine kind cannot take of ``weights.transport`` (its descriptor says)."""
+    refusal = engine_kind(cfg.rollout.engine).transport_refusal
+    reason = refusal(cfg) if refusal is not None else None
+    if reason:
+        yield reason
 
 
 def _weights_fanout(cfg: Config) -> Iterator[str]:
