@@ -20,6 +20,7 @@ from asyncrl.weights.fanout import SliceSender
 from asyncrl.weights.receiver import WeightReceiver
 from asyncrl.weights.slices import Seat, seat, slices
 from buffers.zmq_broker import start_broker_thread
+from tests.integration.conftest import wait_for
 from buffers.zmq_client import ZmqBufferClient
 
 ENGINES = ("engine-0", "engine-1", "engine-2", "engine-3")
@@ -84,6 +85,9 @@ def test_two_learner_ranks_deliver_to_four_engines_each_sending_half() -> None:
             total = metrics["weights/bytes"]
             assert metrics["weights/sent_engines"] == 2
             assert metrics["weights/sent_bytes"] == 2 * total
+            # rank 1 counts a version once its own send returns, which may be after the
+            # engines acked it to rank 0 (and sync returned): wait for the count, then check it
+            wait_for(lambda: len(sender.sent_versions) >= version, 10.0, "rank 1's count")
             assert sender.sent_versions == list(range(1, version + 1))
             assert sender.sent_engines == 2 * version
             assert sender.sent_bytes == 2 * total * version
@@ -143,6 +147,7 @@ def test_an_engine_lost_in_another_ranks_slice_is_evicted_and_the_rest_served() 
         assert metrics["weights/members"] == 3 and metrics["weights/evicted"] == 1
         assert got == {name: 1 for name in live}
         assert set(broadcaster.evictions()) == {ENGINES[3]}
+        wait_for(lambda: sender.sent_versions, 10.0, "rank 1's count")  # as above
         assert sender.sent_versions == [1] and sender.sent_engines == 1, \
             "rank 1 serves engine-1 alone once engine-3 is out"
     finally:
