@@ -290,11 +290,19 @@ def placeholders_only(model: Any, placeholders: torch.Tensor) -> Iterator[None]:
                              f"{image_features.shape[0]} image features")
         return placeholders.unsqueeze(-1).to(inputs_embeds.device), video
 
-    base.get_placeholder_mask = mask
+    with instance_override(base, "get_placeholder_mask", mask):
+        yield
+
+
+@contextmanager
+def instance_override(module: Any, name: str, replacement: Any) -> Iterator[None]:
+    """Within: ``module.<name>`` is ``replacement`` on this instance alone; the class's method
+    again after (what the engine's and the learner's forwards patch for one call)."""
+    setattr(module, name, replacement)
     try:
         yield
     finally:
-        del base.get_placeholder_mask
+        delattr(module, name)
 
 
 def vl_model(model: Any) -> Any:

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from asyncrl.vlm import (ImageError, PromptImages, image_placeholders, placeholders_only,
-                         rope_positions, vision_inputs, vl_model)
+from asyncrl.vlm import (ImageError, PromptImages, image_placeholders, instance_override,
+                         placeholders_only, rope_positions, vision_inputs, vl_model)
 from asyncrl.wire import TrajectoryGroup, WireError
 from asyncrl.wire.images import IMAGE_SIZES, IMAGES, group_images
 
@@ -171,11 +171,8 @@ def per_row_features(model: nn.Module, source: list[int], images_per_group: list
         out.pooler_output = tuple(image for group in source for image in by_group[group])
         return out
 
-    base.get_image_features = features
-    try:
+    with instance_override(base, "get_image_features", features):
         yield
-    finally:
-        del base.get_image_features
 
 
 def check_vlm_learner(cfg: Any) -> None:
