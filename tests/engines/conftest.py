@@ -76,6 +76,12 @@ def vllm_engine(vllm_env: dict[str, str], tiny_model_dir: Path) -> Iterator[obje
     """One in-process vLLM engine per module (start costs seconds). Not per session: the
     engine holds torch.distributed's default group in this process until it is closed, and
     later tests (learners) start groups of their own."""
+    yield from started_engine(tiny_model_dir, "vLLM engine")
+
+
+def started_engine(model_dir: Path, label: str) -> Iterator[object]:
+    """An in-process vLLM engine on ``model_dir`` for a module fixture to yield from: its
+    start time logged, closed after."""
     import time
 
     import torch
@@ -85,8 +91,8 @@ def vllm_engine(vllm_env: dict[str, str], tiny_model_dir: Path) -> Iterator[obje
 
     torch.set_num_threads(1)
     start = time.perf_counter()
-    engine = VLLMEngine(tiny_model_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0))
-    logger.info("vLLM engine started in %.1fs", time.perf_counter() - start)
+    engine = VLLMEngine(model_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0))
+    logger.info("%s started in %.1fs", label, time.perf_counter() - start)
     try:
         yield engine
     finally:

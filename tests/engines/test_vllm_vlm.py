@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from asyncrl import vlm
 from asyncrl.config.schema import ModelConfig
+from tests.engines.conftest import started_engine
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +50,7 @@ def hf_model(vlm_dir: Path):
 
 @pytest.fixture(scope="module")
 def engine(vllm_env: dict[str, str], vlm_dir: Path) -> Iterator[object]:
-    from asyncrl.models import EOS_ID
-    from rollouters.engines.vllm_engine import VLLMEngine, VLLMOptions
-
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    engine = VLLMEngine(vlm_dir, VLLMOptions(eos_ids=(EOS_ID,), seed=0))
-    logger.info("vLLM VLM engine started in %.1fs", time.perf_counter() - start)
-    try:
-        yield engine
-    finally:
-        engine.close()
+    yield from started_engine(vlm_dir, "vLLM VLM engine")
 
 
 def solid(rgb: tuple[int, int, int]) -> bytes:
