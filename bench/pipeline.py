@@ -31,7 +31,7 @@ report that drain and its drops, not the steady state.
 
     python bench/pipeline.py                 # full sweep → bench/results/pipeline.{md,json,png}
     python bench/pipeline.py --quick         # one ratio, one tail, sync and s=2 (minutes)
-    python bench/pipeline.py --tiny          # CI smoke scale: 4 engines, 2 ranks, few steps
+    python bench/pipeline.py --tiny          # CI smoke scale: 4 engines, 1 rank, few steps
     python bench/pipeline.py --quick --pace  # s=2 dropping vs pacing, long tails
 """
 
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace", action="store_true",
                         help="also run each async s with buffer.staleness_mode = pace")
     parser.add_argument("--quick", action="store_true", help="ratio 1, lognormal, sync and s=2")
-    parser.add_argument("--tiny", action="store_true", help="4 engines, 2 ranks (CI smoke)")
+    parser.add_argument("--tiny", action="store_true", help="4 engines, 1 rank (CI smoke)")
     parser.add_argument("--out", type=Path, default=None, help="results directory")
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.ratios, args.tails, args.staleness = [1.0], ["lognormal"], [2]
     if args.tiny:
-        scale = Scale(workers=4, ranks=2, groups_per_step=8, decode_step_s=0.002,
+        scale = Scale(workers=4, ranks=1, groups_per_step=8, decode_step_s=0.002,
                       mean_tokens=16, max_new_tokens=128, warmup=2, steps=4)
     if args.steps:
         scale.steps = args.steps
