@@ -36,16 +36,19 @@ from tests.engines.sglang_fixture import FakeSglang, serve
 
 
 @contextmanager
-def weight_sync(engine: SglangEngine,
-                weights: WeightsConfig) -> Iterator[tuple[SglangWeightPeer, WeightBroadcaster]]:
-    """The real broker, a learner's broadcaster and ``engine``'s peer (a member, started)."""
+def weight_sync(engine: SglangEngine, weights: WeightsConfig, member: str = "sglang-0",
+                client_timeout_s: float = 10.0,
+                ) -> Iterator[tuple[SglangWeightPeer, WeightBroadcaster]]:
+    """The real broker, a learner's broadcaster and ``engine``'s peer (a member named
+    ``member``, started); the buffer clients wait ``client_timeout_s`` per request."""
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
-    learner, own = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
-    peer = SglangWeightPeer(own, "sglang-0", engine)
+    learner = ZmqBufferClient(address, client_timeout_s)
+    own = ZmqBufferClient(address, client_timeout_s)
+    peer = SglangWeightPeer(own, member, engine)
     broadcaster = WeightBroadcaster(learner, weights, align=broadcast_align("sglang"))
     try:
-        learner.heartbeat("sglang-0", "rollout", {})
+        learner.heartbeat(member, "rollout", {})
         peer.start()
         yield peer, broadcaster
     finally:

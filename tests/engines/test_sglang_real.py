@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from rollouters.engines.sglang_engine import SglangEngine, SglangWeightPeer
+from rollouters.engines.sglang_engine import SglangEngine
 
 URL = os.environ.get("ASYNCRL_SGLANG_URL", "")
 MODEL = os.environ.get("ASYNCRL_SGLANG_MODEL", "")
@@ -65,32 +65,17 @@ def test_weight_sync_through_the_broadcast_group(engine: SglangEngine) -> None:
     (greedy picks token 0), the original weights bring the original output back."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
-    from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align
-    from buffers.zmq_broker import start_broker_thread
-    from buffers.zmq_client import ZmqBufferClient
+    from asyncrl.config.schema import WeightsConfig
+    from tests.engines.test_sglang_protocol import weight_sync
 
     state = AutoModelForCausalLM.from_pretrained(MODEL, torch_dtype="auto").state_dict()
     prompt = [[7, 8, 9]]
     before = engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens
-    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
-                                               groups_per_step=1)
-    learner, own = ZmqBufferClient(address, 30.0), ZmqBufferClient(address, 30.0)
-    peer = SglangWeightPeer(own, "sglang-real", engine)
-    broadcaster = WeightBroadcaster(learner, WeightsConfig(timeout_s=120),
-                                    align=broadcast_align("sglang"))
-    try:
-        learner.heartbeat("sglang-real", "rollout", {})
-        peer.start()
+    with weight_sync(engine, WeightsConfig(timeout_s=120), member="sglang-real",
+                     client_timeout_s=30.0) as (peer, broadcaster):
         broadcaster.sync({k: torch.zeros_like(v) for k, v in state.items()}, version=1)
         assert peer.wait_for_version(1, timeout=120)
         assert engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens == [0] * 4
         broadcaster.sync(state, version=2)
         assert peer.wait_for_version(2, timeout=120)
         assert engine.generate(prompt, 1, 1.0, 4, greedy=True)[0][0].tokens == before
-    finally:
-        peer.stop()
-        broadcaster.close()
-        learner.close()
-        own.close()
-        stop_broker()
