@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.config import ConfigError
 from asyncrl.moe_routing import pad_routing, routing_dtype
 
 MOE_TYPES = ("qwen2_moe", "qwen3_moe")
@@ -64,13 +65,13 @@ class RoutingLayout:
         """From a transformers config: a decoder layer is MoE as Qwen2-/Qwen3-MoE's decoder
         layer decides it (``Qwen3MoeDecoderLayer.__init__``)."""
         if config.model_type not in MOE_TYPES:
-            raise ValueError(f"learner.routing_replay with a vLLM engine: model type "
+            raise ConfigError(f"learner.routing_replay with a vLLM engine: model type "
                              f"{config.model_type!r} is not supported ({', '.join(MOE_TYPES)})")
         skip, step = set(config.mlp_only_layers or ()), config.decoder_sparse_step
         layers = tuple(i for i in range(config.num_hidden_layers)
                        if i not in skip and config.num_experts > 0 and (i + 1) % step == 0)
         if not layers:
-            raise ValueError("learner.routing_replay = true but the model has no MoE layer "
+            raise ConfigError("learner.routing_replay = true but the model has no MoE layer "
                              "(a dense model: set it false)")
         return cls(layers, int(config.num_experts))
 
@@ -109,17 +110,18 @@ def layout_for(model_dir: str | Path, wanted: bool, device: str) -> RoutingLayou
 
 
 def refuse_on_cpu(device: str) -> None:
-    """vLLM returns routed experts on GPUs only: refuse a CPU engine before it starts."""
+    """vLLM returns routed experts on GPUs only: refuse a CPU engine before it starts (a
+    :class:`ConfigError`: the launchers stop the run rather than restart the worker)."""
     if device == "cpu":
-        raise ValueError(
+        raise ConfigError(
             "learner.routing_replay = true with rollout.engine 'vllm' or 'vllm-server' on CPU: "
             f"vLLM 0.32 returns routed experts ({OPTION}) only from its Model Runner V2, which "
             "needs Triton, and its CPU install refuses it; use rollout.device = 'cuda' (or "
             "'auto' on a GPU machine), or rollout.engine = 'torch'")
 
 
-def refusal_context(exc: ValueError) -> ValueError:
+def refusal_context(exc: ValueError) -> ConfigError:
     """vLLM's refusal to start with :data:`OPTION` (a GPU without Triton, Model Runner V2
     turned off, a dense model), with the key that asked for it."""
-    return ValueError(f"learner.routing_replay = true asks vLLM for {OPTION}, and vLLM "
+    return ConfigError(f"learner.routing_replay = true asks vLLM for {OPTION}, and vLLM "
                       f"refused to start: {exc}")

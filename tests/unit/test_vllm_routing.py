@@ -99,7 +99,7 @@ def test_the_moe_layers_are_those_transformers_builds(cls, sets, layers) -> None
 def test_an_unknown_model_type_is_refused() -> None:
     from transformers import Qwen2Config
 
-    with pytest.raises(ValueError, match="learner.routing_replay with a vLLM engine"):
+    with pytest.raises(ConfigError, match="learner.routing_replay with a vLLM engine"):
         RoutingLayout.from_config(Qwen2Config())
 
 
@@ -139,6 +139,6 @@ def test_the_config_refuses_vllm_routing_on_cpu(sets: list[str], refused: bool) 
 def test_an_engine_on_cpu_refuses_before_vllm_starts() -> None:
     """``rollout.device = 'auto'`` on a machine without CUDA reaches the engine: it refuses
     with the same keys, before vLLM is imported."""
-    with pytest.raises(ValueError, match="learner.routing_replay = true .* on CPU"):
-        refuse_on_cpu("cpu")
+    with pytest.raises(ConfigError, match="learner.routing_replay = true .* on CPU"):
+        refuse_on_cpu("cpu")  # a ConfigError: the launchers stop the run, no restart loop
     refuse_on_cpu("cuda")
