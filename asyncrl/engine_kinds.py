@@ -57,12 +57,29 @@ class EngineKind:
     """It can return the experts each token was routed to (``learner.routing_replay``)."""
     routing_note: str = "does not record the experts it routes each token to"
     """Why not, for the config error, where it does not."""
+    routing_refusal: Callable[[Any], str | None] | None = None
+    """Why this kind cannot record them with the config's other keys (the config error), or
+    None: a kind that records routing on some devices only."""
     takes_images: bool = False
     """Its ``generate`` takes prompts' images (``images=``, a vision-language model:
     :mod:`asyncrl.vlm`)."""
     transport_refusal: Callable[[Any], str | None] | None = None
     """Why this kind cannot take the config's ``weights.transport`` (the config error), or
     None; given the whole config, since the reason may hang on the kind's own keys."""
+
+
+def _vllm_routing_refusal(cfg: Any) -> str | None:
+    """vLLM 0.32 returns routed experts (``enable_return_routed_experts``) only from its Model
+    Runner V2, which needs Triton: its CPU install refuses the option
+    (:mod:`rollouters.engines.vllm_routing`). ``rollout.device = "auto"`` is decided where the
+    engine starts; an attached server (``rollout.url``) runs on its own device."""
+    attached = cfg.rollout.engine == "vllm-server" and cfg.rollout.url.strip()
+    if cfg.rollout.device != "cpu" or attached:
+        return None
+    return (f"learner.routing_replay = true with rollout.engine = {cfg.rollout.engine!r} and "
+            "rollout.device = 'cpu': vLLM 0.32 returns routed experts only from its Model "
+            "Runner V2, which needs Triton, and its CPU install refuses them (use "
+            "rollout.device = 'cuda', or rollout.engine = 'torch' on CPU)")
 
 
 def _vllm_transport_refusal(cfg: Any) -> str | None:
@@ -83,13 +100,10 @@ def _vllm_transport_refusal(cfg: Any) -> str | None:
 ENGINE_KINDS: dict[str, EngineKind] = {kind.name: kind for kind in (
     EngineKind("torch", merges_adapters=True, sleeps=True, records_routing=True,
                takes_images=True),
-    EngineKind("vllm", table="vllm", sleeps=True, takes_images=True, routing_note=(
-        "is not supported by our vLLM path yet (vLLM 0.32 returns them, "
-        "enable_return_routed_experts, only with its Model Runner V2, which needs Triton: "
-        "refused on the CPU install; not wired up for GPUs)"),
-        transport_refusal=_vllm_transport_refusal),
-    EngineKind("vllm-server", table="vllm", sleeps=True,
-               transport_refusal=_vllm_transport_refusal),
+    EngineKind("vllm", table="vllm", sleeps=True, takes_images=True, records_routing=True,
+               routing_refusal=_vllm_routing_refusal, transport_refusal=_vllm_transport_refusal),
+    EngineKind("vllm-server", table="vllm", sleeps=True, records_routing=True,
+               routing_refusal=_vllm_routing_refusal, transport_refusal=_vllm_transport_refusal),
     EngineKind("sglang", table="sglang", packs_every_tensor=True, bucket_align=1, sleeps=True),
     EngineKind("sim", threads=True),
 )}

@@ -158,6 +158,8 @@ def _routing_replay(cfg: Config) -> Iterator[str]:
     if not kind.records_routing:
         yield (f"learner.routing_replay = true: rollout.engine = {kind.name!r} "
                f"{kind.routing_note}")
+    elif kind.routing_refusal is not None and (why := kind.routing_refusal(cfg)):
+        yield why
 
 
 def _vision(cfg: Config) -> Iterator[str]:

@@ -802,8 +802,8 @@ class LearnerConfig(Section):
                                  "experts it routed each token to, they travel with the group, "
                                  "and the learner's forward uses them instead of its own "
                                  "router's choice (the router still trains on its logits). "
-                                 "Needs an engine that records them (rollout.engine = "
-                                 "\"torch\").")
+                                 "Needs an engine that records them: rollout.engine = "
+                                 "\"torch\", or vLLM's on a GPU.")
 
 
 def _true_false_or_auto(value: Any) -> Any:

@@ -77,7 +77,7 @@ def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...])
         stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
         weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport],
         sleep_mode=cfg.launcher.colocate, freeze_vision=cfg.model.freeze_vision,
-        extra=dict(v.engine_args))
+        routed_experts=cfg.learner.routing_replay, extra=dict(v.engine_args))
 
 
 def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
@@ -98,18 +98,22 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
     """Attach to ``rollout.url``'s server, or launch one with ``[rollout.vllm]``'s knobs on
     ``rollout.device`` (only a launched server needs the device here)."""
     from asyncrl.devices import resolve_device
+    from rollouters.engines.vllm_routing import RoutingLayout, refuse_on_cpu
     from rollouters.engines.vllm_server import VLLMServerEngine
 
     r = cfg.rollout
     device = "cpu" if r.url.strip() else \
         str(resolve_device(r.device, index, "rollout.device"))
     opts = _vllm_options(cfg, device, seed, eos_ids)
+    routing = RoutingLayout.of(model_dir) if opts.routed_experts else None
+    if routing is not None and not r.url.strip():  # an attached server's device is its own
+        refuse_on_cpu(device)
     sampling = {"top_p": opts.top_p, "top_k": opts.top_k, "stop": list(opts.stop),
                 "stop_token_ids": list(opts.stop_token_ids)}
     if r.url.strip():
         return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
                                 timeout_s=r.request_timeout_s, sampling=sampling,
-                                weight_backend=opts.weight_backend)
+                                weight_backend=opts.weight_backend, routing=routing)
     from rollouters.engines.vllm_fleet import VLLMServer
     from rollouters.engines.vllm_options import sleep_frees_memory
 
@@ -118,7 +122,7 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
     return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
                             sampling=sampling, server=server,
                             sleep_frees=sleep_frees_memory(opts),
-                            weight_backend=opts.weight_backend)
+                            weight_backend=opts.weight_backend, routing=routing)
 
 
 def _server_url(cfg: Config, index: int) -> str:

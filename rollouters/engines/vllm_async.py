@@ -16,6 +16,8 @@ synchronous :class:`~rollouters.engines.base.Engine` protocol holds:
   call is bounded by ``update_timeout_s`` (``weights.timeout_s``).
 * ``sleep`` / ``wake_up`` (``launcher.colocate``): vLLM's sleep mode, at level 1, with an
   update that arrives asleep held until the wake (:mod:`vllm_sleep` says why).
+* routing replay (``learner.routing_replay``, GPUs only): vLLM returns each sample's routed
+  experts, which become the completion's routing (:mod:`vllm_routing`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from rollouters.engines.vllm_options import (
     sleep_frees_memory,
     vllm_prompts,
 )
+from rollouters.engines.vllm_routing import layout_for, refusal_context
 from rollouters.engines.vllm_sender import GroupSender
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
@@ -70,6 +73,7 @@ class AsyncVLLMEngine:
             raise ValueError(f"weights.transport: the vLLM engine sends weights with "
                              f"{' or '.join(TORCH_BACKENDS)}, not {opts.weight_backend!r}")
         check_head_dim(model_dir, opts.device)
+        self._routing = layout_for(model_dir, opts.routed_experts, opts.device)  # CPU: refused
         configure_process_env(opts.device, in_process=False)
         self._vision = prepare_vlm(model_dir)
         self.opts = opts
@@ -91,6 +95,11 @@ class AsyncVLLMEngine:
         self._llm: Any = None
         try:
             self._llm = self._run(self._start(engine_args(model_dir, opts, asynchronous=True)))
+        except ValueError as exc:
+            self.close()
+            if self._routing is None:
+                raise
+            raise refusal_context(exc) from exc
         except BaseException:
             self.close()
             raise
@@ -137,13 +146,15 @@ class AsyncVLLMEngine:
                                  delta=False)
         call = next(self._ids)
         with self._sleep.gate.call():  # asleep: waits for the wake
-            return self._run(self._generate_all(inputs, params, call))
+            return self._run(self._generate_all(inputs, params, call,
+                                                [len(p) for p in prompts]))
 
-    async def _generate_all(self, prompts: list[dict[str, Any]], params: Any,
-                            call: int) -> list[list[Completion]]:
+    async def _generate_all(self, prompts: list[dict[str, Any]], params: Any, call: int,
+                            lengths: list[int]) -> list[list[Completion]]:
+        """``lengths``: the prompts' in our ids (a VLM's with its pads expanded)."""
         ids = [f"asyncrl-{call}-{i}" for i in range(len(prompts))]
-        tasks = [asyncio.ensure_future(self._generate_one(p, params, rid))
-                 for p, rid in zip(prompts, ids)]
+        tasks = [asyncio.ensure_future(self._generate_one(p, params, rid, length))
+                 for p, rid, length in zip(prompts, ids, lengths)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -152,15 +163,16 @@ class AsyncVLLMEngine:
             await self._llm.abort(ids)
             raise
 
-    async def _generate_one(self, prompt: dict[str, Any], params: Any,
-                            request_id: str) -> list[Completion]:
+    async def _generate_one(self, prompt: dict[str, Any], params: Any, request_id: str,
+                            prompt_length: int) -> list[Completion]:
         final = None
         async for output in self._llm.generate(dict(prompt), params, request_id=request_id):
             final = output
         assert final is not None and final.finished, request_id
         self.cached_prompt_tokens += final.num_cached_tokens or 0
         samples = sorted(final.outputs, key=lambda s: s.index)
-        return [completion(sample, self._version) for sample in samples]
+        return [completion(sample, self._version, prompt_length, self._routing)
+                for sample in samples]
 
     # --- weights ---------------------------------------------------------------------------
 

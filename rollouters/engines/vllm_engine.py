@@ -16,6 +16,9 @@ temperature), like the learner's recomputation.
 ``sleep`` / ``wake_up`` (``launcher.colocate``) are the async engine's (:mod:`vllm_sleep`),
 except that vLLM's in-process core refuses the pause mode ``"wait"``: the generate calls in
 flight have finished before the sleep (the gate), and ``"keep"`` would lose nothing if not.
+
+With ``learner.routing_replay`` (GPUs only) a row's last delta output carries the request's
+routed experts, all of them, which become its routing (:mod:`vllm_routing`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from rollouters.engines.vllm_options import (
     span_versions,
     vllm_prompts,
 )
+from rollouters.engines.vllm_routing import layout_for, refusal_context, to_routing
 from rollouters.engines.vllm_sender import GroupSender
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
@@ -67,6 +71,8 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_length: int = 0
+    routed: Any = None  # vLLM's routed experts, with the last output (learner.routing_replay)
 
 
 def _refusal(backend: str) -> str:
@@ -95,6 +101,7 @@ class VLLMEngine:
         if opts.weight_backend != BACKEND:
             raise ValueError(_refusal(opts.weight_backend))
         check_head_dim(model_dir, opts.device)
+        self._routing = layout_for(model_dir, opts.routed_experts, opts.device)  # CPU: refused
         configure_process_env(opts.device, in_process=True)
         self._vision = prepare_vlm(model_dir)
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -111,6 +118,10 @@ class VLLMEngine:
         try:
             self._engine = LLMEngine.from_engine_args(engine_args(model_dir, opts),
                                                       enable_multiprocessing=False)
+        except ValueError as exc:
+            if self._routing is None:
+                raise
+            raise refusal_context(exc) from exc
         finally:
             # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op (it
             # assumes a process of its own); in-process, the rest of this process keeps control.
@@ -142,7 +153,7 @@ class VLLMEngine:
         with self._sleep.gate.call(), self._generate_lock:  # asleep: waits for the wake
             if torch.get_num_threads() != self._threads:  # a caller's thread of its own
                 torch.set_num_threads(self._threads)
-            rows = self._submit(inputs, n, params)
+            rows = self._submit(inputs, n, params, [len(p) for p in prompts])
             try:
                 self._run(rows)
             finally:
@@ -151,8 +162,10 @@ class VLLMEngine:
         completions = [self._completion(row) for row in ordered]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _submit(self, prompts: list[dict[str, Any]], n: int, params: Any) -> dict[str, _Row]:
-        """One request per sample (not vLLM's ``n``): each row is tracked by its own id."""
+    def _submit(self, prompts: list[dict[str, Any]], n: int, params: Any,
+                lengths: list[int]) -> dict[str, _Row]:
+        """One request per sample (not vLLM's ``n``): each row is tracked by its own id.
+        ``lengths``: the prompts' lengths in our ids (a VLM's with its pads expanded)."""
         call = next(self._ids)
         rows: dict[str, _Row] = {}
         with self._lock:
@@ -160,7 +173,7 @@ class VLLMEngine:
                 for j in range(n):
                     request_id = f"asyncrl-{call}-{i}-{j}"
                     self._engine.add_request(request_id, dict(prompt), params)
-                    rows[request_id] = _Row()
+                    rows[request_id] = _Row(prompt_length=lengths[i])
         return rows
 
     def _run(self, rows: dict[str, _Row]) -> None:
@@ -188,6 +201,7 @@ class VLLMEngine:
             row.versions = span_versions(sample.weight_versions, len(row.tokens),
                                          default_version)
             row.finish_reason = "stop" if sample.finish_reason == "stop" else "length"
+            row.routed = sample.routed_experts  # the whole request's, concatenated
             return 1
         return 0
 
@@ -198,8 +212,10 @@ class VLLMEngine:
                 self._engine.abort_request(unfinished)
 
     def _completion(self, row: _Row) -> Completion:
+        routing = None if self._routing is None else \
+            to_routing(row.routed, row.prompt_length, len(row.tokens), self._routing)
         return Completion(tokens=row.tokens, logprobs=row.logprobs, versions=row.versions,
-                          finish_reason=row.finish_reason or "length")
+                          finish_reason=row.finish_reason or "length", routing=routing)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """vLLM's start → update → finish(version) → prefix-cache reset, between two steps.

@@ -62,6 +62,8 @@ def serving_flags(opts: VLLMOptions) -> list[str]:
         flags.append("--enforce-eager")
     if sleep_frees_memory(opts):  # launcher.colocate on a GPU: its /sleep frees the memory
         flags.append("--enable-sleep-mode")
+    if opts.routed_experts:  # learner.routing_replay (GPUs only: vllm_routing)
+        flags.append("--enable-return-routed-experts")
     if opts.device == "cuda" and kv_cache_size_mb(opts):
         flags += ["--kv-cache-memory-bytes", str(kv_cache_size_mb(opts) << 20)]
     for key, value in opts.extra.items():

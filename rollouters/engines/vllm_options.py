@@ -17,6 +17,8 @@ from typing import Any
 
 from asyncrl.vlm import VisionSpec, is_vision_name, vision_spec
 from rollouters.engines.base import Completion
+from rollouters.engines.vllm_routing import OPTION as ROUTED_EXPERTS_OPTION
+from rollouters.engines.vllm_routing import RoutingLayout, to_routing
 from rollouters.engines.vllm_sleep import releases_memory
 
 # Smallest attention head size vLLM's CPU attention kernels support (the text model's; the
@@ -59,6 +61,9 @@ class VLLMOptions:
     freeze_vision: bool = True
     """A VLM's vision tower is frozen (``model.freeze_vision``): updates leave its weights
     out, whatever the sender sends (:func:`sent_weights`)."""
+    routed_experts: bool = False
+    """Return each position's experts (``learner.routing_replay``; GPUs only:
+    :mod:`vllm_routing`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +114,8 @@ def engine_kwargs(model_dir: str | Path, opts: VLLMOptions) -> dict[str, Any]:
         "weight_transfer_config": {"backend": opts.weight_backend}}
     if sleep_frees_memory(opts):
         kwargs["enable_sleep_mode"] = True
+    if opts.routed_experts:
+        kwargs[ROUTED_EXPERTS_OPTION] = True
     if opts.max_model_len is not None:
         kwargs["max_model_len"] = opts.max_model_len
     if vision_spec(model_dir) is not None:
@@ -202,16 +209,20 @@ def span_versions(spans: list[Any] | None, length: int, default: int) -> list[in
     return versions
 
 
-def completion(sample: Any, default_version: int) -> Completion:
+def completion(sample: Any, default_version: int, prompt_length: int = 0,
+               routing: RoutingLayout | None = None) -> Completion:
     """One finished vLLM ``CompletionOutput`` as a row: logprobs of the sampled tokens (vLLM
     always includes them with ``logprobs=0``), versions from its spans. A stop string ends a
-    row as an EOS does."""
+    row as an EOS does. ``routing``: the model's layout, when vLLM returns routed experts
+    (their rows cover the prompt, of ``prompt_length`` tokens, then the completion)."""
     tokens = list(sample.token_ids)
     logprobs = [step[token].logprob for token, step in zip(tokens, sample.logprobs)]
     return Completion(tokens=tokens, logprobs=logprobs,
                       versions=span_versions(sample.weight_versions, len(tokens),
                                              default_version),
-                      finish_reason="stop" if sample.finish_reason == "stop" else "length")
+                      finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                      routing=None if routing is None else
+                      to_routing(sample.routed_experts, prompt_length, len(tokens), routing))
 
 
 def prepare_vlm(model_dir: str | Path) -> VisionSpec | None:

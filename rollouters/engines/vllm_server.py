@@ -12,6 +12,10 @@ are in :func:`server_args`); a rollout worker attaches to it over HTTP:
   (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/reset_prefix_cache``
   (prefix caching is on: nothing cached under old weights is reused; running rows are
   recomputed under the new ones), ``/resume``: the sequence the other vLLM engines run.
+* routing replay (``learner.routing_replay``): a server started with
+  ``--enable-return-routed-experts`` (a launched one is) returns each choice's
+  ``routed_experts``, base64 of ``.npy`` bytes, converted as the other vLLM engines' are
+  (:mod:`vllm_routing`); a server that returns none is an error naming the flag.
 * ``sleep`` / ``wake_up`` (``launcher.colocate``): the server's ``/sleep?level=1&mode=wait`` and
   ``/wake_up?tags=weights``, the update held while asleep, ``/wake_up?tags=kv_cache``: the
   sequence of the in-process engines (:mod:`vllm_sleep`), over HTTP. The routes are vLLM's
@@ -36,6 +40,7 @@ import torch
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 from rollouters.engines.vllm_options import parse_version, span_versions
+from rollouters.engines.vllm_routing import RoutingLayout, decode_routed_experts, to_routing
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
     HeldUpdate,
@@ -77,12 +82,15 @@ class VLLMServerEngine:
     its sleep frees memory (only said in :meth:`memory`; an attached server's is not known
     here, and is reported as not freeing). ``weight_backend``: the transfer backend the server
     was started with (``asyncrl_gloo`` or ``asyncrl_nccl``; None: ``asyncrl_gloo``).
+    ``routing``: the model's layout, to return each position's experts (the server must run
+    with ``--enable-return-routed-experts``); None: not asked for.
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
                  host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
                  server: Any = None, sleep_frees: bool = False,
-                 weight_backend: str | None = None) -> None:
+                 weight_backend: str | None = None,
+                 routing: RoutingLayout | None = None) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
         self.sampling = dict(sampling or {})
@@ -91,6 +99,7 @@ class VLLMServerEngine:
         self._host = host  # address the transfer group's store binds (the server dials it)
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
         self._weight_backend = weight_backend
+        self._routing = routing
         self._sender: Any = None  # a vllm_sender.GroupSender, from the first update on
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
@@ -126,16 +135,27 @@ class VLLMServerEngine:
                 "stream": False}
         reply = self._request("POST", "/inference/v1/generate", body)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
-        return [self._completion(choice) for choice in choices]
+        return [self._completion(choice, len(prompt)) for choice in choices]
 
-    def _completion(self, choice: dict[str, Any]) -> Completion:
+    def _completion(self, choice: dict[str, Any], prompt_length: int) -> Completion:
         tokens = list(choice["token_ids"])
         logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
         versions = span_versions(choice.get("weight_versions"), len(tokens),
                                  self._initial_version)
         reason = "stop" if choice.get("finish_reason") == "stop" else "length"
         return Completion(tokens=tokens, logprobs=logprobs, versions=versions,
-                          finish_reason=reason)
+                          finish_reason=reason, routing=self._routed(choice, prompt_length,
+                                                                     len(tokens)))
+
+    def _routed(self, choice: dict[str, Any], prompt_length: int, num_tokens: int) -> Any:
+        """The choice's routing in our frame, when asked for."""
+        if self._routing is None:
+            return None
+        routed = decode_routed_experts(choice.get("routed_experts"))
+        if routed is None:
+            raise ServerError(f"learner.routing_replay: the vLLM server {self.url} returned no "
+                              "routed_experts (start it with --enable-return-routed-experts)")
+        return to_routing(routed, prompt_length, num_tokens, self._routing)
 
     # --- weights ---------------------------------------------------------------------------
 

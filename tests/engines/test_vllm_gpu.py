@@ -61,3 +61,65 @@ def test_cuda_graphs_engine_takes_an_update(gpu_engine, tiny_model_dir: Path,
                                                                      greedy=True))
     assert [c.tokens for c in after] == [c.tokens for c in want]
     assert all(set(c.versions) == {1} for c in after)
+
+
+@pytest.fixture(scope="module", params=["inprocess", "async"])
+def routing_engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[object]:
+    """vLLM on the tiny Qwen3-MoE, asked for routed experts (``learner.routing_replay``), in
+    each mode: ``LLMEngine`` stepped here (delta outputs) and ``AsyncLLM`` (final outputs)."""
+    from asyncrl.config.schema import ModelConfig, TinyModelConfig
+    from asyncrl.models import prepare_model_dir
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    from rollouters.engines.vllm_engine import VLLMEngine
+    from rollouters.engines.vllm_options import VLLMOptions
+    from tests.engines.conftest import TINY_SETS
+
+    tiny = TinyModelConfig(**TINY_SETS, num_experts=4, num_experts_per_tok=2)
+    moe_dir = prepare_model_dir(ModelConfig(tiny=tiny), tmp_path_factory.mktemp("moe"), seed=0)
+    opts = VLLMOptions(eos_ids=(EOS_ID,), device="cuda", gpu_memory_utilization=0.2,
+                       routed_experts=True)
+    cls = VLLMEngine if request.param == "inprocess" else AsyncVLLMEngine
+    engine = cls(moe_dir, opts)
+    try:
+        yield engine, moe_dir
+    finally:
+        engine.close()
+
+
+def test_vllm_returns_the_experts_a_full_forward_routes(routing_engine) -> None:
+    """Every completion's routing is our frame (prompt + tokens rows, the MoE layers, uint8,
+    the last row unrecorded) and the experts the learner's own forward picks over the same
+    tokens (sorted per token: the order of the top-k is free); replayed in the learner, its
+    logprobs are the engine's."""
+    import numpy as np
+
+    from learners.batching import collate
+    from learners.packing import token_logprobs
+    from learners.routing_replay import RoutingReplay
+    from rollouters.workflows.single_turn import generate_groups
+    from tests.unit.test_routing_replay import full_forward_routing
+
+    engine, moe_dir = routing_engine
+    model = load_causal_lm(moe_dir)  # the learner's recomputation, as the tests above
+    task = make_task(TaskConfig(), seed=0)
+    groups = generate_groups(engine, task, task.sample(random.Random(0), 4), group_size=4,
+                             temperature=1.0, max_new_tokens=8)
+    same = total = 0
+    for group in groups:
+        routing = group.extras["routing"]
+        assert routing.shape == (group.num_tokens, 2, 2) and routing.dtype == np.uint8
+        for sample in group.sample_slices():
+            assert (routing[sample][-1] == 255).all()
+            want = full_forward_routing(model, group.tokens[sample].tolist())[:-1]
+            got = np.sort(routing[sample][:-1], -1) == np.sort(want, -1)
+            same, total = same + int(got.all(axis=(1, 2)).sum()), total + len(got)
+    assert same >= 0.98 * total  # a near-tie may go either way between the two kernels
+    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
+    replay = RoutingReplay(model, packing=False)
+    replay.use(batch)
+    with torch.no_grad():
+        learner = token_logprobs(model, batch)
+    replay.close()
+    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    assert float(delta.mean()) < GPU_LOGPROB_TOLERANCE

@@ -190,7 +190,7 @@ def test_a_multi_turn_sample_keeps_each_turns_own_routing() -> None:
 
 @pytest.mark.parametrize("sets, expected", [
     (["model.tiny.num_experts=0"], "learner.routing_replay = true needs an MoE model"),
-    (["rollout.engine='vllm'"], "is not supported by our vLLM path yet"),
+    (["rollout.engine='vllm'"], "its CPU install refuses them"),
     (["rollout.engine='sim'"], "does not record the experts"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_work(sets: list[str], expected: str) -> None:
