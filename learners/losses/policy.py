@@ -47,7 +47,11 @@ def ppo_clip_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages
                         mask: Tensor, clip_low: float, clip_high: float | None = None
                         ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO/GRPO clip against the behaviour policy: ``r = exp(logp − logp_μ)``,
-    ``ℓ = −min(r·A, clip(r)·A)``. ``clip_high=None`` means symmetric (``= clip_low``)."""
+    ``ℓ = −min(r·A, clip(r)·A)``. ``clip_high=None`` means symmetric (``= clip_low``).
+
+    Follows PPO (Schulman et al. 2017, arXiv:1707.06347) as GRPO uses it (Shao et al. 2024,
+    DeepSeekMath, arXiv:2402.03300); a ``clip_high`` above ``clip_low`` is DAPO's clip-higher
+    (Yu et al. 2025, arXiv:2503.14476)."""
     ratio = torch.exp(logprobs - behaviour_logprobs)
     high = clip_low if clip_high is None else clip_high
     return _clipped_surrogate(ratio, advantages, mask, clip_low, high)
@@ -65,6 +69,9 @@ def decoupled_ppo_token_loss(logprobs: Tensor, proximal_logprobs: Tensor,
     from the stale behaviour to the proximal policy, truncated at ``C`` for bounded variance.
     ``weight``: a behaviour weight to use instead of ``w`` (the rollout correction's,
     :mod:`.correction`); ``is_capped_frac`` still reports where ``w`` would be capped.
+
+    Follows AReaL's decoupled objective (Fu et al. 2025, arXiv:2505.24298), itself from the
+    decoupled PPO of Hilton et al. 2022 (arXiv:2110.00641).
     """
     ratio = torch.exp(logprobs - proximal_logprobs)
     raw_weight = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
@@ -83,6 +90,10 @@ def tis_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Ten
     Gradient ``−min(r, C)·A·∇logp``: below the cap it is exactly PPO's unclipped gradient
     ``−r·A·∇logp``; above it the weight is truncated, not zeroed (PPO would drop the token).
     The loss VALUE is only a gradient carrier (it is not a surrogate objective).
+
+    The truncated importance weight is IMPALA's (Espeholt et al. 2018, arXiv:1802.01561); the
+    stop-gradient form on ``logp`` is MiniMax-M1's CISPO (arXiv:2506.13585) with only the upper
+    truncation.
     """
     ratio = torch.exp(logprobs - behaviour_logprobs).detach()
     weight = ratio.clamp(max=cap)
@@ -102,6 +113,8 @@ def gspo_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Te
     aggregation this is GSPO's ``−(1/n_b)·Σ_t s_b·A·∇logp_t``. Token-level ratios are noisy
     (one token's mismatch can clip it); the sequence ratio averages the noise out, which is why
     GSPO's clip range is ~1e-3, not 0.2.
+
+    Follows GSPO (Zheng et al. 2025, arXiv:2507.18071), its GSPO-token variant.
     """
     m = mask.to(logprobs.dtype)
     log_s = ((logprobs - behaviour_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
@@ -111,7 +124,9 @@ def gspo_token_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Te
 
 def reinforce_token_loss(logprobs: Tensor, advantages: Tensor, mask: Tensor
                          ) -> tuple[Tensor, dict[str, Tensor]]:
-    """REINFORCE: ``ℓ = −A·logp``, no ratio, no clip (correct only on-policy)."""
+    """REINFORCE: ``ℓ = −A·logp``, no ratio, no clip (correct only on-policy). Williams
+    1992, "Simple statistical gradient-following algorithms for connectionist reinforcement
+    learning"."""
     return -advantages * logprobs, {"clip_frac": masked_mean(torch.zeros_like(logprobs), mask),
                                     "ratio_mean": masked_mean(torch.ones_like(logprobs), mask)}
 
