@@ -1,6 +1,7 @@
 """CI smoke test of bench/pipeline.py (issue 8): the harness runs at tiny scale through the
 real `asyncrl up` (simulated engines and trainer, real buffer, gate, loop and weight sync) and
-reports every column for the synchronous baseline and an async run."""
+reports every column for the synchronous baseline, an async run, and the same async run in
+``pace`` mode (``--pace``), which drops no finished group."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_pipeline_harness_reports_every_column(tmp_path: Path) -> None:
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "pipeline.py"), "--tiny", "--ratios", "1",
-         "--tails", "lognormal", "--staleness", "2", "--out", str(out), "--timeout", "300"],
+         "--tails", "lognormal", "--staleness", "2", "--pace", "--out", str(out),
+         "--timeout", "300"],
         env=role_env(), cwd=ROOT, capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -29,7 +31,7 @@ def test_pipeline_harness_reports_every_column(tmp_path: Path) -> None:
 
     result = json.loads((out / "pipeline.json").read_text())
     rows = result["rows"]
-    assert [r["mode"] for r in rows] == ["sync", "async s=2"]
+    assert [r["mode"] for r in rows] == ["sync", "async s=2", "async s=2 pace"]
     for row in rows:
         assert set(COLUMNS) <= set(row), set(COLUMNS) - set(row)
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] > 0
@@ -38,11 +40,12 @@ def test_pipeline_harness_reports_every_column(tmp_path: Path) -> None:
         assert row["harness_cores"] > 0 and 0 < row["machine_busy"] <= 1  # what the run cost
         assert row["load_1min"] >= 0
         assert len(row["staleness_hist"]) == (1 if row["mode"] == "sync" else 3)
-    sync, fast = rows
+    sync, fast, pace = rows
+    assert pace["drops"] == 0  # pace waits for a group instead of dropping it
     assert sync["speedup"] == pytest.approx(1.0)
     assert sync["staleness_hist"][0] > 0  # synchronous: everything on-policy
     assert fast["bound_speedup"] > 1
     table = (out / "pipeline.md").read_text()
-    assert "% of bound" in table and "async s=2" in table and "run CPU (cores)" in table
+    assert "% of bound" in table and "async s=2 pace" in table and "run CPU (cores)" in table
     png = (out / "pipeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
