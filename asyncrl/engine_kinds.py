@@ -83,14 +83,22 @@ def _vllm_routing_refusal(cfg: Any) -> str | None:
 
 
 def _vllm_transport_refusal(cfg: Any) -> str | None:
-    """What the vLLM engines' transfer backends cannot do (:mod:`rollouters.engines.vllm_gloo`):
-    ``ipc`` has no sender half for vLLM; ``nccl`` in-process would put the sender and vLLM's
-    worker on one GPU, which NCCL refuses."""
-    engine, transport = cfg.rollout.engine, cfg.weights.transport
-    if transport == "ipc":
-        return (f"weights.transport = 'ipc' with rollout.engine = {engine!r}: no sender half "
-                "for vLLM's ipc backend yet (use 'nccl', 'gloo' or 'auto')")
-    if engine == "vllm" and cfg.rollout.vllm.mode == "inprocess" and transport == "nccl":
+    """What the vLLM engines' transfer backends cannot do (:mod:`rollouters.engines.vllm_gloo`,
+    :mod:`rollouters.engines.vllm_ipc`): ``ipc`` in-process would have this process open its
+    own CUDA IPC handles, which CUDA refuses, and its handles view this process's one GPU, so
+    only an engine of one worker can map them; ``nccl`` in-process would put the sender and
+    vLLM's worker on one GPU, which NCCL refuses."""
+    engine, transport, v = cfg.rollout.engine, cfg.weights.transport, cfg.rollout.vllm
+    inprocess = engine == "vllm" and v.mode == "inprocess"
+    if transport == "ipc" and inprocess:
+        return ("weights.transport = 'ipc' with rollout.vllm.mode = 'inprocess': vLLM's "
+                "worker would run in this process, which cannot open its own CUDA IPC handles "
+                "(use rollout.vllm.mode = 'async', or weights.transport = 'gloo' or 'auto')")
+    if transport == "ipc" and v.tensor_parallel_size * v.data_parallel_size != 1:
+        return (f"weights.transport = 'ipc' with rollout.engine = {engine!r} needs one vLLM "
+                "worker (rollout.vllm.tensor_parallel_size × data_parallel_size = 1): the "
+                "handles view the rollout worker's one GPU (use 'nccl', 'gloo' or 'auto')")
+    if inprocess and transport == "nccl":
         return ("weights.transport = 'nccl' with rollout.vllm.mode = 'inprocess': the worker "
                 "shares this process's GPU, and NCCL refuses two ranks on one device (use "
                 "rollout.vllm.mode = 'async', or weights.transport = 'gloo' or 'auto')")

@@ -9,7 +9,8 @@
 # script stays under 8 minutes; a step that no longer fits is skipped and says so):
 #   env                   torch, CUDA, the GPU (nvidia-smi)
 #   gpu_tests             the gpu-marked tests of tests/unit and tests/integration (the ipc
-#                         transport's among them), if pytest is there
+#                         transport's among them) and vLLM ipc's CUDA handles
+#                         (tests/engines/test_ipc_handles.py), if pytest is there
 #   ipc_transfer          bench/weight_sync.py --transport ipc, the Qwen2-0.5B shape in bf16,
 #                         1 and 2 engines on the learner's GPU: time and GB/s of the sync
 #                         against a raw cudaMemcpy (device-to-device copy_) of the same bytes
@@ -122,7 +123,8 @@ print(info)
 
 PIECES_PY='
 import importlib, sys
-for name in ("tests.unit.test_weight_ipc", "asyncrl.weights.ipc", "asyncrl.weights.group",
+for name in ("tests.unit.test_weight_ipc", "tests.engines.test_ipc_handles",
+             "asyncrl.weights.ipc", "asyncrl.weights.group",
              "bench.weight_sync", "bench.learner_throughput", "asyncrl.cli"):
     importlib.import_module(name)
     print("imports:", name)
@@ -138,8 +140,10 @@ if [ "$DRY" = 1 ]; then  # one process: the environment, and the pieces of every
   has_pytest || record pytest missing 0 "no pytest here: carry its wheels for gpu_tests"
 else
   step env 60 "$PY" -c "$ENV_PY" "$OUT_DIR/env.json"
-  if has_pytest; then  # every gpu-marked test module of tests/unit and tests/integration
-    mapfile -t GPU_TESTS < <(grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py)
+  if has_pytest; then  # every gpu-marked test module of tests/unit and tests/integration,
+    # and vLLM's ipc handles (tests/engines, but torch alone: no vLLM here)
+    mapfile -t GPU_TESTS < <(grep -l "mark.gpu" tests/unit/*.py tests/integration/*.py \
+                             tests/engines/test_ipc_handles.py)
     step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}"
   else
     record gpu_tests skipped 0 "pytest is not installed (carry its wheels in ./wheels)"

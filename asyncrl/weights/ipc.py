@@ -46,10 +46,16 @@ def share(flat: torch.Tensor) -> bytes:
     return pickle.dumps(reduce_tensor(flat))
 
 
+def torch_only_loads(payload: bytes) -> Any:
+    """Unpickle ``payload`` allowing torch's globals only (CUDA IPC reductions: also what the
+    vLLM ``ipc`` backend's handles are, :mod:`rollouters.engines.vllm_ipc_worker`)."""
+    return _TorchOnly(io.BytesIO(payload)).load()
+
+
 def open_shared(payload: bytes) -> torch.Tensor:
     """The tensor :func:`share` described, mapped into this process (it views rank 0's
     memory: copy out of it, then drop it)."""
-    rebuild, args = _TorchOnly(io.BytesIO(payload)).load()
+    rebuild, args = torch_only_loads(payload)
     return rebuild(*args)
 
 

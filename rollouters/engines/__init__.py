@@ -55,11 +55,32 @@ def make_engine(cfg: Config, model_dir: str | Path, index: int,
 
 
 VLLM_WEIGHT_BACKENDS = {"gloo": "asyncrl_gloo", "auto": "asyncrl_gloo", "sim": "asyncrl_gloo",
-                        "nccl": "asyncrl_nccl", "ipc": "ipc"}
-"""vLLM's weight-transfer backend for each ``weights.transport``: our registered backend
-(:mod:`rollouters.engines.vllm_gloo`: one class, ``asyncrl_gloo`` on CPU and GPU alike,
-``asyncrl_nccl`` the same code over torch's NCCL with CUDA buckets), or vLLM's own ``ipc``,
-which the engines refuse (no sender half for it yet)."""
+                        "nccl": "asyncrl_nccl", "ipc": "asyncrl_ipc"}
+"""vLLM's weight-transfer backend for each ``weights.transport`` on a GPU: our registered
+backend (:mod:`rollouters.engines.vllm_gloo`: one class, ``asyncrl_gloo`` on CPU and GPU alike,
+``asyncrl_nccl`` the same code over torch's NCCL with CUDA buckets), or ``asyncrl_ipc``:
+vLLM's own ``ipc`` worker half with safe unpickling and a failed update finalized
+(:mod:`rollouters.engines.vllm_ipc_worker`), fed CUDA IPC handles by our sender
+(:mod:`rollouters.engines.vllm_ipc`).
+
+``auto`` is ``asyncrl_gloo``, not ``ipc``, although a rollout worker always shares its own
+engine's GPU: the backend is fixed when the engine starts (the learner's ``auto`` is chosen
+per membership epoch, :func:`asyncrl.weights.transport.choose_transport`, and says nothing
+about this hop), and ``asyncrl_ipc`` has not run on a GPU (no machine of ours runs vLLM on
+one). Once it has, ``auto`` → ``asyncrl_ipc`` for an engine this worker starts on CUDA with
+one worker is the change to make, here."""
+
+CPU_STAND_INS = {"asyncrl_ipc": "asyncrl_shm"}
+"""A backend that needs CUDA and what runs its code on a host, as ``asyncrl_gloo`` does
+``asyncrl_nccl``'s: ``asyncrl_shm`` is ``asyncrl_ipc`` over host shared memory
+(:mod:`rollouters.engines.vllm_ipc_worker`)."""
+
+
+def vllm_weight_backend(transport: str, device: str) -> str:
+    """vLLM's weight-transfer backend for ``weights.transport = transport``, the engine (and
+    this worker) on ``device`` (``"cpu"`` or a CUDA device)."""
+    backend = VLLM_WEIGHT_BACKENDS[transport]
+    return CPU_STAND_INS.get(backend, backend) if device == "cpu" else backend
 
 
 def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...]) -> Any:
@@ -75,7 +96,7 @@ def _vllm_options(cfg: Config, device: str, seed: int, eos_ids: tuple[int, ...])
         max_model_len=v.max_model_len, tensor_parallel_size=v.tensor_parallel_size,
         data_parallel_size=v.data_parallel_size, top_p=v.top_p, top_k=v.top_k,
         stop=tuple(v.stop), stop_token_ids=tuple(v.stop_token_ids),
-        weight_backend=VLLM_WEIGHT_BACKENDS[cfg.weights.transport],
+        weight_backend=vllm_weight_backend(cfg.weights.transport, device),
         sleep_mode=cfg.launcher.colocate, freeze_vision=cfg.model.freeze_vision,
         routed_experts=cfg.learner.routing_replay, extra=dict(v.engine_args))
 
@@ -96,14 +117,13 @@ def _vllm_engine(cfg: Config, model_dir: str | Path, device: str, seed: int,
 def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
                         eos_ids: tuple[int, ...]) -> Engine:
     """Attach to ``rollout.url``'s server, or launch one with ``[rollout.vllm]``'s knobs on
-    ``rollout.device`` (only a launched server needs the device here)."""
+    ``rollout.device`` (also this worker's: where an ``ipc`` update's handles are made)."""
     from asyncrl.devices import resolve_device
     from rollouters.engines.vllm_routing import RoutingLayout, refuse_on_cpu
     from rollouters.engines.vllm_server import VLLMServerEngine
 
     r = cfg.rollout
-    device = "cpu" if r.url.strip() else \
-        str(resolve_device(r.device, index, "rollout.device"))
+    device = str(resolve_device(r.device, index, "rollout.device"))
     opts = _vllm_options(cfg, device, seed, eos_ids)
     routing = RoutingLayout.of(model_dir) if opts.routed_experts else None
     if routing is not None and not r.url.strip():  # an attached server's device is its own

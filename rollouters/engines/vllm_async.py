@@ -10,10 +10,12 @@ synchronous :class:`~rollouters.engines.base.Engine` protocol holds:
   the ``weight_version`` the engine core held when it sampled the tokens.
 * ``load_weights``: vLLM's RL sequence only: ``pause_generation(mode="keep")`` (requests stay
   queued), ``start_weight_update``, ``update_weights`` while this process broadcasts the
-  tensors on the transfer group (:class:`~rollouters.engines.vllm_sender.GroupSender`),
-  ``finish_weight_update(version)``, ``reset_prefix_cache`` (running requests are recomputed
-  under the new weights, and no prefix cached under old weights is reused), ``resume``. Every
-  call is bounded by ``update_timeout_s`` (``weights.timeout_s``).
+  tensors on the transfer group (:class:`~rollouters.engines.vllm_sender.GroupSender`), or
+  with handles of them (``weights.transport = "ipc"``: :mod:`vllm_ipc`; the engine core is
+  another process, so it can map them), ``finish_weight_update(version)``,
+  ``reset_prefix_cache`` (running requests are recomputed under the new weights, and no prefix
+  cached under old weights is reused), ``resume``. Every call is bounded by
+  ``update_timeout_s`` (``weights.timeout_s``).
 * ``sleep`` / ``wake_up`` (``launcher.colocate``): vLLM's sleep mode, at level 1, with an
   update that arrives asleep held until the wake (:mod:`vllm_sleep` says why).
 * routing replay (``learner.routing_replay``, GPUs only): vLLM returns each sample's routed
@@ -33,7 +35,6 @@ from typing import Any, TypeVar
 import torch
 
 from rollouters.engines.base import Completion, check_generate_args
-from rollouters.engines.vllm_gloo import TORCH_BACKENDS
 from rollouters.engines.vllm_options import (
     VLLMOptions,
     check_head_dim,
@@ -48,7 +49,7 @@ from rollouters.engines.vllm_options import (
     vllm_prompts,
 )
 from rollouters.engines.vllm_routing import layout_for, refusal_context
-from rollouters.engines.vllm_sender import GroupSender
+from rollouters.engines.vllm_sender import make_sender
 from rollouters.engines.vllm_sleep import (
     SLEEP_LEVEL,
     HeldUpdate,
@@ -66,12 +67,8 @@ class AsyncVLLMEngine:
 
     def __init__(self, model_dir: str | Path, opts: VLLMOptions, version: int = 0,
                  update_timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
-        if opts.weight_backend == "ipc":
-            raise ValueError("weights.transport 'ipc': vLLM's ipc backend has no sender half "
-                             "here yet")
-        if opts.weight_backend not in TORCH_BACKENDS:
-            raise ValueError(f"weights.transport: the vLLM engine sends weights with "
-                             f"{' or '.join(TORCH_BACKENDS)}, not {opts.weight_backend!r}")
+        workers = opts.tensor_parallel_size * opts.data_parallel_size
+        self._sender = make_sender(opts.weight_backend, host, workers, update_timeout_s)
         check_head_dim(model_dir, opts.device)
         self._routing = layout_for(model_dir, opts.routed_experts, opts.device)  # CPU: refused
         configure_process_env(opts.device, in_process=False)
@@ -85,9 +82,6 @@ class AsyncVLLMEngine:
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sizes: dict[str, int] = {}
-        workers = opts.tensor_parallel_size * opts.data_parallel_size
-        self._sender = GroupSender(host, workers, update_timeout_s,
-                                   opts.weight_backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async",
                                         daemon=True)
@@ -180,7 +174,8 @@ class AsyncVLLMEngine:
         """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
         resume. Tokens sampled before the pause keep their label, those after carry
         ``version``. Asleep, the update is held (copied) and applied at the wake."""
-        tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
+        stage = self._sender.stage_device  # host memory, or the GPU for ipc handles
+        tensors = sent_weights([(name, t.detach().to(stage).contiguous())
                                 for name, t in weights], self.opts)
         timeout = self.update_timeout_s
         with self._update_lock:
@@ -198,11 +193,12 @@ class AsyncVLLMEngine:
         """start → update → finish(version) → reset prefix cache, generation paused; under
         the update lock."""
         timeout = self.update_timeout_s
-        if self._sender.group is None:  # the first update, or the first after a failed one
+        if not self._sender.joined:  # the first update, or the first after a failed one
             self._sender.join(lambda info: self._run(self._init_transfer(info)))
         self._run(self._llm.start_weight_update(), timeout)
-        self._sender.send(tensors, lambda info: self._run(self._update(info)))
-        self._run(self._llm.finish_weight_update(str(version)), timeout)
+        self._sender.send(tensors, lambda info: self._run(self._update(info)),
+                          lambda: self._run(self._llm.finish_weight_update(str(version)),
+                                            timeout))
         self._run(self._llm.reset_prefix_cache(reset_running_requests=True), timeout)
         if moves_vision(tensors):  # images' embeddings from the old tower
             self._run(self._llm.reset_encoder_cache(), timeout)

@@ -35,6 +35,7 @@ import torch
 
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.vllm_gloo import BACKEND, NCCL_BACKEND
+from rollouters.engines.vllm_ipc import IPC_BACKENDS
 from rollouters.engines.vllm_options import (
     CPU_MIN_HEAD_DIM,
     VLLMOptions,
@@ -77,13 +78,16 @@ class _Row:
 
 def _refusal(backend: str) -> str:
     """Why the in-process engine refuses ``backend``: its worker runs in this process, on this
-    process's GPU, and NCCL refuses two ranks on one device; ``ipc`` has no sender half yet."""
+    process's GPU, and NCCL refuses two ranks on one device; a process cannot open its own
+    CUDA IPC handle (``ipc``, and so its CPU stand-in ``asyncrl_shm`` too)."""
     if backend == NCCL_BACKEND:
         return ("weights.transport 'nccl': the in-process vLLM engine's worker shares this "
                 "process's GPU, and NCCL refuses two ranks on one device (use 'gloo' or "
                 "'auto', or rollout.vllm.mode = 'async' with the sender on a GPU of its own)")
-    if backend == "ipc":
-        return "weights.transport 'ipc': vLLM's ipc backend has no sender half here yet"
+    if backend in IPC_BACKENDS:
+        return ("weights.transport 'ipc': the in-process vLLM engine's worker runs in this "
+                "process, which cannot open its own CUDA IPC handles (use rollout.vllm.mode "
+                "= 'async', or weights.transport = 'gloo' or 'auto')")
     return (f"weights.transport: the in-process vLLM engine sends weights with {BACKEND!r} "
             f"only, not {backend!r}")
 
@@ -235,13 +239,13 @@ class VLLMEngine:
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """start → update → finish(version) → reset prefix cache; under the lock."""
         rpc = self._engine.collective_rpc
-        if self._sender.group is None:  # the first update, or the first after a failed one
+        if not self._sender.joined:  # the first update, or the first after a failed one
             self._sender.join(lambda info: rpc("init_weight_transfer_engine",
                                                kwargs={"init_info": info}))
         rpc("start_weight_update")
         self._sender.send(tensors, lambda info: rpc("update_weights",
-                                                    kwargs={"update_info": info}))
-        rpc("finish_weight_update")
+                                                    kwargs={"update_info": info}),
+                          lambda: rpc("finish_weight_update"))
         self._engine.set_weight_version(str(version))
         self._engine.reset_prefix_cache(reset_running_requests=True)
         if moves_vision(tensors):  # images' embeddings from the old tower

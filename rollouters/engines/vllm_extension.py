@@ -10,7 +10,9 @@ On CPU the linear weights are repacked for oneDNN after start, so ``model.load_w
 longer works; the worker's ``reload_weights`` (layer-wise reload, re-packs) does, on CPU and GPU.
 
 Importing this module also registers our weight-transfer backends, ``asyncrl_gloo`` and
-``asyncrl_nccl`` (:mod:`rollouters.engines.vllm_gloo`): vLLM imports the extension in every
+``asyncrl_nccl`` (:mod:`rollouters.engines.vllm_gloo`), ``asyncrl_ipc`` and ``asyncrl_shm``
+(vLLM's ``ipc``, and the same on a host: :mod:`rollouters.engines.vllm_ipc_worker`): vLLM
+imports the extension in every
 worker before it builds the worker's transfer engine, so a server started with this extension
 can use them.
 For the same reason it sets up vLLM's Qwen2-VL without torchvision (:mod:`vllm_qwen2_vl`),
@@ -28,12 +30,14 @@ from safetensors.torch import save as save_safetensors
 
 from rollouters.engines.vllm_gloo import register as register_gloo_backend
 from rollouters.engines.vllm_qwen2_vl import install as install_qwen2_vl
+from rollouters.engines.vllm_ipc_worker import register as register_ipc_backends
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_CLS = f"{__name__}.AsyncRLWorkerExtension"
 
 register_gloo_backend()
+register_ipc_backends()
 install_qwen2_vl()  # the engine core's process imports vLLM's Qwen2-VL after this, if served
 
 

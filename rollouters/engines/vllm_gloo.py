@@ -1,8 +1,9 @@
 """Our weight-transfer backend for vLLM's RL API, both halves, registered twice:
 ``asyncrl_gloo`` and ``asyncrl_nccl`` (``--weight-transfer-config '{"backend": ...}'``).
 
-vLLM's built-in backends (nccl, ipc, ...) are CUDA-only and have no sender half we can drive
-from a rollout process, but its registry is pluggable
+vLLM's built-in backends (nccl, ipc, ...) are CUDA-only, and its nccl has no sender half we
+can drive from a rollout process (its ipc worker half we feed ourselves:
+:mod:`rollouters.engines.vllm_ipc`), but its registry is pluggable
 (``WeightTransferEngineFactory.register_engine``). The worker half, :class:`GroupWeightTransfer`,
 joins a group with the sender (rank 0) and loads each broadcast tensor inside vLLM's
 layer-wise reload, which re-packs CPU linears. The sender half is

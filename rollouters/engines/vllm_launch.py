@@ -1,6 +1,7 @@
 """Start a vLLM server that ``rollout.engine = "vllm-server"`` can attach to.
 
     python -m rollouters.engines.vllm_launch MODEL_DIR --port 8000 [--device cpu|cuda|auto]
+                                             [--weights-transport auto|gloo|nccl|ipc]
                                              [-- any other vllm api_server flag]
 
 The server needs flags of ours (the RL routes, the gloo weight-transfer backend, the worker
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollouters.engines import vllm_weight_backend
 from rollouters.engines.vllm_options import CPU_KV_CACHE_MB, VLLMOptions, sleep_frees_memory
 from rollouters.engines.vllm_options import kv_cache_mb as kv_cache_size_mb
 
@@ -109,10 +111,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--kv-cache-mb", type=int, default=CPU_KV_CACHE_MB,
                         help="CPU only: the KV cache's size")
+    parser.add_argument("--weights-transport", choices=["auto", "gloo", "nccl", "ipc"],
+                        default="auto", help="the run's weights.transport (the server takes "
+                        "weights the way it says)")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
-    argv_out = command(args.model_dir, args.host, args.port, _device(args.device), extra,
-                       args.kv_cache_mb)
+    device = _device(args.device)
+    backend = vllm_weight_backend(args.weights_transport, device)
+    argv_out = command(args.model_dir, args.host, args.port, device, extra, args.kv_cache_mb,
+                       backend)
     os.execvpe(argv_out[0], argv_out, environment())
 
 

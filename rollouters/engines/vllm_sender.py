@@ -1,10 +1,16 @@
-"""The sender half of our vLLM weight-transfer backends (:mod:`vllm_gloo`): this process as
-rank 0 of the transfer group with one engine's workers, what the vLLM engines
+"""The sender half of the vLLM engines' weight transfer: what the vLLM engines
 (:mod:`vllm_engine`, :mod:`vllm_async`, :mod:`vllm_server`) run beside the engine's own
-``init_weight_transfer_engine`` / ``update_weights`` calls. The same code for
-``asyncrl_gloo`` and ``asyncrl_nccl``: only the group's torch backend and the buckets' device
-differ (:func:`~rollouters.engines.vllm_gloo.transfer_plan`); every broadcast is bounded by the
+``init_weight_transfer_engine`` / ``update_weights`` / ``finish_weight_update`` calls, behind
+one small protocol (:class:`WeightSender`), built by :func:`make_sender` from the backend's
+name.
+
+:class:`GroupSender` is this process as rank 0 of a transfer group with one engine's workers
+(our backends, :mod:`vllm_gloo`). The same code for ``asyncrl_gloo`` and ``asyncrl_nccl``:
+only the group's torch backend and the buckets' device differ
+(:func:`~rollouters.engines.vllm_gloo.transfer_plan`); every broadcast is bounded by the
 weight groups' watchdog (:mod:`asyncrl.weights.watchdog`), so CPU CI runs NCCL's bound too.
+The ``ipc`` and ``asyncrl_shm`` senders hand the engine handles instead
+(:mod:`rollouters.engines.vllm_ipc`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -90,6 +97,43 @@ def alongside(remote: Callable[[], object], local: Callable[[], None], timeout_s
         raise TimeoutError(f"vLLM {what} did not finish in {timeout_s}s (weights.timeout_s)")
 
 
+class WeightSender(Protocol):
+    """One engine's weight transfer, seen from this process. ``stage_device``: where
+    :meth:`send` wants the tensors (the engines copy them there first)."""
+
+    stage_device: torch.device
+
+    @property
+    def joined(self) -> bool:
+        """Has :meth:`join` run since the sender was made or last dropped?"""
+
+    def join(self, init: Callable[[dict], object]) -> None:
+        """Set up the transfer beside the engine's ``init(init_info)``."""
+
+    def send(self, tensors: Sequence[tuple[str, torch.Tensor]],
+             update: Callable[[dict], object], finish: Callable[[], object]) -> None:
+        """One update: the tensors reach the engine beside its ``update(update_info)``, then
+        ``finish()``. A failed transfer drops the sender (the next update joins again)."""
+
+    def drop(self) -> None:
+        """Forget the transfer; the next update joins again."""
+
+
+def make_sender(backend: str, host: str, workers: int, timeout_s: float) -> WeightSender:
+    """The sender of vLLM backend ``backend`` (``opts.weight_backend``), for an engine of
+    ``workers`` workers; ``host``: where a group's store binds."""
+    from rollouters.engines.vllm_gloo import TORCH_BACKENDS
+
+    if backend in TORCH_BACKENDS:
+        return GroupSender(host, workers, timeout_s, backend)
+    from rollouters.engines.vllm_ipc import IPC_BACKENDS, IpcSender
+
+    if backend in IPC_BACKENDS:
+        return IpcSender(backend, workers, timeout_s)
+    raise ValueError(f"weights.transport: the vLLM engines send weights with "
+                     f"{' | '.join([*TORCH_BACKENDS, *IPC_BACKENDS])}, not {backend!r}")
+
+
 class GroupSender:
     """This process as rank 0 of a transfer group with one engine's ``workers``, over the
     torch backend of ``backend`` (``asyncrl_gloo`` or ``asyncrl_nccl``: :func:`transfer_plan`).
@@ -109,11 +153,16 @@ class GroupSender:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = self.plan.device
+        self.stage_device = torch.device("cpu")  # the engines' copy; sent from self.device
         self.host = host
         self.world = 1 + workers
         self.timeout_s = timeout_s
         self.group: ProcessGroup | None = None
         self._watchdog: Watchdog | None = None
+
+    @property
+    def joined(self) -> bool:
+        return self.group is not None
 
     def join(self, init: Callable[[dict], object]) -> None:
         from asyncrl.weights.transport import describe_device
@@ -138,10 +187,10 @@ class GroupSender:
                     port)
 
     def send(self, tensors: Sequence[tuple[str, torch.Tensor]],
-             update: Callable[[dict], object]) -> None:
-        """One update's broadcast beside the engine's ``update(update_info)``. A failed one
-        leaves the group in an unknown state: it is dropped, and the next update (after the
-        sender's eviction and rejoin) joins a fresh one."""
+             update: Callable[[dict], object], finish: Callable[[], object]) -> None:
+        """One update's broadcast beside the engine's ``update(update_info)``, then
+        ``finish()``. A failed broadcast leaves the group in an unknown state: it is dropped,
+        and the next update (after the sender's eviction and rejoin) joins a fresh one."""
         if self.group is None or self._watchdog is None:
             raise RuntimeError(f"{self.backend}: join() first")
         group, watchdog = self.group, self._watchdog
@@ -152,6 +201,7 @@ class GroupSender:
         except BaseException:
             self.drop()
             raise
+        finish()
 
     def drop(self) -> None:
         """Forget the group (the next update joins a fresh one) and stop watching it."""

@@ -9,9 +9,11 @@ are in :func:`server_args`); a rollout worker attaches to it over HTTP:
   it *sampled* them, so per-token versions are exact even for tokens delivered after an update.
 * ``load_weights``: ``/pause?mode=keep`` (in-flight requests stay), ``/start_weight_update``,
   ``/update_weights`` while this process broadcasts the tensors on a gloo group
-  (:mod:`vllm_gloo`), ``/finish_weight_update`` with the version, ``/reset_prefix_cache``
-  (prefix caching is on: nothing cached under old weights is reused; running rows are
-  recomputed under the new ones), ``/resume``: the sequence the other vLLM engines run.
+  (:mod:`vllm_gloo`), or with handles of them (``weights.transport = "ipc"``, a server on
+  this worker's GPU: :mod:`vllm_ipc`), ``/finish_weight_update`` with the version,
+  ``/reset_prefix_cache`` (prefix caching is on: nothing cached under old weights is reused;
+  running rows are recomputed under the new ones), ``/resume``: the sequence the other vLLM
+  engines run.
 * routing replay (``learner.routing_replay``): a server started with
   ``--enable-return-routed-experts`` (a launched one is) returns each choice's
   ``routed_experts``, base64 of ``.npy`` bytes, converted as the other vLLM engines' are
@@ -57,7 +59,7 @@ def server_args(model_dir: str, host: str, port: int,
                 weight_backend: str | None = None) -> list[str]:
     """The api_server flags an attached fleet needs (plus ``VLLM_SERVER_DEV_MODE=1`` in its env
     for the RL routes, and this repository on its ``PYTHONPATH`` for the extension);
-    ``weight_backend``: our transfer backend's name (None: ``asyncrl_gloo``)."""
+    ``weight_backend``: the transfer backend's name (None: ``asyncrl_gloo``)."""
     from rollouters.engines.vllm_extension import EXTENSION_CLS
     from rollouters.engines.vllm_gloo import BACKEND
 
@@ -81,9 +83,9 @@ class VLLMServerEngine:
     :meth:`close`. ``sleep_frees``: the server runs with ``--enable-sleep-mode`` on a GPU, so
     its sleep frees memory (only said in :meth:`memory`; an attached server's is not known
     here, and is reported as not freeing). ``weight_backend``: the transfer backend the server
-    was started with (``asyncrl_gloo`` or ``asyncrl_nccl``; None: ``asyncrl_gloo``).
-    ``routing``: the model's layout, to return each position's experts (the server must run
-    with ``--enable-return-routed-experts``); None: not asked for.
+    was started with (``asyncrl_gloo``, ``asyncrl_nccl``, ``asyncrl_ipc`` or ``asyncrl_shm``;
+    None: ``asyncrl_gloo``). ``routing``: the model's layout, to return each position's
+    experts (the server must run with ``--enable-return-routed-experts``); None: not asked for.
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
@@ -100,7 +102,7 @@ class VLLMServerEngine:
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
         self._weight_backend = weight_backend
         self._routing = routing
-        self._sender: Any = None  # a vllm_sender.GroupSender, from the first update on
+        self._sender: Any = None  # a vllm_sender.WeightSender, from the first update on
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sleep_frees = sleep_frees
@@ -164,8 +166,9 @@ class VLLMServerEngine:
         reset the prefix cache, resume. Safe beside :meth:`generate`: tokens sampled before
         the pause keep the old label, those after it get the new one. Asleep, the update is
         held (copied) and applied at the wake."""
-        tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in weights]
-        with self._update_lock:
+        with self._update_lock:  # the sender is made once, under it
+            stage = self._weight_sender().stage_device  # host memory, or the GPU for ipc
+            tensors = [(name, t.detach().to(stage).contiguous()) for name, t in weights]
             if self._sleep.in_server:
                 self._held.hold(tensors, version)
                 return
@@ -179,21 +182,28 @@ class VLLMServerEngine:
     def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """start → broadcast → finish(version) → reset prefix cache, with generation paused
         (or the server asleep, its weights awake); under the update lock."""
-        from rollouters.engines.vllm_gloo import BACKEND  # imports vLLM: only when sending
-        from rollouters.engines.vllm_sender import GroupSender
-
-        if self._sender is None:
-            self._sender = GroupSender(self._host, 1, self.timeout_s,
-                                       self._weight_backend or BACKEND)
-        if self._sender.group is None:  # the first update, or the first after a failed one
-            self._sender.join(lambda info: self._request(
+        sender = self._weight_sender()
+        if not sender.joined:  # the first update, or the first after a failed one
+            sender.join(lambda info: self._request(
                 "POST", "/init_weight_transfer_engine", {"init_info": info}))
         self._request("POST", "/start_weight_update")
-        self._sender.send(tensors, lambda info: self._request(
-            "POST", "/update_weights", {"update_info": info}))
-        self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+        sender.send(tensors, lambda info: self._request(
+            "POST", "/update_weights", {"update_info": info}),
+            lambda: self._request("POST", "/finish_weight_update",
+                                  {"weight_version": str(version)}))
         self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
         self._version = version
+
+    def _weight_sender(self) -> Any:
+        """The server's :class:`~rollouters.engines.vllm_sender.WeightSender`, made at the
+        first update (it imports vLLM: only a worker that sends needs it)."""
+        if self._sender is None:
+            from rollouters.engines.vllm_gloo import BACKEND
+            from rollouters.engines.vllm_sender import make_sender
+
+            self._sender = make_sender(self._weight_backend or BACKEND, self._host, 1,
+                                       self.timeout_s)
+        return self._sender
 
     # --- sleep and wake (launcher.colocate) ------------------------------------------------
 

@@ -3,6 +3,7 @@ a key vLLM does not know is a config error naming it (no engine is started here)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,67 +78,100 @@ def test_the_config_reaches_the_options_and_a_launched_servers_flags(tmp_path: P
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "96"
 
 
-@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+@pytest.mark.parametrize(("transport", "device"),
+                         [("nccl", "cuda"), ("ipc", "cuda"), ("ipc", "cpu")])
 def test_what_the_vllm_engines_cannot_send_is_refused_naming_the_key(
-        transport: str, tiny_model_dir: Path) -> None:
+        transport: str, device: str, tiny_model_dir: Path) -> None:
     """In-process: only ``asyncrl_gloo`` (its worker shares this process's GPU, where NCCL
-    refuses a second rank). AsyncLLM: ``ipc`` refused; ``asyncrl_nccl`` without CUDA refused
-    by its sender before any engine starts. The config refuses the same, earlier."""
-    from rollouters.engines import VLLM_WEIGHT_BACKENDS
+    refuses a second rank, and this process cannot open its own CUDA IPC handles: ``ipc`` and
+    its CPU stand-in alike). AsyncLLM: ``asyncrl_nccl`` and ``ipc`` without CUDA refused by
+    their senders before any engine starts. The config refuses the in-process ones, earlier."""
+    from rollouters.engines import vllm_weight_backend
     from rollouters.engines.vllm_async import AsyncVLLMEngine
     from rollouters.engines.vllm_engine import VLLMEngine
 
-    opts = VLLMOptions(eos_ids=(3,), weight_backend=VLLM_WEIGHT_BACKENDS[transport])
+    opts = VLLMOptions(eos_ids=(3,), weight_backend=vllm_weight_backend(transport, device))
     with pytest.raises(ValueError, match=f"weights.transport '{transport}'"):
         VLLMEngine(tiny_model_dir, opts)
-    if transport == "ipc" or not torch.cuda.is_available():
-        with pytest.raises((ValueError, RuntimeError), match=f"weights.transport '{transport}'"):
+    if device == "cuda" and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=f"weights.transport '{transport}' needs CUDA"):
             AsyncVLLMEngine(tiny_model_dir, opts)
     with pytest.raises(ConfigError, match=f"weights.transport = '{transport}'"):
         load_config(None, ["rollout.engine=vllm", "rollout.vllm.mode=inprocess",
                            f"weights.transport={transport}", "learner.device=cuda"])
 
 
-def test_nccl_is_the_gloo_backend_with_nccl_and_cuda_buckets() -> None:
-    """``asyncrl_nccl`` is ``asyncrl_gloo``'s class and code: the registered name only picks
-    the group's torch backend and the buckets' device (checked without CUDA: a plan, and the
-    worker half built on a CUDA device it never touches here)."""
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
+def test_ipc_is_vllms_worker_half_on_a_gpu_and_its_shm_stand_in_on_cpu(
+        tiny_model_dir: Path) -> None:
+    """``weights.transport = "ipc"``: ``asyncrl_ipc`` (vLLM's ``ipc`` worker half, made safe)
+    on CUDA, ``asyncrl_shm`` (the same over host shared memory) on CPU, one map deciding;
+    ``auto`` stays ``asyncrl_gloo`` (rollouters.engines says why). The handles view one GPU:
+    an engine of several workers is refused."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-    from rollouters.engines import VLLM_WEIGHT_BACKENDS
-    from rollouters.engines.vllm_gloo import (
-        BACKEND,
-        NCCL_BACKEND,
-        GroupWeightTransfer,
-        TransferPlan,
-        check_devices,
-        register,
-        transfer_plan,
-    )
-    from rollouters.engines.vllm_sender import GroupSender
+    from rollouters.engines import _vllm_options, vllm_weight_backend
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    from rollouters.engines.vllm_ipc import IpcSender
+    from rollouters.engines.vllm_ipc_worker import IpcWeightTransfer, ShmWeightTransfer, register
+    from rollouters.engines.vllm_launch import command
+    from rollouters.engines.vllm_sender import GroupSender, make_sender
 
+    assert (vllm_weight_backend("ipc", "cuda:1"), vllm_weight_backend("ipc", "cpu")) == \
+        ("asyncrl_ipc", "asyncrl_shm")
+    assert {vllm_weight_backend("auto", d) for d in ("cpu", "cuda:0")} == {"asyncrl_gloo"}
+    cfg = load_config(None, ["rollout.engine=vllm", "weights.transport=ipc",
+                             "learner.device=cuda"])
+    assert _vllm_options(cfg, "cuda:0", seed=0, eos_ids=(3,)).weight_backend == "asyncrl_ipc"
     register()
     registry = WeightTransferEngineFactory._registry
-    assert registry[BACKEND]() is registry[NCCL_BACKEND]() is GroupWeightTransfer
-    assert VLLM_WEIGHT_BACKENDS["nccl"] == NCCL_BACKEND
-    assert VLLM_WEIGHT_BACKENDS["gloo"] == VLLM_WEIGHT_BACKENDS["auto"] == BACKEND
-    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
-    assert transfer_plan(BACKEND, gpu) == TransferPlan("gloo", cpu)
-    assert transfer_plan(NCCL_BACKEND, gpu) == TransferPlan("nccl", gpu)
-    assert transfer_plan(NCCL_BACKEND).device.type == "cuda"  # the sender's: its own GPU
-    worker = GroupWeightTransfer(WeightTransferConfig(backend=NCCL_BACKEND), VllmConfig(),
-                                 gpu, None)
-    assert worker.plan == TransferPlan("nccl", gpu)
-    with pytest.raises(ValueError, match="weights.transport"):
-        transfer_plan("nccl")  # vLLM's own name, not ours
-    check_devices(transfer_plan(BACKEND), "cpu", cpu)  # gloo: any two ends
-    with pytest.raises(RuntimeError, match="weights.transport 'nccl'.*one device"):
-        check_devices(transfer_plan(NCCL_BACKEND), "cpu", cpu)  # one device, two ranks
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="weights.transport 'nccl' needs CUDA"):
-            GroupSender("127.0.0.1", 1, 5.0, NCCL_BACKEND)
+    assert (registry["asyncrl_ipc"](), registry["asyncrl_shm"]()) == \
+        (IpcWeightTransfer, ShmWeightTransfer)
+    assert issubclass(ShmWeightTransfer, IpcWeightTransfer)
+    assert issubclass(IpcWeightTransfer, IPCWeightTransferEngine)  # vLLM's own
+    assert isinstance(make_sender("asyncrl_shm", "127.0.0.1", 1, 5.0), IpcSender)
+    assert isinstance(make_sender("asyncrl_gloo", "127.0.0.1", 1, 5.0), GroupSender)
+    with pytest.raises(ValueError, match="asyncrl_gloo .* not 'ipc'"):
+        make_sender("ipc", "127.0.0.1", 1, 5.0)  # vLLM's name, not a backend we send with
+    flags = command("/m", "127.0.0.1", 8000, "cuda", weight_backend="asyncrl_ipc")
+    assert json.loads(flags[flags.index("--weight-transfer-config") + 1]) == \
+        {"backend": "asyncrl_ipc"}
+    with pytest.raises(ValueError, match="weights.transport 'ipc' needs one vLLM worker"):
+        AsyncVLLMEngine(tiny_model_dir, VLLMOptions(eos_ids=(3,), weight_backend="asyncrl_shm",
+                                                    tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"weights.transport = 'ipc'.*needs one vLLM worker"):
+        load_config(None, ["rollout.engine=vllm-server", "weights.transport=ipc",
+                           "learner.device=cuda", "rollout.vllm.tensor_parallel_size=2"])
+
+
+def test_the_cuda_handles_are_unpickled_with_torchs_globals_only() -> None:
+    """What ``asyncrl_ipc``'s worker unpickles: a CUDA reduction's classes pass (its shape,
+    built on CPU), anything else is refused before it runs, so no server needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``."""
+    import os
+    import pickle
+
+    from rollouters.engines.vllm_ipc import pickled, unpickled_cuda_handles
+
+    args = (torch.Tensor, torch.Size([2, 3]), (3, 1), 0, torch.UntypedStorage, torch.bfloat16,
+            0, b"handle", 12, 0, False, b"ref", 0, b"event", True)
+    assert unpickled_cuda_handles(pickled([{"GPU-1": args}])) == [{"GPU-1": args}]
+    with pytest.raises(pickle.UnpicklingError, match="refusing posix.system|refusing os.system"):
+        unpickled_cuda_handles(pickled([{"GPU-1": (os.system, ("true",))}]))
+
+
+def test_the_documented_command_takes_the_runs_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vllm_launch --weights-transport ipc`` starts the server an ``ipc`` run attaches to:
+    ``asyncrl_ipc`` on a GPU, its stand-in on CPU."""
+    from rollouters.engines import vllm_launch
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(vllm_launch.os, "execvpe", lambda _, argv, env: ran.append(argv))
+    for device in ("cpu", "cuda"):
+        vllm_launch.main(["/m", "--device", device, "--weights-transport", "ipc"])
+    backends = [json.loads(argv[argv.index("--weight-transfer-config") + 1])["backend"]
+                for argv in ran]
+    assert backends == ["asyncrl_shm", "asyncrl_ipc"]
 
 
 @pytest.mark.parametrize(("device", "enabled"), [("cpu", False), ("cuda", True)])

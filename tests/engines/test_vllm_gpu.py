@@ -1,10 +1,13 @@
 """vLLM as it runs on a GPU (``gpu`` marker): ``AsyncLLM`` with CUDA graphs (``enforce_eager``
 unset follows the device), weights through the ``asyncrl_gloo`` transfer backend into the GPU
-worker. Skipped without CUDA; vLLM cannot be carried to the lent GPU machine (bench/RESULTS.md),
-so these wait for a machine with both."""
+worker, and through vLLM's own ``ipc`` backend (``weights.transport = "ipc"``: CUDA IPC handles
+from this process, :mod:`rollouters.engines.vllm_ipc`). Skipped without CUDA; vLLM cannot be
+carried to the lent GPU machine (bench/RESULTS.md), so these wait for a machine with both (the
+CUDA handles alone are checked against vLLM's way of opening them in test_ipc_handles.py)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +126,33 @@ def test_vllm_returns_the_experts_a_full_forward_routes(routing_engine) -> None:
     replay.close()
     delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
     assert float(delta.mean()) < GPU_LOGPROB_TOLERANCE
+
+
+def test_an_ipc_update_lands_through_vllms_own_worker_half(tiny_model_dir: Path,
+                                                         reference_state: dict) -> None:
+    """The update as a worker on the engine's GPU sends it: CUDA tensors, their IPC handles to
+    the engine core, which must be another process (forced here: the engine tests' env puts
+    it in this one, and a process cannot open its own handles)."""
+    from rollouters.engines import vllm_weight_backend
+    from rollouters.engines.vllm_async import AsyncVLLMEngine
+    from rollouters.engines.vllm_options import VLLMOptions
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(
+            eos_ids=(EOS_ID,), device="cuda", gpu_memory_utilization=0.2,
+            weight_backend=vllm_weight_backend("ipc", "cuda")))
+    finally:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved or "0"
+    try:
+        patched = {name: t.cuda() for name, t in _patched(reference_state).items()}
+        engine.load_weights(patched.items(), version=1)
+        assert torch.equal(engine.weight("model.norm.weight"),
+                           patched["model.norm.weight"].float().cpu())
+        after = _flat(engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+        want = _flat(_reference_engine(tiny_model_dir, _patched(reference_state)).generate(
+            PROMPTS, 1, 1.0, 8, greedy=True))
+        assert [c.tokens for c in after] == [c.tokens for c in want]
+    finally:
+        engine.close()

@@ -98,9 +98,24 @@ def test_cross_section_problems_are_reported_together_one_line_each() -> None:
     (["model.tiny.extra_tokens=['a', 'a']"], "model.tiny.extra_tokens must be distinct"),
     (["learner.loss.drop_finish_reasons=['length', '']"],
      "learner.loss.drop_finish_reasons must be distinct, non-blank"),
+    (["rollout.engine='vllm'", "rollout.vllm.mode='inprocess'", "weights.transport='ipc'",
+      "learner.device='cuda'"], "weights.transport = 'ipc' with rollout.vllm.mode = "
+                                "'inprocess': vLLM's worker would run in this process"),
+    (["rollout.engine='vllm-server'", "rollout.vllm.data_parallel_size=2",
+      "weights.transport='ipc'", "learner.device='cuda'"],
+     "weights.transport = 'ipc' with rollout.engine = 'vllm-server' needs one vLLM worker"),
 ])
 def test_keys_that_must_agree(sets: list[str], expected: str) -> None:
     assert expected in _error(*sets)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm-server"])
+def test_ipc_reaches_a_vllm_engine_of_its_own_process(engine: str) -> None:
+    """``weights.transport = "ipc"`` with a vLLM engine core in a process of its own
+    (AsyncLLM's, a server's) and one worker: accepted (rollouters.engines.vllm_ipc sends)."""
+    cfg = load_config(None, [f"rollout.engine={engine}", "weights.transport=ipc",
+                             "learner.device=cuda"])
+    assert cfg.weights.transport == "ipc"
 
 
 def test_a_rule_over_a_section_is_printed_once_without_a_section_prefix() -> None:
