@@ -1,5 +1,10 @@
 """vLLM's ``AsyncLLM`` engine (``rollout.vllm.mode = "async"``): engine core in its own process,
-weights through vLLM's weight-transfer API on the ``asyncrl_gloo`` backend.
+weights through vLLM's weight-transfer API with ``weights.transport = "ipc"``: on CPU that is
+``asyncrl_shm``, vLLM's own ``ipc`` worker half mapping host shared memory
+(:mod:`rollouters.engines.vllm_ipc_worker`), fed by the sender the GPU path runs
+(:mod:`rollouters.engines.vllm_ipc`). Every update must leave no shared-memory segment behind.
+(``asyncrl_gloo``, the default, is what the server tests, the quickstarts and the in-process
+engine tests run.)
 
 One engine per module (its start costs seconds). Rows have no EOS (``eos_ids=()``), so every
 row runs to ``max_new_tokens``, and the KV cache blocks are 32 tokens (the CPU minimum), so a
@@ -25,22 +30,34 @@ from tests.engines.vllm_sleep_checks import (
 )
 from tests.integration.conftest import wait_for
 
+SHM_DIR = Path("/dev/shm")
 LONG_PROMPT = [1] + [4 + (i * 7) % 10 for i in range(34)] + [2]  # > one 32-token block
 ROWS_LENGTH = 40
+
+
+def _segments() -> set[str]:
+    """The ``asyncrl_shm`` segments on this host now."""
+    from rollouters.engines.vllm_ipc import SEGMENT_PREFIX
+
+    return {path.name for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*")}
 
 
 @pytest.fixture(scope="module")
 def async_engine(vllm_env: dict[str, str], tiny_model_dir: Path,
                  reference_state: dict) -> Iterator[object]:
+    from rollouters.engines import vllm_weight_backend
     from rollouters.engines.vllm_async import AsyncVLLMEngine
     from rollouters.engines.vllm_options import VLLMOptions
 
-    engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(eos_ids=(), seed=0, max_num_seqs=32,
-                                                         extra={"block_size": 32}))
+    before = _segments()
+    engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(
+        eos_ids=(), seed=0, max_num_seqs=32, extra={"block_size": 32},
+        weight_backend=vllm_weight_backend("ipc", "cpu")))
     try:
         yield engine
     finally:
         engine.close()
+    assert _segments() == before  # every update unlinked its segment
 
 
 @pytest.fixture
@@ -161,3 +178,19 @@ def test_async_update_while_asleep_lands_at_the_wake(engine, tiny_model_dir: Pat
 
 def test_async_sleep_without_an_update_keeps_the_weights(engine) -> None:
     check_a_sleep_without_an_update_wakes_with_the_same_weights(engine)
+
+
+def test_async_refused_ipc_update_leaves_the_engine_serving(engine, reference_state: dict
+                                                           ) -> None:
+    """An update the worker half refuses at its last tensor (a name the model lacks) fails,
+    and ``asyncrl_shm`` (vLLM's ipc class with our cleanup) finalizes the reload first: the
+    engine goes on serving and takes the next update, and the segment is unlinked."""
+    before = _flat(engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+    version, segments = engine.version, _segments()
+    bad = {**_patched(reference_state), "model.no_such_layer.weight": torch.zeros(2)}
+    with pytest.raises(Exception, match="no_such_layer"):
+        engine.load_weights(bad.items(), version=version + 1)
+    assert engine.version == version and _segments() == segments
+    engine.load_weights(reference_state.items(), version=version + 2)
+    again = _flat(engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
+    assert [c.tokens for c in again] == [c.tokens for c in before]
