@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +61,8 @@ from rollouters.engines.vllm_sleep import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+DEAD_CHECK_S = 0.5
+"""How often a wait on the engine looks whether its core died (:meth:`AsyncVLLMEngine._run`)."""
 
 
 class AsyncVLLMEngine:
@@ -115,13 +118,26 @@ class AsyncVLLMEngine:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the engine's loop and wait for it (``TimeoutError`` after
-        ``timeout_s``, the coroutine then cancelled)."""
+        ``timeout_s``, the coroutine then cancelled).
+
+        A dead engine core fails the wait within :data:`DEAD_CHECK_S` with vLLM's
+        ``EngineDeadError``: vLLM marks the client dead when its core process exits, but a
+        utility call already sent (``pause_generation``, ``start_weight_update``, ...) is
+        never answered, and an update waited for its whole ``weights.timeout_s`` (seen with a
+        core SIGKILLed mid-update: 60 s instead of under one)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return future.result(DEAD_CHECK_S if left is None else min(DEAD_CHECK_S, left))
+            except TimeoutError:
+                if self._llm is not None and self._llm.errored:
+                    future.cancel()
+                    raise self._llm.dead_error from None
+                if left is not None and left <= DEAD_CHECK_S:
+                    future.cancel()
+                    raise
 
     @property
     def version(self) -> int:

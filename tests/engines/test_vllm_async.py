@@ -1,5 +1,6 @@
-"""vLLM's ``AsyncLLM`` engine (``rollout.vllm.mode = "async"``): engine core in its own process,
-weights through vLLM's weight-transfer API with ``weights.transport = "ipc"``: on CPU that is
+"""vLLM's ``AsyncLLM`` engine (``rollout.vllm.mode = "async"``): engine core in its own process
+(spawned here too, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, where the other engine tests keep it in
+the test's process), weights through vLLM's weight-transfer API with ``weights.transport = "ipc"``: on CPU that is
 ``asyncrl_shm``, vLLM's own ``ipc`` worker half mapping host shared memory
 (:mod:`rollouters.engines.vllm_ipc_worker`), fed by the sender the GPU path runs
 (:mod:`rollouters.engines.vllm_ipc`). Every update must leave no shared-memory segment behind.
@@ -13,7 +14,11 @@ row runs to ``max_new_tokens``, and the KV cache blocks are 32 tokens (the CPU m
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +36,8 @@ from tests.engines.vllm_sleep_checks import (
 from tests.integration.conftest import wait_for
 
 SHM_DIR = Path("/dev/shm")
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+UPDATE_TIMEOUT_S = 60.0
 LONG_PROMPT = [1] + [4 + (i * 7) % 10 for i in range(34)] + [2]  # > one 32-token block
 ROWS_LENGTH = 40
 
@@ -49,15 +56,37 @@ def async_engine(vllm_env: dict[str, str], tiny_model_dir: Path,
     from rollouters.engines.vllm_async import AsyncVLLMEngine
     from rollouters.engines.vllm_options import VLLMOptions
 
-    before = _segments()
-    engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(
-        eos_ids=(), seed=0, max_num_seqs=32, extra={"block_size": 32},
-        weight_backend=vllm_weight_backend("ipc", "cpu")))
+    before, children = _segments(), _children()
+    saved = os.environ.get(MULTIPROCESSING)
+    os.environ[MULTIPROCESSING] = "1"  # the engine core in a spawned process, as in a run
+    try:
+        engine = AsyncVLLMEngine(tiny_model_dir, VLLMOptions(
+            eos_ids=(), seed=0, max_num_seqs=32, extra={"block_size": 32},
+            weight_backend=vllm_weight_backend("ipc", "cpu")), update_timeout_s=UPDATE_TIMEOUT_S)
+    finally:
+        os.environ[MULTIPROCESSING] = saved or "0"
+    engine.core_pids = _children() - children  # for the test that kills it
     try:
         yield engine
     finally:
         engine.close()
     assert _segments() == before  # every update unlinked its segment
+
+
+def _children() -> set[int]:
+    """This process's live children but multiprocessing's resource tracker (the engine core
+    is one, once started; vLLM renames it ``VLLM::EngineCore``)."""
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                spawned = b"resource_tracker" not in (entry / "cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == me and fields[0] != "Z" and spawned:
+                found.add(int(entry.name))
+    return found
 
 
 @pytest.fixture
@@ -194,3 +223,39 @@ def test_async_refused_ipc_update_leaves_the_engine_serving(engine, reference_st
     engine.load_weights(reference_state.items(), version=version + 2)
     again = _flat(engine.generate(PROMPTS, 1, 1.0, 8, greedy=True))
     assert [c.tokens for c in again] == [c.tokens for c in before]
+
+
+def test_async_engine_core_killed_during_an_update_fails_fast(async_engine,
+                                                              reference_state: dict) -> None:
+    """The engine core dies during an update (SIGSTOPped first, so the update is surely in
+    progress, waiting on it; then SIGKILLed): the update fails at once with vLLM's dead-engine
+    error, not after ``weights.timeout_s``, and so does the next generate. The rollout worker
+    then leaves the weight group (the learner evicts it) and fails, and its supervisor starts
+    a new one: the generic path, tested with the torch engine (test_fleet_changes.py,
+    test_weight_broadcast.py). Last in the module: the engine is dead after it."""
+    engine, pids = async_engine, async_engine.core_pids
+    assert pids, "no engine core process found"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    failure: list[BaseException] = []
+
+    def update() -> None:
+        try:
+            engine.load_weights(_patched(reference_state).items(), version=engine.version + 1)
+        except BaseException as exc:  # noqa: BLE001 - what the test checks
+            failure.append(exc)
+
+    updater = threading.Thread(target=update, daemon=True)
+    updater.start()
+    wait_for(engine._update_lock.locked, 10, "the update to start")
+    start = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    updater.join(UPDATE_TIMEOUT_S + 10)
+    took = time.monotonic() - start
+    assert not updater.is_alive() and failure, "the update outlived its engine core"
+    assert took < UPDATE_TIMEOUT_S / 2, (took, failure)  # the death, not the timeout
+    assert type(failure[0]).__name__ == "EngineDeadError", repr(failure[0])
+    with pytest.raises(Exception) as dead:
+        engine.generate(PROMPTS, 1, 1.0, 4)
+    assert dead.type.__name__ == "EngineDeadError", repr(dead.value)
