@@ -74,7 +74,8 @@ class AsyncVLLMEngine:
         self._sender = make_sender(opts.weight_backend, host, workers, update_timeout_s)
         check_head_dim(model_dir, opts.device)
         self._routing = layout_for(model_dir, opts.routed_experts, opts.device)  # CPU: refused
-        configure_process_env(opts.device, in_process=False)
+        configure_process_env(opts.device, in_process=False,
+                              tensor_parallel_size=opts.tensor_parallel_size)
         self._vision = prepare_vlm(model_dir)
         self.opts = opts
         self.update_timeout_s = update_timeout_s
@@ -260,11 +261,17 @@ class AsyncVLLMEngine:
 
     def close(self) -> None:
         """Shut the engine core down and stop the loop; idempotent. The shutdown runs on the
-        loop, where vLLM's output handler task runs (cancelling it elsewhere is unsafe)."""
+        loop, where vLLM's output handler task runs (cancelling it elsewhere is unsafe).
+
+        The engine is forgotten before its shutdown is waited for: vLLM's shutdown marks its
+        client dead first and then waits for the core processes, so :meth:`_run`'s dead-core
+        check raised ``EngineDeadError`` from a shutdown that took over :data:`DEAD_CHECK_S`
+        (seen with data parallelism: two engine cores and a coordinator to stop,
+        tests/engines/test_vllm_tp.py)."""
         self._sender.drop()
-        if self._llm is not None:
-            self._run(_shutdown(self._llm))
-            self._llm = None
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            self._run(_shutdown(llm))
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rollouters.engines.managed_server import ManagedServer, free_port
 from rollouters.engines.vllm_launch import ROOT, command, environment, serving_flags
-from rollouters.engines.vllm_options import VLLMOptions, kv_cache_mb
+from rollouters.engines.vllm_options import VLLMOptions, cpu_thread_binding, kv_cache_mb
 from rollouters.engines.vllm_server import ServerError
 
 STOP_TIMEOUT_S = 20.0  # SIGTERM → SIGKILL: the engine core takes a while to end
@@ -33,7 +33,9 @@ class VLLMServer(ManagedServer):
                        opts.weight_backend)
         if opts.stop:  # stop strings need the tokenizer to detokenize
             argv.remove("--skip-tokenizer-init")
+        env = environment()
+        env.update(cpu_thread_binding(opts.device, opts.tensor_parallel_size, env))
         super().__init__("vLLM server", argv, f"http://{host}:{port}", log_path,
-                         env=environment(), cwd=ROOT, stop_timeout_s=STOP_TIMEOUT_S)
+                         env=env, cwd=ROOT, stop_timeout_s=STOP_TIMEOUT_S)
         self.wait_ready(start_timeout_s, "rollout.vllm.server_start_timeout_s", ServerError,
                         ServerError)

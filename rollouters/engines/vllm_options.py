@@ -10,7 +10,9 @@ rows, are here once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from rollouters.engines.vllm_routing import OPTION as ROUTED_EXPERTS_OPTION
 from rollouters.engines.vllm_routing import RoutingLayout, to_routing
 from rollouters.engines.vllm_sleep import releases_memory
 
+logger = logging.getLogger(__name__)
+
 # Smallest attention head size vLLM's CPU attention kernels support (the text model's; the
 # vision tower runs torch SDPA, any head size).
 CPU_MIN_HEAD_DIM = 32
@@ -28,6 +32,7 @@ MAX_IMAGES_PER_PROMPT = 8  # vLLM sizes its encoder budget by it; rollout.vllm.e
 # (limit_mm_per_prompt) overrides it
 DEFAULT_MAX_NUM_SEQS = 256
 CPU_KV_CACHE_MB = 64  # a KV cache in bytes on CPU: a GPU fraction means nothing on a shared host
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU workers' OpenMP binding ("auto")
 
 
 @dataclass
@@ -67,17 +72,43 @@ class VLLMOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def configure_process_env(device: str, in_process: bool) -> None:
+def configure_process_env(device: str, in_process: bool, tensor_parallel_size: int = 1
+                          ) -> None:
     """Environment vLLM reads at engine start; must run before the engine is built.
 
     In-process mode needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (it steps the core itself). The
     others are CPU defaults a caller may override (the notes: without them a shared 2-core
-    machine compiles for seconds and runs 20x slower)."""
+    machine compiles for seconds and runs 20x slower), and the thread binding that lets
+    tensor parallelism start on CPU (:func:`cpu_thread_binding`)."""
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if device == "cpu":
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(cpu_thread_binding(device, tensor_parallel_size, os.environ))
+
+
+def cpu_thread_binding(device: str, tensor_parallel_size: int, env: Mapping[str, str]
+                       ) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND=nobind`` where vLLM's default binding would refuse to start.
+
+    On CPU, vLLM's ``auto`` binding pins each tensor-parallel worker of an engine core to a
+    NUMA node of its own and fails the engine's start ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers", ``vllm/utils/ompmultiprocessing.py``) on a host with fewer
+    nodes than workers: any single-socket machine, CI's included. Unbound, the workers run
+    with ``OMP_NUM_THREADS`` threads each. A binding the user set is kept, as is ``auto``
+    wherever there are nodes enough (data-parallel replicas are engine cores of one worker
+    each: they always fit)."""
+    if device != "cpu" or tensor_parallel_size <= 1 or THREADS_BIND in env:
+        return {}
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    nodes = len(get_visible_memory_node())
+    if nodes >= tensor_parallel_size:
+        return {}
+    logger.info("vLLM on CPU: %d NUMA node(s) for %d tensor-parallel workers, so %s=nobind",
+                nodes, tensor_parallel_size, THREADS_BIND)
+    return {THREADS_BIND: "nobind"}
 
 
 def engine_arg_names() -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,19 +48,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=missing))
 
 
-@pytest.fixture(scope="session")
-def vllm_env() -> Iterator[dict[str, str]]:
-    """The test environment for vLLM, in this process and for subprocesses."""
-    saved = {key: os.environ.get(key) for key in VLLM_ENV}
-    os.environ.update(VLLM_ENV)
+@contextmanager
+def restored_env(*keys: str) -> Iterator[None]:
+    """Environment variables ``keys`` as they were (set or not) once the block ends, whatever
+    it or an engine it starts sets."""
+    saved = {key: os.environ.get(key) for key in keys}
     try:
-        yield dict(VLLM_ENV)
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> Iterator[dict[str, str]]:
+    """The test environment for vLLM, in this process and for subprocesses."""
+    with restored_env(*VLLM_ENV):
+        os.environ.update(VLLM_ENV)
+        yield dict(VLLM_ENV)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ row runs to ``max_new_tokens``, and the KV cache blocks are 32 tokens (the CPU m
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
@@ -25,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config.schema import TaskConfig
-from asyncrl.models import PAD_ID, load_causal_lm
-from rollouters.tasks import make_task
+from asyncrl.models import load_causal_lm
+from tests.engines.learner_checks import learner_mismatch
 from tests.engines.test_vllm_engine import LOGPROB_TOLERANCE, PROMPTS, _flat, _patched
 from tests.engines.vllm_sleep_checks import (
     check_a_sleep_without_an_update_wakes_with_the_same_weights,
@@ -110,17 +108,7 @@ def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float
 
 
 def test_async_logprobs_match_learner_recompute(engine, tiny_model_dir: Path) -> None:
-    from learners.backends.fsdp2 import token_logprobs
-    from learners.batching import collate
-    from rollouters.workflows.single_turn import generate_groups
-
-    task = make_task(TaskConfig(), seed=0)
-    groups = generate_groups(engine, task, task.sample(random.Random(2), 4), group_size=8,
-                             temperature=1.0, max_new_tokens=8)
-    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
-    with torch.no_grad():
-        learner = token_logprobs(load_causal_lm(tiny_model_dir), batch)
-    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    delta, batch = learner_mismatch(engine, tiny_model_dir, seed=2)
     assert float(delta.mean()) < LOGPROB_TOLERANCE
     assert bool((batch.versions[batch.loss_mask] == engine.version).all())
 

@@ -189,3 +189,18 @@ def test_sleep_mode_is_vllms_on_gpus_only(device: str, enabled: bool,
     off = VLLMOptions(eos_ids=(3,), device=device)
     assert "enable_sleep_mode" not in engine_kwargs(tiny_model_dir, off)
     assert "--enable-sleep-mode" not in serving_flags(off)
+
+
+def test_cpu_tensor_parallelism_unbinds_threads_where_numa_nodes_are_too_few() -> None:
+    """vLLM's ``auto`` binding wants a NUMA node per tensor-parallel worker and refuses to start
+    without (test_vllm_tp.py started TP=2 here only unbound); a user's binding, one
+    worker, a GPU, or nodes enough keep vLLM's own."""
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    from rollouters.engines.vllm_options import THREADS_BIND, cpu_thread_binding
+
+    nodes = len(get_visible_memory_node())
+    assert cpu_thread_binding("cpu", nodes + 1, {}) == {THREADS_BIND: "nobind"}
+    assert cpu_thread_binding("cpu", nodes, {}) == {}
+    assert cpu_thread_binding("cpu", nodes + 1, {THREADS_BIND: "0-3|4-7"}) == {}
+    assert cpu_thread_binding("cuda", nodes + 1, {}) == {}
