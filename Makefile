@@ -9,10 +9,11 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: quickstart test test-fast bench clean
 
 # pytest-xdist workers for `make test`. Most tests are whole runs of several processes that
-# leave a core idle much of the time (imports, start-up, waits): two workers fill 2 cores.
-# A file at a time per worker (its module-scoped fixtures built once), long files first
-# (tests/conftest.py). TEST_WORKERS=0 runs one test at a time.
-TEST_WORKERS ?= 2
+# leave a core idle much of the time (imports, start-up, waits): on 2 cores two workers left
+# 17 % of the CPU idle (22 min 23 s), three finished in 20 min 15 s, same commit and machine
+# (2026-11-27, docs/testing.md). A file at a time per worker (its module-scoped fixtures
+# built once), long files first (tests/conftest.py). TEST_WORKERS=0 runs one test at a time.
+TEST_WORKERS ?= 3
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 $(STAMP): pyproject.toml setup.py buffers/_groupscan.c

@@ -28,8 +28,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     First the files with a ``slow`` test (whole runs of 30-90 s), then those with a
     module-scoped fixture (a Ray cluster, the DeepSpeed comparison runs, a vLLM server),
     then the rest, each file's tests together and in order: the short files then fill the
-    end of the run on both workers, where one worker's last long file would otherwise leave
-    the other core idle."""
+    end of the run on every worker, where one worker's last long file would otherwise leave
+    a core idle."""
     slow = {_file(item) for item in items if item.get_closest_marker("slow")}
     fixtures = {_file(item) for item in items if _uses_module_fixture(item)}
     items.sort(key=lambda item: (_file(item) not in slow, _file(item) not in fixtures))
