@@ -12,9 +12,8 @@ longer works; the worker's ``reload_weights`` (layer-wise reload, re-packs) does
 Importing this module also registers our weight-transfer backends, ``asyncrl_gloo`` and
 ``asyncrl_nccl`` (:mod:`rollouters.engines.vllm_gloo`), ``asyncrl_ipc`` and ``asyncrl_shm``
 (vLLM's ``ipc``, and the same on a host: :mod:`rollouters.engines.vllm_ipc_worker`): vLLM
-imports the extension in every
-worker before it builds the worker's transfer engine, so a server started with this extension
-can use them.
+imports the extension in every worker before it builds the worker's transfer engine, so a
+server started with this extension can use them.
 For the same reason it sets up vLLM's Qwen2-VL without torchvision (:mod:`vllm_qwen2_vl`),
 where that is missing, before the worker loads the model.
 """
@@ -29,8 +28,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rollouters.engines.vllm_gloo import register as register_gloo_backend
-from rollouters.engines.vllm_qwen2_vl import install as install_qwen2_vl
 from rollouters.engines.vllm_ipc_worker import register as register_ipc_backends
+from rollouters.engines.vllm_qwen2_vl import install as install_qwen2_vl
 
 logger = logging.getLogger(__name__)
 

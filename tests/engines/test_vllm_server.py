@@ -13,7 +13,6 @@ tested with the AsyncLLM engine (``test_vllm_async.py``).
 from __future__ import annotations
 
 import json
-import random
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config.schema import TaskConfig
-from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
-from rollouters.tasks import make_task
+from asyncrl.models import EOS_ID
+from tests.engines.learner_checks import learner_mismatch
 from tests.engines.test_vllm_engine import (
     LOGPROB_TOLERANCE,
     PROMPTS,
@@ -88,17 +86,7 @@ def server_engine(server_url: str, reference_state: dict):
 
 
 def test_server_logprobs_match_learner(server_engine, tiny_model_dir: Path) -> None:
-    from learners.backends.fsdp2 import token_logprobs
-    from learners.batching import collate
-    from rollouters.workflows.single_turn import generate_groups
-
-    task = make_task(TaskConfig(), seed=0)
-    groups = generate_groups(server_engine, task, task.sample(random.Random(1), 4),
-                             group_size=8, temperature=1.0, max_new_tokens=8)
-    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
-    with torch.no_grad():
-        learner = token_logprobs(load_causal_lm(tiny_model_dir), batch)
-    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    delta, batch = learner_mismatch(server_engine, tiny_model_dir, seed=1)
     assert float(delta.mean()) < LOGPROB_TOLERANCE
     assert bool((batch.versions[batch.loss_mask] == 0).all())
 
