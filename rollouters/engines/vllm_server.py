@@ -35,7 +35,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,9 @@ from rollouters.engines.vllm_sleep import (
     SleepCycle,
     memory_report,
 )
+
+if TYPE_CHECKING:  # importing it imports vLLM: only a worker that sends needs it
+    from rollouters.engines.vllm_sender import WeightSender
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ class VLLMServerEngine:
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
         self._weight_backend = weight_backend
         self._routing = routing
-        self._sender: Any = None  # a vllm_sender.WeightSender, from the first update on
+        self._sender: WeightSender | None = None  # from the first update on
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
         self._sleep_frees = sleep_frees
@@ -194,7 +197,7 @@ class VLLMServerEngine:
         self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
         self._version = version
 
-    def _weight_sender(self) -> Any:
+    def _weight_sender(self) -> WeightSender:
         """The server's :class:`~rollouters.engines.vllm_sender.WeightSender`, made at the
         first update (it imports vLLM: only a worker that sends needs it)."""
         if self._sender is None:
