@@ -1,9 +1,11 @@
 """Entry points of the roles (`asyncrl buffer|learner|rollout`), each a plain OS process.
 
 A role process stops on SIGTERM or SIGINT: the first signal sets a stop event that every loop
-checks (so the learner can still write its final model), a second one exits at once. Children a
-role spawns (learner ranks, rollout workers) ask the kernel to SIGTERM them if their parent dies,
-so a crashed or killed role never leaves orphans.
+checks (so the learner can still write its final model), a second one exits at once. A role's
+children (learner ranks, rollout workers) are forked from a fork server that imported torch and
+transformers once (:func:`_fork_server`): each spawned child used to import them itself, about
+7 s of CPU per child and per restart. A child SIGTERMs itself when its role exits
+(:func:`stop_with_role`), so a crashed or killed role never leaves orphans.
 
 A learner or rollout role first waits for its ZMQ broker to accept connections
 (:func:`wait_for_broker`), saying so while it waits: a ZMQ request to an address where nothing
@@ -20,6 +22,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import threading
@@ -78,6 +81,31 @@ def die_with_parent() -> None:
     """Linux: deliver SIGTERM to this process when its parent exits (no orphans)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_with_role(role_pid: int) -> None:
+    """SIGTERM this process when the role process ``role_pid`` exits, however it ends (a
+    SIGKILL included), as :func:`die_with_parent` does for a direct child. A child forked by the
+    fork server has the server as its parent, and the server outlives its role while children
+    hold its pipe, so the kernel's parent-death signal cannot stand for the role. A thread waits
+    on a pidfd of the role (an event, no polling); a role already gone stops the child at once.
+    The fork server's own death still ends the child too (:func:`die_with_parent`), so the
+    role, which reads its children's exit through the server, never loses sight of one that
+    still runs."""
+    die_with_parent()
+    if not hasattr(os, "pidfd_open"):  # not Linux: no pidfd
+        return
+    try:
+        pidfd = os.pidfd_open(role_pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="stop-with-role", daemon=True).start()
 
 
 def serve_buffer(cfg: Config, address_file: Path | None) -> int:
@@ -188,7 +216,8 @@ def run_learner(cfg: Config, address: str | None) -> int:
         return 0
     return _run_children(rank_main, [(cfg, first + i, world, address, port)
                                      for i in range(learner.ranks)], "learner",
-                         cfg.launcher.stop_grace_s("learner"), stop=stop)
+                         cfg.launcher.stop_grace_s("learner"), stop=stop,
+                         preload=("learners.loop", *ROLE_PRELOAD))
 
 
 def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:
@@ -207,22 +236,25 @@ def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int
         chunks = [indices[i:i + SIM_WORKERS_PER_PROCESS]
                   for i in range(0, workers, SIM_WORKERS_PER_PROCESS)]
         return _run_children(run_worker_threads, [(cfg, chunk, address) for chunk in chunks],
-                             "rollout", cfg.launcher.stop_timeout_s, stop=stop)
+                             "rollout", cfg.launcher.stop_timeout_s, stop=stop,
+                             preload=("rollouters.worker",))
     return _run_children(run_rollout_worker, [(cfg, first_index + i, address)
                                               for i in range(workers)], "rollout",
                          cfg.launcher.stop_timeout_s, RestartPolicy.from_config(cfg.launcher),
-                         first_index, partial(report_crashed, cfg, address, stop=stop), stop)
+                         first_index, partial(report_crashed, cfg, address, stop=stop), stop,
+                         ("rollouters.worker", "rollouters.engines", *ROLE_PRELOAD))
 
 
-def _child_main(target: Callable[..., None], args: tuple, role: str) -> None:
+def _child_main(target: Callable[..., None], args: tuple, role: str, role_pid: int) -> None:
     from buffers.malloc_tuning import keep_large_buffers
 
-    die_with_parent()
+    stop = stop_on_signals()  # before the watch on the role: its SIGTERM must find the handler
+    stop_with_role(role_pid)
     setup_logging(role)
     keep_large_buffers()  # groups are packed and sent, or received, as large buffers
     try:
         with exit_quietly_when_stopped(role):
-            target(*args, stop_on_signals())
+            target(*args, stop)
     except ConfigError as exc:  # the exit status tells the parent not to restart this child
         sys.exit(report_config_error(exc))
     except TimeoutError as exc:  # e.g. learners.lost.BufferLost, raised on every rank
@@ -249,8 +281,36 @@ def exit_quietly_when_stopped(role: str) -> Iterator[None]:
         logger.info("%s stopped without waiting for the buffer: %s", role, stopped)
 
 
+ROLE_PRELOAD = ("torch", "transformers.modeling_utils")
+"""What every learner rank and (non-simulated) rollout worker imports and the fork server imports
+for them: about 7 s of CPU (``python -X importtime``), against well under 1 s for the rest of
+a child's imports."""
+
+
+def _fork_server(preload: tuple[str, ...]) -> Any:
+    """The multiprocessing context whose children fork from a server that has imported
+    ``preload`` (modules that fail to import are skipped). The server is started here, with
+    SIGTERM ignored, which it keeps: a stop signals the role's whole process group, and a
+    server that died of it would take with it the exit statuses of children still stopping
+    (the learner saving its final model), which the role reads through it. Each child installs
+    its own handlers first (:func:`_child_main`). The server is multiprocessing's one per
+    process: the first call's ``preload`` holds for the process (a role calls this once);
+    nothing else in a role starts processes through it. It ends once the role and the
+    children it forked have exited."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return ctx
+
+
 class _Child:
-    """One spawned child and when it restarts (when it may be restarted at all)."""
+    """One forked child and when it restarts (when it may be restarted at all)."""
 
     def __init__(self, ctx: Any, target: Callable[..., None], args: tuple, name: str,
                  index: int, policy: RestartPolicy | None) -> None:
@@ -260,8 +320,8 @@ class _Child:
         self.restarts = Restarts(name, policy)
 
     def start(self) -> None:
-        self.proc = self.ctx.Process(target=_child_main, args=(self.target, self.args,
-                                                               self.name), name=self.name)
+        self.proc = self.ctx.Process(target=_child_main, name=self.name,
+                                     args=(self.target, self.args, self.name, os.getpid()))
         self.proc.start()
         self.restarts.started()
 
@@ -281,14 +341,16 @@ def _run_children(target: Callable[..., None], arg_list: list[tuple], role: str,
                   grace_s: float, policy: RestartPolicy | None = None,
                   first_index: int = 0,
                   on_crash: Callable[[int, int, str], None] | None = None,
-                  stop: threading.Event | None = None) -> int:
-    """Run each args tuple in its own spawned process; restart a crashed one while ``policy``
+                  stop: threading.Event | None = None,
+                  preload: tuple[str, ...] = ()) -> int:
+    """Run each args tuple in its own process, forked from a server that imported ``preload``
+    (:func:`_fork_server`); restart a crashed one while ``policy``
     allows (never without one, never after a config error); stop all when one fails for good,
     or on a signal (``stop``: the role's :func:`stop_on_signals` event, if it has one).
     ``on_crash(index, pid, reason)`` runs on a thread of its own for each
     crash (it may talk to a broker that is down: the supervision never waits for it).
     Returns :data:`CONFIG_ERROR_EXIT` when a config error stopped them."""
-    ctx = mp.get_context("spawn")
+    ctx = _fork_server(preload)
     stop = stop or stop_on_signals()
     children = [_Child(ctx, target, args, f"{role}[{first_index + i}]", first_index + i, policy)
                 for i, args in enumerate(arg_list)]

@@ -67,6 +67,30 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         procs.cleanup()
 
 
+def role_children(role_pid: int) -> list[int]:
+    """A role's children (learner ranks, rollout workers), in start order: the processes the
+    role's fork server forked (``asyncrl.launch.roles._fork_server``), not multiprocessing's
+    helpers nor what the children themselves start."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    servers = []
+    for pid in parents.get(role_pid, []):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            servers.append(pid)
+    return sorted(child for server in servers for child in parents.get(server, []))
+
+
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -16,26 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Processes
+from tests.integration.conftest import Processes, role_children
 from tests.integration.test_buffer_lost import training_two_ranks
 
 pytestmark = pytest.mark.slow
 
 
-def _ranks(pid: int) -> list[int]:
-    """The learner role's rank processes (its spawned children, in start order)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    ranks = [int(c) for c in children
-             if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")]
-    return sorted(ranks)
-
-
 def test_a_killed_rank_is_named_and_the_others_follow_in_one_line(
         tmp_path: Path, processes: Processes) -> None:
     _, learner, _, _ = training_two_ranks(tmp_path, processes, 3)
-    ranks = _ranks(learner.pid)
+    ranks = role_children(learner.pid)
     assert len(ranks) == 2, ranks
-    killed = 1   # spawned second: the higher pid
+    killed = 1   # forked second: the higher pid
     os.kill(ranks[killed], signal.SIGKILL)
     assert learner.wait(timeout=60) == 1, processes.log("learner")
     log = processes.log("learner")

@@ -15,7 +15,8 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.launch.run_dir import is_resuming
-from tests.integration.conftest import QUICKSTART, Processes, step_records, wait_for
+from tests.integration.conftest import (QUICKSTART, Processes, role_children, step_records,
+                                        wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -23,22 +24,6 @@ pytestmark = pytest.mark.slow
 
 def _started_pid(up_log: str, role: str) -> int:
     return int(re.findall(rf"started {role} \(pid (\d+)\)", up_log)[-1])
-
-
-def _workers(rollout_pid: int) -> list[int]:
-    """The rollout role's spawned worker processes (not multiprocessing's helpers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == rollout_pid and b"spawn_main" in cmdline:
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 def _mean_reward(records: list[dict]) -> float:
@@ -60,12 +45,12 @@ def test_rollout_and_broker_sigkill_are_survived_a_learner_crash_stops_the_run(
     wait_for(lambda: len(step_records(metrics)) >= 5, 240, "five steps")
 
     rollout_pid = _started_pid(processes.log("up"), "rollout")
-    victim = _workers(rollout_pid)[0]
+    victim = role_children(rollout_pid)[0]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: "rollout[0] killed by SIGKILL" in (logs / "rollout.log").read_text()
              or "rollout[1] killed by SIGKILL" in (logs / "rollout.log").read_text(), 30,
              "the rollout role to see its worker die")
-    wait_for(lambda: len(set(_workers(rollout_pid)) - {victim}) == 2, 60,
+    wait_for(lambda: len(set(role_children(rollout_pid)) - {victim}) == 2, 60,
              "the worker to be restarted")
     def crash_then_join() -> bool:  # on up's console, not only in logs/rollout.log
         crash = re.search(rf"fleet: rollout-\d-{victim} killed by SIGKILL", processes.log("up"))

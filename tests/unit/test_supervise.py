@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,16 +110,26 @@ def config_error_on_start(marker: str, stop: threading.Event) -> None:
     raise ConfigError("data.path: 'nope.jsonl' does not exist")
 
 
-def test_a_config_error_is_not_restarted(tmp_path, caplog, capfd):
+def test_a_config_error_is_not_restarted(tmp_path):
+    """Run as a role runs, in a process of its own: its children, forked by the fork server,
+    write where the role's stderr pointed when the server started (a log file for a real role),
+    which in this pytest process would be an earlier test's capture."""
     marker = str(tmp_path / "starts")
-    policy = RestartPolicy(max_restarts=3, backoff_s=0.05, healthy_after_s=60)
-    caplog.set_level("WARNING")
-    assert _run_children(config_error_on_start, [(marker,)], "worker", 5.0,
-                         policy) == CONFIG_ERROR_EXIT
+    script = ("import logging, sys\n"
+              "from asyncrl.launch.restart import RestartPolicy\n"
+              "from asyncrl.launch.roles import _run_children\n"
+              "from tests.unit.test_supervise import config_error_on_start\n"
+              "logging.basicConfig(level='WARNING')\n"
+              "policy = RestartPolicy(max_restarts=3, backoff_s=0.05, healthy_after_s=60)\n"
+              f"sys.exit(_run_children(config_error_on_start, [({marker!r},)], 'worker', 5.0, "
+              "policy))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parents[2])
+    assert done.returncode == CONFIG_ERROR_EXIT, done.stderr
     assert Path(marker).read_text() == "x"  # one start, no restart
-    assert any("configuration error" in r.getMessage() for r in caplog.records)
-    err = capfd.readouterr().err
-    assert "asyncrl: data.path: 'nope.jsonl' does not exist" in err and "Traceback" not in err
+    assert "configuration error" in done.stderr
+    assert "asyncrl: data.path: 'nope.jsonl' does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def crash_once_then_wait(marker: str, stop: threading.Event) -> None:
@@ -185,3 +198,42 @@ def test_refusals_name_the_process_and_how_it_ended():
     refusal = spent.crashed_with_exit(7)
     assert refusal.text.endswith(", out of restarts") and "worker[0] exit code 7" in refusal.text
     assert not refusal.config_error and not spent.waiting
+
+
+def note_pid_and_wait_for_stop(folder: str, stop: threading.Event) -> None:
+    """Child target: writes its pid, waits for the stop (a signal), then says it stopped."""
+    pid = os.getpid()
+    (Path(folder) / f"{pid}.tmp").write_text("")
+    (Path(folder) / f"{pid}.tmp").rename(Path(folder) / f"{pid}.started")
+    stop.wait()
+    (Path(folder) / f"{pid}.stopped").write_text("")
+
+
+def test_children_stop_when_their_role_is_killed(tmp_path):
+    """A role SIGKILLed (the OOM killer) leaves no orphans: its children, forked by the fork
+    server and so not children of the role, still get the SIGTERM they got as the role's
+    children (the stop a signal asks for: their loop ends, not a kill)."""
+    script = ("import sys\n"
+              "from asyncrl.launch.roles import _run_children\n"
+              "from tests.unit.test_supervise import note_pid_and_wait_for_stop\n"
+              f"_run_children(note_pid_and_wait_for_stop, [({str(tmp_path)!r},)] * 2, "
+              "'worker', 5.0)\n")
+    role = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.started"))) < 2:
+            assert role.poll() is None and time.monotonic() < deadline, "children not started"
+            time.sleep(0.05)
+        children = [int(p.name.split(".")[0]) for p in tmp_path.glob("*.started")]
+        watches = [os.pidfd_open(pid) for pid in children]
+        role.kill()
+        role.wait()
+        for pidfd in watches:  # each child's exit, as an event
+            ready, _, _ = select.select([pidfd], [], [], 30)
+            assert ready, "a child outlived its killed role"
+            os.close(pidfd)
+        assert sorted(int(p.name.split(".")[0]) for p in tmp_path.glob("*.stopped")) == \
+            sorted(children)
+    finally:
+        role.kill()
+        role.wait()
