@@ -125,7 +125,10 @@ def prepare_model_dir(model_cfg: ModelConfig, run_dir: Path, seed: int) -> Path:
     With ``model_cfg.path`` set it is returned unchanged (a local dir or a hub id, resolved by
     :func:`load_causal_lm`). Otherwise the tiny model and char tokenizer are saved under
     ``run_dir/init_model``: written to a temp dir and renamed, so concurrent callers either
-    build identical copies (same seed) and one rename wins, or reuse the finished one.
+    build identical copies (same seed) and one rename wins, or reuse the finished one. Each role
+    process calls it as it starts (the learner, every rollout worker); ``asyncrl up`` does not,
+    so it never imports torch: that import cost about 7 s of CPU before any role could start,
+    and the tiny model takes well under a second to build.
     """
     if model_cfg.path:
         return Path(model_cfg.path).expanduser()

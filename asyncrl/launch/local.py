@@ -82,7 +82,6 @@ class LocalLauncher:
             self.address = self._start_buffer(config_path, address_file)
             if self.resuming:
                 reopen_run(self.cfg, self.address)
-            self._prepare_model()
             at = ["--buffer", self.address] if self.address else []
             learner = self._start("learner", config_path, *at)
             self._start("rollout", config_path, *at, "--workers", str(self.cfg.rollout.workers),
@@ -145,12 +144,6 @@ class LocalLauncher:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"buffer did not announce its address in {address_file}")
         return address_file.read_text().strip()
-
-    def _prepare_model(self) -> None:
-        """Build the init model once here, so the roles don't all build it at the same time."""
-        from asyncrl.models import prepare_model_dir
-
-        prepare_model_dir(self.cfg.model, self.cfg.run_dir, self.cfg.run.seed)
 
     def _supervise(self, learner: Role) -> None:
         client = status_client(self.cfg, self.address)
