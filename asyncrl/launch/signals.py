@@ -22,13 +22,19 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def stop_on_signals() -> threading.Event:
-    """First SIGTERM/SIGINT: set the returned event. Second: exit immediately."""
+    """First SIGTERM/SIGINT: set the returned event. Second: exit immediately.
+
+    The signals are counted, not read off the event: code also sets the event to stop (the
+    learner, when its buffer is lost, before it saves its steps), and a single SIGTERM then
+    (its role stopping the other ranks) must not count as the second and kill the save."""
     stop = threading.Event()
+    signalled: list[int] = []
 
     def handler(signum: int, _frame: Any) -> None:
-        if stop.is_set():
+        if signalled:
             logger.warning("second %s: exiting now", signal.Signals(signum).name)
             os._exit(128 + signum)
+        signalled.append(signum)
         logger.info("%s: stopping", signal.Signals(signum).name)
         stop.set()
 
