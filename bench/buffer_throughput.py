@@ -555,6 +555,12 @@ KV_RATIO = ("redis", "redis-put-many")  # also shown against redis-raw-kv
 TWO_HOP_RATIO = ("zmq", "zmq-put-many", "zmq-spill")
 
 
+
+def _ratio(value: float) -> str:
+    """Two decimals, or one significant digit below 0.01: a slow row on a loaded machine read
+    0.00, as if it had moved nothing."""
+    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"{value:.1g}"
+
 def runner(name: str, ctx: Any, spec: Spec, producers: int, args: argparse.Namespace
            ) -> Callable[[], Row]:
     seconds = args.seconds
@@ -604,10 +610,10 @@ def run_config(ctx: Any, spec: Spec, producers: int, args: argparse.Namespace) -
             print(f"| {label} | {producers} | {name} | {what} not available | | | | |")
             continue
         raws = [rates[r] for r in RAW_OF.get(name, ()) if r in rates]
-        ratio = f"{rates[name] / max(raws):.2f}" if raws else ""
+        ratio = _ratio(rates[name] / max(raws)) if raws else ""
         second = rates.get("zmq-raw-2hop") if name in TWO_HOP_RATIO else \
             rates.get("redis-raw-kv") if name in KV_RATIO else None
-        ratio_2hop = f"{rates[name] / second:.2f}" if second else ""
+        ratio_2hop = _ratio(rates[name] / second) if second else ""
         spread = f"{min(samples[name]):,.0f}–{max(samples[name]):,.0f}"
         cores = {role: f"{statistics.median(c[role] for c in cpus[name]):.2f}"
                  if any(c[role] for c in cpus[name]) else "–" for role in cpus[name][0]}
