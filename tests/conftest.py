@@ -7,6 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import ranks
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    ranks.configure()  # before any test starts multiprocessing's fork server
+
 
 @pytest.fixture(autouse=True)
 def _restore_root_logging() -> Iterator[None]:

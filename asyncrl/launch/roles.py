@@ -289,7 +289,8 @@ a child's imports."""
 
 def _fork_server(preload: tuple[str, ...]) -> Any:
     """The multiprocessing context whose children fork from a server that has imported
-    ``preload`` (modules that fail to import are skipped). The server is started here, with
+    ``preload`` (modules that fail to import are skipped; none named: multiprocessing's own
+    choice, or what the process named before). The server is started here, with
     SIGTERM ignored, which it keeps: a stop signals the role's whole process group, and a
     server that died of it would take with it the exit statuses of children still stopping
     (the learner saving its final model), which the role reads through it. Each child installs
@@ -300,7 +301,8 @@ def _fork_server(preload: tuple[str, ...]) -> Any:
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         forkserver.ensure_running()

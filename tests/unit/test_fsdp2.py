@@ -19,6 +19,7 @@ from asyncrl.config.schema import CorrectionConfig, LearnerConfig, LossConfig
 from asyncrl.net import free_port
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
+from tests.ranks import rank_context
 
 STEPS = 3
 VOCAB = 16
@@ -99,10 +100,11 @@ def spawn_runs(target: Callable[..., None], model_dir: Path, root: Path,
     model_dir, root/name, *extra)``. Wait for all of them and return each run's directory.
 
     The runs of one world size take turns in the same processes, one per rank, in one gloo
-    group (``timeout_s``): a learner process costs ~7 s of CPU before its first step (torch,
-    transformers and FSDP imports), more than the steps of a run here, and at most 2 cores
-    run them. The worlds run at once."""
-    ctx = mp.get_context("spawn")
+    group (``timeout_s``), and the processes fork from a server that has imported torch,
+    transformers and FSDP (:mod:`tests.ranks`): a spawned learner process cost ~7 s of CPU
+    before its first step, more than the steps of a run here, and at most 2 cores run them.
+    The worlds run at once."""
+    ctx = rank_context()
     plans: dict[int, list[tuple[str, tuple]]] = {}
     for name, (world, extra) in runs.items():
         (root / name).mkdir()

@@ -7,7 +7,6 @@ for too long between steps) is only noticed after ``learner.collective_timeout_s
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 
 from asyncrl.config.schema import LearnerConfig
 from asyncrl.net import free_port
+from tests.ranks import rank_context
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,7 +47,7 @@ def _rank(rank: int, port: int, timeout_s: float, peer: str, peer_gone, results)
 
 
 def _run(timeout_s: float, peer: str) -> tuple[str, float]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results, peer_gone, port = ctx.Queue(), ctx.Event(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, peer, peer_gone, results),
                          daemon=True)

@@ -11,6 +11,7 @@ from asyncrl.net import free_port
 from buffers.zmq_broker import start_broker_thread
 from learners.loop import run_learner_rank
 from rollouters.eval import EngineEvaluator
+from tests.ranks import run_ranks
 
 
 @pytest.mark.timeout(120)
@@ -122,7 +123,7 @@ def _two_ranks(args: list[str], target, *extra, groups: int = 2) -> dict:
             assert all(client.put("w", _group(i, cfg.run.name)).accepted
                        for i in range(groups))
         results = mp.Manager().dict()
-        mp.spawn(target, args=(args, address, free_port(), *extra, results), nprocs=2)
+        run_ranks(target, args=(args, address, free_port(), *extra, results), nprocs=2)
         return dict(results)
     finally:
         stop_broker()
@@ -179,7 +180,7 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
             if after_step:  # one step's groups: rank 0 then waits for data until the stop
                 assert all(client.put("w", _group(i, cfg.run.name)).accepted for i in (0, 1))
         results = mp.Manager().dict()
-        mp.spawn(_rank_told_alone, args=(args, address, free_port(), after_step, results),
+        run_ranks(_rank_told_alone, args=(args, address, free_port(), after_step, results),
                  nprocs=2)
         assert dict(results) == {0: "returned", 1: "returned"}
         with ZmqBufferClient(address, timeout_s=10) as client:

@@ -3,12 +3,12 @@ taken from a real two-process gloo group whose second rank exits mid-run, and no
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from datetime import timedelta
 
 from asyncrl.net import free_port
 from learners.dist import peer_left
+from tests.ranks import rank_context
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_a_rank_that_left_is_recognised_in_gloo_errors_and_their_context() -> None:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in (0, 1)]
     for proc in procs:

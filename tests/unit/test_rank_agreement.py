@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.config.schema import Config, RunConfig
 from asyncrl.net import free_port
+from tests.ranks import run_ranks
 from tests.unit.test_zmq_buffer import broker  # noqa: F401 (fixture: real brokers)
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,7 +54,7 @@ def test_ranks_answered_differently_at_a_fresh_start_stop_together(broker,  # no
     with ZmqBufferClient(ahead, timeout_s=5) as client:
         client.publish_version(3)
     results = mp.Manager().dict()
-    mp.spawn(_fresh_start, args=(2, free_port(), [fresh, ahead], str(tmp_path), results),
+    run_ranks(_fresh_start, args=(2, free_port(), [fresh, ahead], str(tmp_path), results),
              nprocs=2)
     assert set(results.keys()) == {0, 1}
     for rank in (0, 1):

@@ -7,11 +7,11 @@ from dataclasses import fields, replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncrl.net import free_port
 from learners.balance import pack_shares, scatter_batch, split_batch
 from learners.batching import collate
+from tests.ranks import run_ranks
 from tests.unit.test_zmq_buffer import make_group
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +58,7 @@ def test_each_rank_receives_its_share_field_for_field(groups: int, routed: bool,
                                                       images: bool) -> None:
     """1 group = 2 samples for 3 ranks: one pad share. ``routed``: with routing replay's
     ``routing`` field; ``images``: with a VLM's pixels and grids (``learners.vision``)."""
-    mp.spawn(_check_share, args=(3, free_port(), groups, routed, images), nprocs=3)
+    run_ranks(_check_share, args=(3, free_port(), groups, routed, images), nprocs=3)
 
 
 class _Prefetched:
@@ -108,4 +108,4 @@ def _check_end_of_step(rank: int, world: int, port: int) -> None:
 
 
 def test_end_of_step_agrees_on_stop_and_the_next_shares_in_one_collective() -> None:
-    mp.spawn(_check_end_of_step, args=(3, free_port()), nprocs=3)
+    run_ranks(_check_end_of_step, args=(3, free_port()), nprocs=3)

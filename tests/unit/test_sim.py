@@ -16,6 +16,7 @@ from asyncrl.config import Config, ConfigError, parse_overrides
 from asyncrl.config.schema import LearnerConfig, SimConfig
 from asyncrl.weights.transport import make_transport
 from rollouters.engines.sim import SimEngine, sample_lengths, step_end_times
+from tests.ranks import run_ranks
 
 EOS = 3
 
@@ -164,7 +165,6 @@ def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_pa
     batch's: equal to step_metrics of the whole batch on one rank."""
     import json
 
-    import torch.multiprocessing as mp
 
     from asyncrl.config.schema import TinyModelConfig
     from asyncrl.models import build_char_tokenizer, build_tiny_model
@@ -176,7 +176,7 @@ def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_pa
     model, out = tmp_path / "model", tmp_path / "out"
     out.mkdir()
     build_tiny_model(TinyModelConfig(), len(build_char_tokenizer()), 0).save_pretrained(model)
-    mp.spawn(_sim_rank, args=(2, free_port(), str(model), str(out)), nprocs=2)
+    run_ranks(_sim_rank, args=(2, free_port(), str(model), str(out)), nprocs=2)
     ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     largest = max(r["tokens"] for r in ranks)
     assert ranks[0]["tokens"] != ranks[1]["tokens"]
