@@ -67,10 +67,8 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         procs.cleanup()
 
 
-def role_children(role_pid: int) -> list[int]:
-    """A role's children (learner ranks, rollout workers), in start order: the processes the
-    role's fork server forked (``asyncrl.launch.roles._fork_server``), not multiprocessing's
-    helpers nor what the children themselves start."""
+def children_by_parent() -> dict[int, list[int]]:
+    """ppid → the pids of its live children, read off ``/proc`` once."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -80,6 +78,14 @@ def role_children(role_pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         parents.setdefault(ppid, []).append(int(entry.name))
+    return parents
+
+
+def role_children(role_pid: int) -> list[int]:
+    """A role's children (learner ranks, rollout workers), in start order: the processes the
+    role's fork server forked (``asyncrl.launch.roles._fork_server``), not multiprocessing's
+    helpers nor what the children themselves start."""
+    parents = children_by_parent()
     servers = []
     for pid in parents.get(role_pid, []):
         try:

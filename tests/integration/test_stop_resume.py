@@ -18,6 +18,7 @@ from learners.checkpoint import latest, read_meta
 from tests.integration.conftest import (
     QUICKSTART,
     Processes,
+    children_by_parent,
     interrupted_run,
     step_records,
     wait_for,
@@ -62,14 +63,7 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
 
 
 def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+    children = children_by_parent()
     found, stack = set(), [root]
     while stack:
         for child in children.get(stack.pop(), []):
