@@ -15,11 +15,13 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
+from asyncrl.launch.roles import ROLE_PRELOAD
+
 START_METHOD = "forkserver"
 
-PRELOAD = ("torch", "transformers.modeling_utils", "torch.distributed.fsdp", "learners.dist")
-"""What nearly every rank imports: the server imports it once (a module that fails to import
-is skipped)."""
+PRELOAD = (*ROLE_PRELOAD, "torch.distributed.fsdp", "learners.dist")
+"""What nearly every rank imports: the roles' own preload and the learner's process group. The
+server imports it once (a module that fails to import is skipped)."""
 
 
 def configure() -> None:
