@@ -35,7 +35,7 @@ def test_run_with_sglang_engine(tmp_path: Path, processes: Processes) -> None:
                          "--set", "rollout.workers=2", "--set", f"learner.total_steps={STEPS}",
                          "--set", "buffer.max_staleness=0", "--set", "eval.every_steps=0",
                          "--set", "weights.timeout_s=30")
-    assert up.wait(timeout=400) == 0, processes.log("up")
+    assert processes.wait(up, 400) == 0, processes.log("up")
     run_dir = tmp_path / "sg"
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
     assert len(records) == STEPS

@@ -32,7 +32,7 @@ def test_colocated_run_with_vllm_stays_on_policy(tmp_path: Path, processes: Proc
             "buffer.max_staleness=0", f"learner.total_steps={STEPS}", "eval.every_steps=0",
             "task.eval_size=8", f"run.output_dir={tmp_path}", "run.name=vllm"]
     up = processes.start("up", "up", str(QUICKSTART), *[a for s in sets for a in ("--set", s)])
-    assert up.wait(timeout=300) == 0, processes.log("up")
+    assert processes.wait(up, 300) == 0, processes.log("up")
     records = [r for r in read_jsonl(tmp_path / "vllm" / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
     assert len(records) == STEPS

@@ -30,7 +30,7 @@ def test_vllm_gets_merged_lora_weights_on_policy(tmp_path: Path, processes: Proc
                          # one engine: what is checked is per engine (a vLLM engine start is
                          # the most of this test's cost; test_vllm_quickstart runs two)
                          "--set", "rollout.workers=1")
-    assert up.wait(timeout=540) == 0, processes.log("up")
+    assert processes.wait(up, 540) == 0, processes.log("up")
     run_dir = tmp_path / "quickstart"
     records = step_records(run_dir / "metrics.jsonl")
     assert len(records) == STEPS

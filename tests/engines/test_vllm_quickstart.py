@@ -35,6 +35,6 @@ def test_quickstart_learns_with_vllm(tmp_path: Path, processes: Processes,
     up = processes.start("up", "up", str(QUICKSTART), "--set", "rollout.engine=vllm", *tiny,
                          "--set", "rollout.workers=1",
                          "--set", f"run.output_dir={tmp_path}")
-    assert up.wait(timeout=540) == 0, processes.log("up")
+    assert processes.wait(up, 540) == 0, processes.log("up")
     final = json.loads((tmp_path / "quickstart" / "eval.json").read_text())
     assert final["val/test_score/copy"] >= 0.9, final

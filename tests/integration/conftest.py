@@ -29,6 +29,7 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self.names: dict[int, str] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = (self.log_dir / f"{name}.log").open("wb")
@@ -36,6 +37,7 @@ class Processes:
                                 stderr=subprocess.STDOUT, env=role_env(), cwd=ROOT,
                                 start_new_session=True)
         self.procs.append(proc)
+        self.names[proc.pid] = name
         return proc
 
     def start_buffer(self, *args: str) -> tuple[subprocess.Popen, str]:
@@ -48,6 +50,17 @@ class Processes:
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, proc: subprocess.Popen, timeout_s: float) -> int:
+        """``proc``'s exit status once it exits. Past ``timeout_s`` (a bound on a hang, never a
+        measure), the test fails with the process's log: a bare TimeoutExpired says nothing of
+        where it hung."""
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            name = self.names[proc.pid]
+            pytest.fail(f"{name} still running after {timeout_s:.0f}s; its log:\n"
+                        f"{self.log(name)}")
 
     def cleanup(self) -> None:
         for proc in self.procs:

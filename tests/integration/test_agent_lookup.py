@@ -32,7 +32,7 @@ def test_lookup_agent_learns_to_use_its_tool(tmp_path: Path, processes: Processe
     up = processes.start("up", "up", str(CONFIG), "--set", f"run.output_dir={tmp_path}",
                          "--set", f"eval.stop_at_accuracy={TARGET}",
                          "--set", "learner.total_steps=200")
-    assert up.wait(timeout=900) == 0, processes.log("up")
+    assert processes.wait(up, 900) == 0, processes.log("up")
     records = [r for r in read_jsonl(tmp_path / "agent_lookup" / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
     scores = [r[SCORE] for r in records if SCORE in r]

@@ -35,7 +35,7 @@ def test_separate_processes_learn(tmp_path: Path, processes: Processes) -> None:
         # A failing rank often only reports its peer's hang-up: show both nodes' logs.
         assert node.wait(timeout=400) == 0, "\n".join(
             f"--- {name} ---\n{processes.log(name)}" for name in ("node0", "node1", "rollout"))
-    assert rollout.wait(timeout=30) == 0, processes.log("rollout")  # they see run status done
+    assert processes.wait(rollout, 30) == 0, processes.log("rollout")  # they see run status done
     assert buffer.poll() is None  # the broker outlives a run until it is told to stop
     assert "global ranks 1..1 of 2" in processes.log("node1")
     for k in (0, 1):

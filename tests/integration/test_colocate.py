@@ -32,7 +32,7 @@ def _run(tmp_path: Path, processes: Processes, name: str, engines: int,
                          "--set", f"learner.total_steps={STEPS}", "--set", "eval.every_steps=0",
                          "--set", f"rollout.workers={engines}",
                          *[arg for s in sets for arg in ("--set", s)])
-    assert up.wait(timeout=300) == 0, processes.log(name)
+    assert processes.wait(up, 300) == 0, processes.log(name)
     records = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
     assert len(records) == STEPS

@@ -29,7 +29,7 @@ def test_a_run_whose_data_runs_out_ends_finished(tmp_path: Path, processes: Proc
                          "--set", "learner.total_steps=1000", "--set", "eval.every_steps=0",
                          "--set", "reward.path=tests.rewards.helpers:hang_on_row_r3",
                          "--set", "reward.timeout_s=1")
-    assert up.wait(timeout=300) == 0, processes.log("up")
+    assert processes.wait(up, 300) == 0, processes.log("up")
     assert "stopped: its share of data.path ran out" in processes.log("up")
     log = (tmp_path / "ends" / "logs" / "learner.log").read_text()
     assert "the data ran out: the 2 rollout workers' shares of data.path all ran out" in log, log

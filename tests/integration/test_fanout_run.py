@@ -94,7 +94,7 @@ def test_every_learner_rank_sends_its_slice_and_every_engine_ends_equal(
     probes = Probes(run_dir, sets)
     probes.start()
     try:
-        assert up.wait(timeout=240) == 0, processes.log("up")
+        assert processes.wait(up, 240) == 0, processes.log("up")
     finally:
         probes.close()
 

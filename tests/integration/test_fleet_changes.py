@@ -59,7 +59,7 @@ def test_engines_join_and_die_mid_run(tmp_path: Path, processes: Processes) -> N
     assert learner.poll() is None  # the learner never stopped
 
     os.killpg(joiner.pid, signal.SIGINT)  # Ctrl-C in its terminal: the foreground group
-    assert joiner.wait(timeout=60) == 0, processes.log("rollout1")
+    assert processes.wait(joiner, 60) == 0, processes.log("rollout1")
     assert "rollout-1-" in processes.log("rollout1") and "stopped" in processes.log("rollout1")
     with ZmqBufferClient(address, timeout_s=10) as client:
         gone = [m for name, m in client.status()["members"].items()

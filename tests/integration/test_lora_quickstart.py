@@ -23,7 +23,7 @@ LORA = ["--set", "model.lora.rank=8", "--set", "learner.lr=5e-3"]
 def _up(processes: Processes, tmp_path: Path, name: str, *sets: str) -> Path:
     up = processes.start("up", "up", str(QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", f"run.name={name}", *LORA, *sets)
-    assert up.wait(timeout=420) == 0, processes.log("up")
+    assert processes.wait(up, 420) == 0, processes.log("up")
     return tmp_path / name
 
 

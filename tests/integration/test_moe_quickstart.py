@@ -23,7 +23,7 @@ def test_moe_quickstart_learns_with_routing_replay(tmp_path: Path, processes: Pr
     suite a minute.)"""
     up = processes.start("up", "up", str(MOE_QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          "--set", "learner.routing_replay=true")
-    assert up.wait(timeout=420) == 0, processes.log("up")
+    assert processes.wait(up, 420) == 0, processes.log("up")
     run_dir = tmp_path / "moe_quickstart"
     final = json.loads((run_dir / "eval.json").read_text())
     assert final["val/test_score/copy"] >= 0.9, final

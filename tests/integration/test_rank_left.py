@@ -29,7 +29,7 @@ def test_a_killed_rank_is_named_and_the_others_follow_in_one_line(
     assert len(ranks) == 2, ranks
     killed = 1   # forked second: the higher pid
     os.kill(ranks[killed], signal.SIGKILL)
-    assert learner.wait(timeout=60) == 1, processes.log("learner")
+    assert processes.wait(learner, 60) == 1, processes.log("learner")
     log = processes.log("learner")
     assert "Traceback" not in log, log
     cause = re.search(r"learner ERROR .*learner\[(\d)\] (.*): stopping the others", log)

@@ -107,7 +107,7 @@ def test_quickstart_learns_on_ray_and_survives_a_killed_worker(
     os.kill(rollouts[0], signal.SIGKILL)
     wait_for(lambda: re.search(r"rollout\[\d\] failed after .*restart 1/3",
                                processes.log("up")), 60, "the launcher to restart the worker")
-    assert up.wait(timeout=600) == 0, processes.log("up")
+    assert processes.wait(up, 600) == 0, processes.log("up")
 
     records = step_records(metrics)
     assert [r["step"] for r in records] == list(range(1, 121))
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_every_actor_and_the_learner_saves(
     wait_for(lambda: len(step_records(metrics)) >= 2, 300, "two steps on Ray")
     start = time.monotonic()
     os.kill(up.pid, signal.SIGINT)
-    assert up.wait(timeout=60) == 130, processes.log("up")
+    assert processes.wait(up, 60) == 130, processes.log("up")
     assert time.monotonic() - start < 40
     assert "did not stop in time" not in processes.log("up")
     assert (tmp_path / "raystop" / "final" / "config.json").exists()  # the learner saved
@@ -160,7 +160,7 @@ def test_a_role_config_error_is_not_restarted_and_exits_2(
                          "--set", f"run.output_dir={tmp_path}", "--set", "run.name=raycfg",
                          "--set", "launcher.type=ray", "--set", f"launcher.address={ray_cluster}",
                          "--set", "launcher.restart_backoff_s=0.5")
-    assert up.wait(timeout=300) == 2, processes.log("up")
+    assert processes.wait(up, 300) == 2, processes.log("up")
     log = processes.log("up")
     assert ("run stopped: rollout[0] stopped on a configuration error (not restarted): "
             "rollout.device: 'cuda', but this process sees no CUDA device") in log, log[-3000:]

@@ -23,7 +23,7 @@ def test_every_recipe_runs_a_few_steps_with_the_tiny_model(tmp_path: Path,
         runs[recipe.stem] = processes.start(recipe.stem, "up", str(recipe), *sets,
                                             "--set", f"run.output_dir={tmp_path}")
     for name, up in runs.items():
-        assert up.wait(timeout=400) == 0, (name, processes.log(name)[-3000:])
+        assert processes.wait(up, 400) == 0, (name, processes.log(name)[-3000:])
     for recipe in RECIPES:
         config = (tmp_path / recipe.stem / "config.toml").read_text()
         steps = [r["step"] for r in read_jsonl(tmp_path / recipe.stem / "metrics.jsonl")]

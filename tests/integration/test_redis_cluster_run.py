@@ -38,7 +38,7 @@ def test_quickstart_runs_on_a_redis_cluster(tmp_path: Path, processes: Processes
                              "--set", f"learner.total_steps={STEPS}",
                              "--set", "eval.every_steps=0")
         try:
-            assert up.wait(timeout=300) == 0, processes.log("up")
+            assert processes.wait(up, 300) == 0, processes.log("up")
             records = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
                        if isinstance(r.get("step"), int)]
             assert max(r["step"] for r in records) == STEPS

@@ -22,7 +22,7 @@ def test_quickstart_learns_with_redis(tmp_path: Path, processes: Processes) -> N
     sets = ["--set", f"run.output_dir={tmp_path}", "--set", f"run.name={name}"]
     try:
         up = processes.start("up", "up", str(QUICKSTART), *sets, "--set", "buffer.type=redis")
-        assert up.wait(timeout=420) == 0, processes.log("up")
+        assert processes.wait(up, 420) == 0, processes.log("up")
     finally:
         reset_run(load_config(QUICKSTART, [a for a in sets if a != "--set"]).buffer, name)
     run_dir = tmp_path / name

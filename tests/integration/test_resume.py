@@ -51,8 +51,8 @@ def test_sigkilled_learner_resumes_and_keeps_learning(tmp_path: Path,
     assert version >= 10 and version % 5 == 0
 
     resumed = processes.start("learner2", "learner", str(QUICKSTART), *sets, *at)
-    assert resumed.wait(timeout=240) == 0, processes.log("learner2")
-    assert rollout.wait(timeout=30) == 0, processes.log("rollout")
+    assert processes.wait(resumed, 240) == 0, processes.log("learner2")
+    assert processes.wait(rollout, 30) == 0, processes.log("rollout")
     assert f"resuming at version {version}" in processes.log("learner2")
 
     after = step_records(run_dir / "metrics.jsonl")[len(before):]

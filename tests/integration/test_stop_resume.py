@@ -40,7 +40,7 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     assert len(tree) >= 4, tree  # buffer, learner, rollout and its two workers
     start = time.monotonic()
     first.send_signal(signal.SIGINT)  # Ctrl-C (`up`'s roles have sessions of their own)
-    assert first.wait(timeout=30) == 130, processes.log("up1")  # interrupted, as asked
+    assert processes.wait(first, 30) == 130, processes.log("up1")  # interrupted, as asked
     wait_for(lambda: not any(_alive(pid) for pid in tree), 5, "children to exit")
     assert time.monotonic() - start < 20
     assert "did not stop in time" not in processes.log("up1")  # stopped cleanly, not killed
@@ -51,7 +51,7 @@ def test_ctrl_c_then_up_again_resumes_and_finishes(tmp_path: Path,
     assert "-> done" not in buffer_log, buffer_log  # a stop is not the end of the run
 
     second = processes.start("up2", "up", str(QUICKSTART), *sets)
-    assert second.wait(timeout=300) == 0, processes.log("up2")
+    assert processes.wait(second, 300) == 0, processes.log("up2")
     buffer_log = (run_dir / "logs" / "buffer.log").read_text()
     assert "replayed" in buffer_log, buffer_log  # the default spill file, kept for the resume
     learner_log = (run_dir / "logs" / "learner.log").read_text()

@@ -89,7 +89,7 @@ def _learner_crash_stops_the_run(up, processes: Processes, sets: list[str]) -> N
     """A SIGKILLed learner stops the run with the cause in one line, and leaves it resumable
     (the run is past its checkpoint at step 50)."""
     os.killpg(_started_pid(processes.log("up"), "learner"), signal.SIGKILL)
-    assert up.wait(timeout=60) == 1, processes.log("up")
+    assert processes.wait(up, 60) == 1, processes.log("up")
     stopped = [ln for ln in processes.log("up").splitlines() if ln.startswith("run stopped:")]
     assert len(stopped) == 1 and "learner killed by SIGKILL" in stopped[0], stopped
     assert "resumable" in stopped[0]

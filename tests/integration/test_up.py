@@ -23,7 +23,7 @@ def test_zero_staleness_is_on_policy(tmp_path: Path, processes: Processes) -> No
                          "--set", "run.name=sync", "--set", "buffer.max_staleness=0",
                          "--set", "learner.ranks=2", *LORA,
                          "--set", "learner.total_steps=12", "--set", "eval.every_steps=6")
-    assert up.wait(timeout=300) == 0, processes.log("up")
+    assert processes.wait(up, 300) == 0, processes.log("up")
     records = [r for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl")
                if isinstance(r.get("step"), int)]
     assert len(records) == 12

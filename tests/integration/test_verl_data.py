@@ -25,7 +25,7 @@ def test_the_tiny_model_learns_a_verl_parquet_task(tmp_path: Path, processes: Pr
                          "--set", f"data.path={data / 'train.parquet'}",
                          "--set", f"data.eval_path={data / 'test.parquet'}",
                          "--set", f"run.output_dir={tmp_path}")
-    assert up.wait(timeout=400) == 0, processes.log("up")
+    assert processes.wait(up, 400) == 0, processes.log("up")
     log = processes.log("up")
     final = re.search(r"final held-out greedy eval val/test_score/test ([\d.]+), "
                       r"val/success/test ([\d.]+)", log)

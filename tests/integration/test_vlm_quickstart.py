@@ -27,7 +27,7 @@ def check_learnt(tmp_path: Path, processes: Processes, *sets: str) -> None:
     more = [arg for value in sets for arg in ("--set", value)]
     up = processes.start("up", "up", str(VLM_QUICKSTART), "--set", f"run.output_dir={tmp_path}",
                          *more)
-    assert up.wait(timeout=420) == 0, processes.log("up")
+    assert processes.wait(up, 420) == 0, processes.log("up")
     run_dir = tmp_path / "vlm_quickstart"
     final = json.loads((run_dir / "eval.json").read_text())
     assert final["val/test_score/colour"] >= 0.9, final

@@ -56,7 +56,7 @@ def test_a_role_without_a_broker_says_so_and_stops_on_sigterm(
     assert proc.poll() is None, processes.log(role)
     stopped = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, processes.log(role)
+    assert processes.wait(proc, 30) == 0, processes.log(role)
     assert time.monotonic() - stopped < STOP_S, processes.log(role)
     log = processes.log(role)
     assert f"stopped while waiting for the buffer at {address}" in log

@@ -37,7 +37,7 @@ def test_a_worker_with_a_hung_reward_stops_on_one_sigterm(
     (hung,) = [int(p.name) for p in marks.iterdir()]
     start = time.monotonic()
     os.killpg(rollout.pid, signal.SIGTERM)  # one SIGTERM to each role process, as Ctrl-C does
-    assert rollout.wait(timeout=60) == 0, processes.log("rollout")
+    assert processes.wait(rollout, 60) == 0, processes.log("rollout")
     log = processes.log("rollout")
     assert time.monotonic() - start < STOP_BOUND_S, log
     assert "second SIGTERM" not in log and "stopped" in log, log

@@ -139,7 +139,7 @@ def test_a_learner_whose_broker_was_killed_exits_promptly_on_sigterm(
              "the learner's requests to the dead broker")
     stopped = time.monotonic()
     learner.send_signal(signal.SIGTERM)
-    assert learner.wait(timeout=30) == 0, processes.log("learner")
+    assert processes.wait(learner, 30) == 0, processes.log("learner")
     assert time.monotonic() - stopped < 10, processes.log("learner")
     assert "Traceback" not in processes.log("learner"), processes.log("learner")
 
