@@ -15,12 +15,41 @@ logger = logging.getLogger(__name__)
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close).
 
-    Racy by nature: another process may take it before the group binds it. Good enough for
-    tests and single-node runs where only we are picking ports.
+    Racy by nature: another process may take it before its server binds it. A port a server of
+    ours binds later is a :class:`ReservedPort`; this is for a server that binds at once.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class ReservedPort:
+    """A free TCP port (``port``), kept from every other process until :meth:`close`, for a
+    server started meanwhile (the learners' rendezvous: torch's TCPStore on rank 0). As a
+    context manager it gives the port and closes on exit.
+
+    A socket bound to the port on all interfaces with ``SO_REUSEADDR``, never listening, holds
+    it: the kernel gives the port to no other ``bind(0)`` and to no outgoing connection, and a
+    plain bind of it fails, yet a server that binds it with ``SO_REUSEADDR`` (TCPStore and
+    ZMQ do) may listen on it. :func:`free_port` closes its socket before the server binds,
+    seconds later when the ranks start under load: in CI another process took the port in
+    between and the rendezvous failed with EADDRINUSE.
+    """
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("", 0))
+        self.port = int(self._sock.getsockname()[1])
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> int:
+        return self.port
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def broadcast_host(cfg, address: str | None) -> str:

@@ -57,6 +57,7 @@ class RoleActor:
         self.name = name
         self.stop = threading.Event()
         self.broker: Any = None
+        self.reserved_port: Any = None  # rank 0's actor: the rendezvous port
         setup_logging(name)
 
     def __repr__(self) -> str:  # Ray prefixes streamed log lines with this
@@ -67,10 +68,13 @@ class RoleActor:
 
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        from asyncrl.net import free_port
+    def reserve_port(self) -> int:
+        """A port for the learners' rendezvous, held from other processes for the life of
+        this actor, rank 0's, which binds it (:class:`asyncrl.net.ReservedPort`)."""
+        from asyncrl.net import ReservedPort
 
-        return free_port()
+        self.reserved_port = ReservedPort()
+        return self.reserved_port.port
 
     def bind_buffer(self, cfg: Config) -> str:
         from buffers.run_token import ensure_token
@@ -283,7 +287,7 @@ class RayLauncher:
         actors = [self._actor(ray, f"learner[{rank}]", self.cfg.resources.learner, (pg, rank))
                   for rank in range(world)]
         master_addr = ray.get(actors[0].node_ip.remote())
-        port = self.cfg.learner.master_port or ray.get(actors[0].free_port.remote())
+        port = self.cfg.learner.master_port or ray.get(actors[0].reserve_port.remote())
         self.learners = [_Placed(f"learner[{rank}]", actor, actor.run_learner.remote(
             self.cfg, rank, world, self.address, master_addr, port), (pg, rank),
             Restarts(f"learner[{rank}]")) for rank, actor in enumerate(actors)]

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -197,27 +197,28 @@ def run_learner(cfg: Config, address: str | None) -> int:
     stop = stop_on_signals()
     if not wait_for_broker(cfg, address, stop):
         return 0
-    from asyncrl.net import free_port
+    from asyncrl.net import ReservedPort
     from learners.loop import run_learner_rank
     from rollouters.eval import EngineEvaluator
 
     rank_main = partial(run_learner_rank, evaluator=EngineEvaluator)  # rank 0's eval
     learner = cfg.learner
-    port = learner.master_port or free_port()
     world = learner.nnodes * learner.ranks
     first = learner.node_rank * learner.ranks
-    if learner.nnodes > 1:
-        logger.info("learner node %d/%d: global ranks %d..%d of %d, rendezvous %s:%d",
-                    learner.node_rank, learner.nnodes, first, first + learner.ranks - 1, world,
-                    learner.master_addr, port)
-    if learner.ranks == 1:
-        with exit_quietly_when_stopped("learner"):
-            rank_main(cfg, first, world, address, port, stop)
-        return 0
-    return _run_children(rank_main, [(cfg, first + i, world, address, port)
-                                     for i in range(learner.ranks)], "learner",
-                         cfg.launcher.stop_grace_s("learner"), stop=stop,
-                         preload=("learners.loop", *ROLE_PRELOAD))
+    # the port rank 0 binds, held from other processes until the ranks have exited
+    with nullcontext(learner.master_port) if learner.master_port else ReservedPort() as port:
+        if learner.nnodes > 1:
+            logger.info("learner node %d/%d: global ranks %d..%d of %d, rendezvous %s:%d",
+                        learner.node_rank, learner.nnodes, first, first + learner.ranks - 1,
+                        world, learner.master_addr, port)
+        if learner.ranks == 1:
+            with exit_quietly_when_stopped("learner"):
+                rank_main(cfg, first, world, address, port, stop)
+            return 0
+        return _run_children(rank_main, [(cfg, first + i, world, address, port)
+                                         for i in range(learner.ranks)], "learner",
+                             cfg.launcher.stop_grace_s("learner"), stop=stop,
+                             preload=("learners.loop", *ROLE_PRELOAD))
 
 
 def run_rollout(cfg: Config, address: str | None, workers: int, first_index: int = 0) -> int:

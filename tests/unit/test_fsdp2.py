@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from asyncrl.config.schema import CorrectionConfig, LearnerConfig, LossConfig
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort
 from asyncrl.wire import TrajectoryGroup
 from learners.batching import collate
 from tests.ranks import rank_context
@@ -110,14 +111,15 @@ def spawn_runs(target: Callable[..., None], model_dir: Path, root: Path,
         (root / name).mkdir()
         plans.setdefault(world, []).append((str(root / name), extra))
     procs = []
-    for world, plan in plans.items():
-        port = free_port()
-        procs += [ctx.Process(target=_take_turns,
-                              args=(target, r, world, port, str(model_dir), plan, timeout_s))
-                  for r in range(world)]
-    for proc in procs:
-        proc.start()
-    join_all(procs, JOIN_TIMEOUT_S * max(len(plan) for plan in plans.values()))
+    with ExitStack() as ports:   # each world's rendezvous port, held until its ranks exit
+        for world, plan in plans.items():
+            port = ports.enter_context(ReservedPort())
+            procs += [ctx.Process(target=_take_turns,
+                                  args=(target, r, world, port, str(model_dir), plan, timeout_s))
+                      for r in range(world)]
+        for proc in procs:
+            proc.start()
+        join_all(procs, JOIN_TIMEOUT_S * max(len(plan) for plan in plans.values()))
     return {name: root / name for name in runs}
 
 

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from asyncrl.config.schema import LearnerConfig
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort
 from tests.ranks import rank_context
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,8 +48,9 @@ def _rank(rank: int, port: int, timeout_s: float, peer: str, peer_gone, results)
 
 def _run(timeout_s: float, peer: str) -> tuple[str, float]:
     ctx = rank_context()
-    results, peer_gone, port = ctx.Queue(), ctx.Event(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, timeout_s, peer, peer_gone, results),
+    results, peer_gone, reserved = ctx.Queue(), ctx.Event(), ReservedPort()
+    procs = [ctx.Process(target=_rank,
+                         args=(r, reserved.port, timeout_s, peer, peer_gone, results),
                          daemon=True)
              for r in range(2)]
     for p in procs:
@@ -64,6 +65,7 @@ def _run(timeout_s: float, peer: str) -> tuple[str, float]:
         for p in procs:
             p.kill()
             p.join(timeout=10)
+        reserved.close()
 
 
 def test_a_dead_peer_fails_the_next_collective_at_once() -> None:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort, free_port
 from buffers.zmq_broker import start_broker_thread
 from learners.loop import run_learner_rank
 from rollouters.eval import EngineEvaluator
@@ -123,7 +123,8 @@ def _two_ranks(args: list[str], target, *extra, groups: int = 2) -> dict:
             assert all(client.put("w", _group(i, cfg.run.name)).accepted
                        for i in range(groups))
         results = mp.Manager().dict()
-        run_ranks(target, args=(args, address, free_port(), *extra, results), nprocs=2)
+        with ReservedPort() as port:
+            run_ranks(target, args=(args, address, port, *extra, results), nprocs=2)
         return dict(results)
     finally:
         stop_broker()
@@ -180,8 +181,9 @@ def test_a_stop_told_to_one_rank_stops_the_run_resumably(tmp_path, after_step):
             if after_step:  # one step's groups: rank 0 then waits for data until the stop
                 assert all(client.put("w", _group(i, cfg.run.name)).accepted for i in (0, 1))
         results = mp.Manager().dict()
-        run_ranks(_rank_told_alone, args=(args, address, free_port(), after_step, results),
-                 nprocs=2)
+        with ReservedPort() as port:
+            run_ranks(_rank_told_alone, args=(args, address, port, after_step, results),
+                      nprocs=2)
         assert dict(results) == {0: "returned", 1: "returned"}
         with ZmqBufferClient(address, timeout_s=10) as client:
             status = client.get_key(RUN_STATUS_KEY)

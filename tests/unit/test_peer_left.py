@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort
 from learners.dist import peer_left
 from tests.ranks import rank_context
 
@@ -35,13 +35,14 @@ def _rank(rank: int, port: int, out) -> None:
 
 def test_a_rank_that_left_is_recognised_in_gloo_errors_and_their_context() -> None:
     ctx = rank_context()
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    found = out.get(timeout=60)
-    for proc in procs:
-        proc.join(timeout=30)
+    out = ctx.Queue()
+    with ReservedPort() as port:
+        procs = [ctx.Process(target=_rank, args=(rank, port, out)) for rank in (0, 1)]
+        for proc in procs:
+            proc.start()
+        found = out.get(timeout=60)
+        for proc in procs:
+            proc.join(timeout=30)
     assert found is not None, "the collective did not fail with its peer gone"
     direct, through_context, message = found
     assert direct and "by peer" in direct and "This is typically" not in direct, message

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.config.schema import Config, RunConfig
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort
 from tests.ranks import run_ranks
 from tests.unit.test_zmq_buffer import broker  # noqa: F401 (fixture: real brokers)
 
@@ -54,8 +54,9 @@ def test_ranks_answered_differently_at_a_fresh_start_stop_together(broker,  # no
     with ZmqBufferClient(ahead, timeout_s=5) as client:
         client.publish_version(3)
     results = mp.Manager().dict()
-    run_ranks(_fresh_start, args=(2, free_port(), [fresh, ahead], str(tmp_path), results),
-             nprocs=2)
+    with ReservedPort() as port:
+        run_ranks(_fresh_start, args=(2, port, [fresh, ahead], str(tmp_path), results),
+                  nprocs=2)
     assert set(results.keys()) == {0, 1}
     for rank in (0, 1):
         assert "the buffer holds this run at version 3" in results[rank], results[rank]

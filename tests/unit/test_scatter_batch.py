@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.net import free_port
+from asyncrl.net import ReservedPort
 from learners.balance import pack_shares, scatter_batch, split_batch
 from learners.batching import collate
 from tests.ranks import run_ranks
@@ -58,7 +58,8 @@ def test_each_rank_receives_its_share_field_for_field(groups: int, routed: bool,
                                                       images: bool) -> None:
     """1 group = 2 samples for 3 ranks: one pad share. ``routed``: with routing replay's
     ``routing`` field; ``images``: with a VLM's pixels and grids (``learners.vision``)."""
-    run_ranks(_check_share, args=(3, free_port(), groups, routed, images), nprocs=3)
+    with ReservedPort() as port:
+        run_ranks(_check_share, args=(3, port, groups, routed, images), nprocs=3)
 
 
 class _Prefetched:
@@ -108,4 +109,5 @@ def _check_end_of_step(rank: int, world: int, port: int) -> None:
 
 
 def test_end_of_step_agrees_on_stop_and_the_next_shares_in_one_collective() -> None:
-    run_ranks(_check_end_of_step, args=(3, free_port()), nprocs=3)
+    with ReservedPort() as port:
+        run_ranks(_check_end_of_step, args=(3, port), nprocs=3)

@@ -168,7 +168,7 @@ def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_pa
 
     from asyncrl.config.schema import TinyModelConfig
     from asyncrl.models import build_char_tokenizer, build_tiny_model
-    from asyncrl.net import free_port
+    from asyncrl.net import ReservedPort
     from learners.batching import collate
     from learners.step_metrics import step_metrics
     from tests.unit.test_fsdp2 import make_groups
@@ -176,7 +176,8 @@ def test_sim_ranks_wait_for_the_largest_share_and_report_the_global_batch(tmp_pa
     model, out = tmp_path / "model", tmp_path / "out"
     out.mkdir()
     build_tiny_model(TinyModelConfig(), len(build_char_tokenizer()), 0).save_pretrained(model)
-    run_ranks(_sim_rank, args=(2, free_port(), str(model), str(out)), nprocs=2)
+    with ReservedPort() as port:
+        run_ranks(_sim_rank, args=(2, port, str(model), str(out)), nprocs=2)
     ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     largest = max(r["tokens"] for r in ranks)
     assert ranks[0]["tokens"] != ranks[1]["tokens"]
