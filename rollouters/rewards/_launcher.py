@@ -14,6 +14,11 @@ enforced on this machine:
   ambient), ``SECBIT_NOROOT`` locked and ``no_new_privs``: uid 0 cannot remount or regain caps.
 - rlimits (always): CPU seconds, address space, file size, open files, no core dumps, and
   ``RLIMIT_NPROC`` = processes this uid has now + ``max_processes`` (a fork bomb fails with EAGAIN).
+- ``processes``: what bounds the number of processes and threads: ``"rlimit"`` (not root: the
+  ``RLIMIT_NPROC`` above), ``"cgroup"`` (root: a pids cgroup of its own, ``pids_cgroup``, which
+  the parent removes after the run) or ``false``. The kernel never applies ``RLIMIT_NPROC`` to
+  uid 0 of the first user namespace, whatever its capabilities: as root with no pids cgroup to
+  make (a read-only cgroupfs, as in most containers), a fork bomb runs until the wall clock.
 
 Kept standard-library only and importable without the package (it runs with ``-I``).
 """
@@ -108,6 +113,63 @@ def _drop_caps(report: dict) -> None:
     report["caps_dropped"] = bool(capset and secure and nnp)
 
 
+def _pids_cgroup(limits: dict, report: dict) -> None:
+    """As root, move this process into a new pids cgroup whose ``pids.max`` is
+    ``max_processes`` plus this launcher, so that everything the program starts is bounded
+    (``RLIMIT_NPROC`` binds nothing on uid 0). Tried in each pids hierarchy this process sits
+    in (cgroup v1's ``pids``, or v2's where the pids controller is enabled for children of its
+    cgroup); ``report["processes"]`` stays false where none takes a new cgroup."""
+    if os.geteuid() != 0:
+        report["processes"] = "rlimit"
+        return
+    for parent in _pids_hierarchies():
+        path = os.path.join(parent, f"asyncrl-sandbox-{os.getpid()}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(int(limits["max_processes"]) + 1))
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:  # no pids controller in this cgroup, or it refused us
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+            continue
+        report["processes"], report["pids_cgroup"] = "cgroup", path
+        return
+
+
+def _pids_hierarchies() -> list[str]:
+    """The directories of this process's own cgroup in each mounted hierarchy that may hold
+    a pids controller: cgroup v1's ``pids`` and the v2 unified one."""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            own["cgroup2" if controllers == "" else controllers] = path
+    v1_pids = next((c for c in own if "pids" in c.split(",")), None)
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+            if fstype == "cgroup2":
+                path = own.get("cgroup2")
+            elif fstype == "cgroup" and "pids" in options and v1_pids is not None:
+                path = own[v1_pids]
+            else:
+                continue
+            # the mount shows the hierarchy from its root down: our cgroup relative to it
+            root, mountpoint = fields[3].rstrip("/"), fields[4].encode().decode("unicode_escape")
+            if path is not None and (path + "/").startswith(root + "/"):
+                found.append(mountpoint + path[len(root):])
+    return found
+
+
 def _count_processes(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc"):
@@ -176,8 +238,9 @@ def _run_program(workdir_fd: int, limits: dict, report: dict, report_fd: int) ->
 def main() -> None:
     workdir, limits, report_fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     report = {"netns": False, "pidns": False, "mountns": False, "fs_readonly": False,
-              "caps_dropped": False}
+              "caps_dropped": False, "processes": False}
     os.environ["TMPDIR"] = workdir
+    _pids_cgroup(limits, report)  # before the mounts turn read-only; the program inherits it
     _unshare(report)
     fd = _readonly_except(workdir, report) if report["mountns"] \
         else os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)

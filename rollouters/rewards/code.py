@@ -19,6 +19,21 @@ _CONTAINED = (("MemoryError", "memory_limit"), ("BlockingIOError", "process_limi
               ("Read-only file system", "write_blocked"))
 
 
+# what the sandbox's launcher reports it enforced (SandboxResult.enforced), as a user reads it
+_MEASURES = (("netns", "no network namespace (a Python-level socket guard only)"),
+             ("pidns", "no PID namespace (descendants may outlive the program)"),
+             ("fs_readonly", "no read-only filesystem (the program can write outside its "
+                             "directory)"),
+             ("caps_dropped", "capabilities not dropped"),
+             ("processes", "no process limit (root without a pids cgroup: only the wall "
+                           "clock stops a fork bomb)"))
+
+
+def unenforced(enforced: dict) -> list[str]:
+    """What the sandbox could not enforce on this machine, from its launcher's report."""
+    return [text for key, text in _MEASURES if not enforced.get(key)]
+
+
 def extract_code(response: str) -> str:
     """The last fenced code block, else the whole response."""
     blocks = _FENCE.findall(response)
@@ -37,6 +52,7 @@ class CodeReward:
     def __init__(self, limits: SandboxLimits = SandboxLimits(), tests_field: str = "tests"
                  ) -> None:
         self.limits, self.tests_field = limits, tests_field
+        self._reported = False
 
     async def __call__(self, response: str, sample: Sample) -> float:
         tests = sample.fields.get(self.tests_field, sample.answer)
@@ -44,6 +60,12 @@ class CodeReward:
             raise ValueError(f"sample {sample.sample_id} has no tests "
                              f"(field {self.tests_field!r} or the answer)")
         result = await run_python(f"{extract_code(response)}\n\n{tests}\n", self.limits)
+        if not self._reported and result.enforced:  # once: the machine does not change
+            self._reported = True
+            missing = unenforced(result.enforced)
+            if missing:
+                logger.warning("the code sandbox runs model-written programs here with %s",
+                               "; ".join(missing))
         if result.passed:
             return 1.0
         reason = contained_reason(result)

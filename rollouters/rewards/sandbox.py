@@ -9,8 +9,9 @@ all of these hold:
 wall time           the parent kills the whole process group (SIGKILL) after ``wall_s``
 CPU time            ``RLIMIT_CPU`` (SIGXCPU, then SIGKILL one second later)
 memory              ``RLIMIT_AS`` on every process (allocations fail with MemoryError)
-processes           ``RLIMIT_NPROC`` (fork bombs get EAGAIN) and a PID namespace whose
-                    PID 1 is the program: when it dies, every descendant dies
+processes           ``RLIMIT_NPROC`` (fork bombs get EAGAIN), as root a pids cgroup of its own
+                    instead (the kernel exempts uid 0 from ``RLIMIT_NPROC``), and a PID
+                    namespace whose PID 1 is the program: when it dies, every descendant dies
 network             a new network namespace with no interface up (not even loopback)
 filesystem          a mount namespace with every mount read-only except the private
                     working directory (the cwd, also ``TMPDIR``); capabilities dropped so
@@ -18,7 +19,9 @@ filesystem          a mount namespace with every mount read-only except the priv
 ==================  =====================================================================
 
 Where a namespace cannot be created, the report says so (``netns: false`` ...) and only the
-rlimits, the process-group kill and a Python-level socket guard remain. The working directory is
+rlimits, the process-group kill and a Python-level socket guard remain; as root where no pids
+cgroup can be made (a read-only cgroupfs, as in most containers), ``processes: false``: nothing
+but the wall clock bounds a fork bomb. The working directory is
 deleted afterwards. Nothing here uses seccomp.
 """
 
@@ -80,6 +83,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
     (workdir / "main.py").write_text(code)
     report_r, report_w = os.pipe()
     start = time.monotonic()
+    enforced: dict = {}
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", str(_LAUNCHER), str(workdir), json.dumps(limits.__dict__),
@@ -99,14 +103,36 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         except asyncio.CancelledError:
             _kill_group(proc.pid)
             raise
+        enforced = _read_report(report_r)
         return SandboxResult(returncode=proc.returncode, stdout=stdout, stderr=stderr,
                              timed_out=timed_out, duration_s=time.monotonic() - start,
-                             enforced=_read_report(report_r))
+                             enforced=enforced)
     finally:
         if report_w >= 0:
             os.close(report_w)
+        cgroup = (enforced or _read_report(report_r)).get("pids_cgroup")
         os.close(report_r)
         shutil.rmtree(base, ignore_errors=True)
+        if cgroup:
+            await _remove_cgroup(cgroup)
+
+
+async def _remove_cgroup(path: str, within_s: float = 5.0) -> None:
+    """Remove the run's pids cgroup once its last process is gone: the launcher's exit does not
+    wait for the processes its PID namespace still holds (a wall-clock kill), and a cgroup with
+    a process in it cannot be removed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                logger.warning("sandbox: could not remove the pids cgroup %s: %s", path, exc)
+                return
+        await asyncio.sleep(0.02)
 
 
 def _kill_group(pgid: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rollouters.rewards import RewardScorer
-from rollouters.rewards.code import CodeReward
+from rollouters.rewards.code import CodeReward, unenforced
 from rollouters.rewards.sandbox import SandboxLimits, run_python
 from rollouters.tasks.sample import Sample
 
@@ -72,14 +72,46 @@ def test_sleeping_forever_is_stopped_by_the_wall_clock(caplog: pytest.LogCapture
 
 def test_fork_bomb_is_bounded_and_leaves_no_process(caplog: pytest.LogCaptureFixture,
                                                     enforced: dict) -> None:
+    """Forks fail with EAGAIN past ``max_processes``, so the bomb ends in a fraction of a second
+    (before, as root, nothing bounded it: a hundred processes until the 3 s wall clock, a load
+    spike that slowed every test beside it in CI). Where the launcher reports no process
+    limit, the wall clock stops it."""
     if not enforced.get("pidns"):
         pytest.skip(f"no PID namespace here: {enforced}")
-    _contained("import os\nwhile True:\n    os.fork()", "wall_timeout", caplog)
+    reason = "process_limit" if enforced.get("processes") else "wall_timeout"
+    _contained("import os\nwhile True:\n    os.fork()", reason, caplog)
     # forked children keep the launcher's command line: none of them may survive the kill
     deadline = time.monotonic() + 5.0
     while _sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _sandbox_processes() == []
+
+
+def test_as_root_a_pids_cgroup_bounds_processes_and_is_removed_after_the_run(
+        enforced: dict) -> None:
+    """The kernel exempts uid 0 from RLIMIT_NPROC; as root the launcher bounds the program's
+    processes with a pids cgroup of its own, which holds ``max_processes`` of them and is
+    removed once the run ends."""
+    if enforced.get("processes") != "cgroup":
+        pytest.skip(f"no pids cgroup here (not root, or a read-only cgroupfs): {enforced}")
+    children = ("import subprocess, sys\n"
+                "procs = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1)'])"
+                " for _ in range({})]\n"
+                "assert all(p.wait() == 0 for p in procs)\n")
+    within = asyncio.run(run_python(children.format(LIMITS.max_processes - 1), LIMITS))
+    assert within.passed, within.stderr
+    beyond = asyncio.run(run_python(children.format(LIMITS.max_processes), LIMITS))
+    assert not beyond.passed and "BlockingIOError" in beyond.stderr, beyond.stderr
+    for result in (within, beyond):
+        assert not Path(result.enforced["pids_cgroup"]).exists()
+
+
+def test_what_the_sandbox_could_not_enforce_is_named() -> None:
+    full = {"netns": True, "pidns": True, "fs_readonly": True, "caps_dropped": True,
+            "processes": "cgroup"}
+    assert unenforced(full) == []
+    missing = unenforced({**full, "processes": False, "netns": False})
+    assert len(missing) == 2 and "fork bomb" in missing[1] and "network" in missing[0]
 
 
 def test_memory_hog_gets_memory_error(caplog: pytest.LogCaptureFixture) -> None:
