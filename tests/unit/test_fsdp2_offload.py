@@ -109,6 +109,34 @@ def test_optimizer_offload_checkpoint_resumes(tiny_model_dir: Path, tmp_path: Pa
         torch.testing.assert_close(tensor, want[name], atol=1e-6, rtol=0)
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_critic_optimizer_offload_checkpoint_resumes(tiny_model_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """GAE with the critic's AdamW moments on the host: a checkpoint restores them, and the
+    step after the resume is the step the uninterrupted trainer took (actor and critic)."""
+    from learners.backends.fsdp2 import Fsdp2Trainer
+
+    cfg = CFG.model_copy(update={"offload": "optimizer",
+                                 "loss": LossConfig(advantage="gae", critic_lr=5e-2)})
+    trainer, _ = _train(tiny_model_dir, cfg, "cpu")
+    path = checkpoint.save(trainer, tmp_path, keep=1)
+    batch = collate(make_groups(seed=7), std_norm=True, pad_id=0, advantage="gae")
+    uninterrupted = trainer.train_step(batch)
+    resumed = Fsdp2Trainer(tiny_model_dir, cfg, "cpu")
+    checkpoint.load(resumed, path)
+    assert isinstance(resumed.critic.optimizer, HostStateAdamW)
+    step = resumed.train_step(batch)
+    for name in ("critic/loss", "critic/grad_norm", "actor/loss"):
+        assert step[name] == pytest.approx(uninterrupted[name], rel=1e-5, abs=1e-7), name
+    want = trainer.full_state_dict()
+    for name, tensor in resumed.full_state_dict().items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-6, rtol=0)
+    want = dict(trainer.critic.model.named_parameters())
+    for name, param in resumed.critic.model.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), want[name].full_tensor(),
+                                   atol=1e-6, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["params", "optimizer"])
