@@ -18,6 +18,7 @@ import torch
 from asyncrl.config.schema import TaskConfig
 from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm
 from rollouters.tasks import make_task
+from tests.engines.learner_checks import learner_mismatch
 from tests.engines.test_vllm_engine import PROMPTS, _flat, _patched, _reference_engine
 
 pytestmark = [pytest.mark.gpu,
@@ -40,18 +41,8 @@ def gpu_engine(tiny_model_dir: Path) -> Iterator[object]:
 
 
 def test_cuda_graphs_engine_matches_learner(gpu_engine, tiny_model_dir: Path) -> None:
-    from learners.backends.fsdp2 import token_logprobs
-    from learners.batching import collate
-    from rollouters.workflows.single_turn import generate_groups
-
     assert gpu_engine._llm.vllm_config.model_config.enforce_eager is False  # CUDA graphs
-    task = make_task(TaskConfig(), seed=0)
-    groups = generate_groups(gpu_engine, task, task.sample(random.Random(0), 8), group_size=8,
-                             temperature=1.0, max_new_tokens=8)
-    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
-    with torch.no_grad():
-        learner = token_logprobs(load_causal_lm(tiny_model_dir), batch)
-    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    delta, _ = learner_mismatch(gpu_engine, tiny_model_dir, seed=0, prompts=8, group_size=8)
     assert float(delta.mean()) < GPU_LOGPROB_TOLERANCE
 
 

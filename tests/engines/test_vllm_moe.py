@@ -3,17 +3,15 @@ behaviour logprobs are the learner's: the same Qwen3-MoE directory the MoE quick
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from asyncrl.config.schema import ModelConfig, TaskConfig, TinyModelConfig
-from asyncrl.models import EOS_ID, PAD_ID, load_causal_lm, prepare_model_dir
-from rollouters.tasks import make_task
+from asyncrl.config.schema import ModelConfig, TinyModelConfig
+from asyncrl.models import EOS_ID, load_causal_lm, prepare_model_dir
 from tests.engines.conftest import TINY_SETS
+from tests.engines.learner_checks import learner_mismatch
 from tests.engines.test_vllm_engine import LOGPROB_TOLERANCE
 
 pytestmark = pytest.mark.vllm
@@ -38,19 +36,9 @@ def moe_engine(vllm_env: dict[str, str], moe_dir: Path) -> Iterator[object]:
 
 
 def test_vllm_generates_with_the_moe_and_matches_the_learner(moe_engine, moe_dir: Path) -> None:
-    from learners.backends.fsdp2 import token_logprobs
-    from learners.batching import collate
-    from rollouters.workflows.single_turn import generate_groups
-
     assert load_causal_lm(moe_dir).config.model_type == "qwen3_moe"
-    task = make_task(TaskConfig(), seed=0)
-    groups = generate_groups(moe_engine, task, task.sample(random.Random(3), 4), group_size=4,
-                             temperature=1.0, max_new_tokens=8)
-    batch = collate(groups, std_norm=True, pad_id=PAD_ID)
-    assert int(batch.loss_mask.sum()) >= 16
-    with torch.no_grad():
-        learner = token_logprobs(load_causal_lm(moe_dir), batch)
-    delta = (learner - batch.behaviour_logprobs)[batch.loss_mask].abs()
+    delta, _ = learner_mismatch(moe_engine, moe_dir, seed=3, prompts=4, group_size=4)
+    assert delta.numel() >= 16
     assert float(delta.mean()) < LOGPROB_TOLERANCE
 
 
