@@ -69,16 +69,26 @@ def _unshare(report: dict) -> None:
     report["mountns"] = True
 
 
-def _mountpoints() -> list[tuple[str, int]]:
-    points = []
+def _mounts() -> list[tuple[str, str, list[str], str, list[str]]]:
+    """``/proc/self/mountinfo``, a tuple per mount: the root of the mounted tree, the mount
+    point, the mount's options, the filesystem type and the superblock's options."""
+    mounts = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            path = fields[4].encode().decode("unicode_escape")
-            flags = 0
-            for opt in fields[5].split(","):
-                flags |= _MOUNT_FLAGS.get(opt, 0)
-            points.append((path, flags))
+            tail = fields[fields.index("-") + 1:]   # after the optional fields
+            mounts.append((fields[3], fields[4].encode().decode("unicode_escape"),
+                           fields[5].split(","), tail[0], tail[-1].split(",")))
+    return mounts
+
+
+def _mountpoints() -> list[tuple[str, int]]:
+    points = []
+    for _, path, options, _, _ in _mounts():
+        flags = 0
+        for opt in options:
+            flags |= _MOUNT_FLAGS.get(opt, 0)
+        points.append((path, flags))
     return points
 
 
@@ -153,20 +163,17 @@ def _pids_hierarchies() -> list[str]:
             own["cgroup2" if controllers == "" else controllers] = path
     v1_pids = next((c for c in own if "pids" in c.split(",")), None)
     found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
-            if fstype == "cgroup2":
-                path = own.get("cgroup2")
-            elif fstype == "cgroup" and "pids" in options and v1_pids is not None:
-                path = own[v1_pids]
-            else:
-                continue
-            # the mount shows the hierarchy from its root down: our cgroup relative to it
-            root, mountpoint = fields[3].rstrip("/"), fields[4].encode().decode("unicode_escape")
-            if path is not None and (path + "/").startswith(root + "/"):
-                found.append(mountpoint + path[len(root):])
+    for root, mountpoint, _, fstype, options in _mounts():
+        if fstype == "cgroup2":
+            path = own.get("cgroup2")
+        elif fstype == "cgroup" and "pids" in options and v1_pids is not None:
+            path = own[v1_pids]
+        else:
+            continue
+        # the mount shows the hierarchy from its root down: our cgroup relative to it
+        root = root.rstrip("/")
+        if path is not None and (path + "/").startswith(root + "/"):
+            found.append(mountpoint + path[len(root):])
     return found
 
 
