@@ -197,6 +197,24 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", device: str = "cpu"
     return model.to(device).eval()
 
 
+def model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor in the state of the model class that loads
+    ``path`` (:func:`load_causal_lm`'s, the learner's too), tied names included: what a weight
+    update for it may carry (:func:`asyncrl.weights.fit.check_fit`). Built on the meta device,
+    so no memory is allocated and no weight file is read."""
+    import torch
+    with _LAZY_IMPORTS:
+        from transformers import AutoConfig
+
+        from asyncrl.vlm import auto_model_class
+
+        model_class = auto_model_class(path)
+        config = AutoConfig.from_pretrained(str(path), **_hub_kwargs(path))
+    with torch.device("meta"):
+        model = model_class.from_config(config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved beside a model (the char tokenizer for the tiny model).
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.control_plane import STOPPED
 from asyncrl.metrics import RateMeter
 from asyncrl.prometheus import MetricsEndpoint, start_endpoint
@@ -144,6 +144,9 @@ def _loop(cfg: Config, index: int, member: str, engine, producer, client: Buffer
     stats, tokens = WorkerStats(), RateMeter()
     next_beat, last = 0.0, {"state": STOPPED}
     while not stop.is_set():
+        if receiver.refused is not None:  # no update will fit: stop, and say so (below)
+            last.update(exit="refused the learner's weights")
+            break
         if time.monotonic() >= next_beat:
             info = {**_info(engine, stats, tokens), **producer.metrics()}
             beat.update(info)  # the heartbeat thread sends it
@@ -181,6 +184,17 @@ def _loop(cfg: Config, index: int, member: str, engine, producer, client: Buffer
     beat.stop()  # no heartbeat may follow the last one, which says the worker stopped
     client.heartbeat(member, "rollout",
                      {**_info(engine, stats, tokens), **producer.metrics(), **last})
+    if receiver.refused is not None:
+        raise refused_weights(receiver.refused)
+
+
+def refused_weights(exc: Exception) -> ConfigError:
+    """The config error a refused weight update becomes: the learner's model is not this
+    worker's, so no later update fits either, and a restart would only load the same model
+    again. Its fleet stops with this line (exit status 2, not restarted)."""
+    return ConfigError(f"model: this rollout worker's model does not take the learner's "
+                       f"weights ({exc}); every fleet must load the learner's model "
+                       f"(the same model.path, model.tiny.* and model.lora)")
 
 
 def _wait_for_gate(buffer_version: int, engine_version: int, receiver: WeightReceiver,

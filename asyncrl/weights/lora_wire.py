@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from asyncrl.weights.fit import WeightsRefused
+
 SEPARATOR = "#"
 A, B = "lora_A", "lora_B"
 
@@ -67,10 +69,10 @@ def check_targets(adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     """Every adapter names a known 2-D weight and fits its shape (checked before any merge)."""
     unknown = sorted(name for name in adapters if name not in targets)
     if unknown:
-        raise KeyError(f"adapters on unknown weights: {unknown}")
+        raise WeightsRefused(f"adapters on unknown weights: {unknown}")
     for name, (lora_a, scaled_b) in adapters.items():
         shape = targets[name].shape
         if len(shape) != 2 or tuple(shape) != (scaled_b.shape[0], lora_a.shape[1]) \
                 or scaled_b.shape[1] != lora_a.shape[0]:
-            raise ValueError(f"{name}: adapter B {tuple(scaled_b.shape)} · A "
+            raise WeightsRefused(f"{name}: adapter B {tuple(scaled_b.shape)} · A "
                              f"{tuple(lora_a.shape)} does not fit {tuple(shape)}")

@@ -21,6 +21,13 @@ called once, after the last bucket, with every tensor of the update: one call is
 so an engine never generates with half of a new version, and its pause (the time it holds
 its own lock) is the commit alone, not the transfer.
 
+An update the engine refuses (a name or shape its model lacks:
+:class:`~asyncrl.weights.fit.WeightsRefused`) ends the service: the learner's model is not this
+engine's, and every later update would be refused the same way. The receiver leaves the group
+without acking (the broadcaster evicts it) and keeps the error in :attr:`WeightReceiver.refused`
+for the rollout worker, which stops on it. Any other failure leaves the group and serves the
+next announcement: a lost peer or a broken group mends itself.
+
 Two kinds of commit. By default ``apply`` gets views into the pool, valid only until it
 returns, and copies them into the engine (``load_weights``): the pause is one memcpy of the
 model. With ``adopt=True`` the receiver keeps TWO pools and alternates them, so the tensors
@@ -43,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.control_plane import BufferStopped, ControlPlane
+from asyncrl.weights.fit import WeightsRefused
 from asyncrl.weights.plan import BucketBuffers, BucketPlan, unpack_bucket
 from asyncrl.weights.rendezvous import (
     ANNOUNCE_KEY,
@@ -91,6 +99,7 @@ class WeightReceiver:
         self._stop = threading.Event()
         self._version_cv = threading.Condition()
         self._last_version = -1
+        self._refused: WeightsRefused | None = None
         self._seq = 0  # sequence number of the last announcement handled
         self._transport: WeightTransport | None = None  # this end of the epoch's group
         self._group_id: tuple[str, int] | None = None  # (store, epoch) of self._transport
@@ -108,10 +117,19 @@ class WeightReceiver:
         with self._version_cv:
             return self._last_version
 
-    def wait_for_version(self, version: int, timeout: float) -> bool:
-        """Block until ``last_version >= version``; False after ``timeout`` seconds."""
+    @property
+    def refused(self) -> WeightsRefused | None:
+        """Why the engine refused an update, once it did; the receiver serves no more."""
         with self._version_cv:
-            return self._version_cv.wait_for(lambda: self._last_version >= version, timeout)
+            return self._refused
+
+    def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Block until ``last_version >= version``; False after ``timeout`` seconds, or at
+        once when the engine refuses an update (:attr:`refused`)."""
+        with self._version_cv:
+            self._version_cv.wait_for(
+                lambda: self._last_version >= version or self._refused is not None, timeout)
+            return self._last_version >= version
 
     def start(self) -> None:
         self._thread.start()
@@ -141,6 +159,13 @@ class WeightReceiver:
             except TimeoutError as exc:  # the buffer did not answer (yet): one line, not a trace
                 logger.warning("weights: receiver %s left its group: %s", self.member, exc)
                 self._leave()
+            except WeightsRefused as exc:  # the learner's model is not this engine's: final
+                logger.error("weights: %s refused an update and takes no more: %s",
+                             self.member, exc)
+                with self._version_cv:
+                    self._refused = exc
+                    self._version_cv.notify_all()
+                break
             except RuntimeError as exc:  # group or store: a peer is gone or the epoch moved on
                 logger.warning("weights: receiver %s left its group: %s", self.member,
                                str(exc).splitlines()[0][:200] if str(exc) else repr(exc))

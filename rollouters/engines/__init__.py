@@ -119,6 +119,7 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
     """Attach to ``rollout.url``'s server, or launch one with ``[rollout.vllm]``'s knobs on
     ``rollout.device`` (also this worker's: where an ``ipc`` update's handles are made)."""
     from asyncrl.devices import resolve_device
+    from asyncrl.models import model_shapes
     from rollouters.engines.vllm_routing import RoutingLayout, refuse_on_cpu
     from rollouters.engines.vllm_server import VLLMServerEngine
 
@@ -130,10 +131,12 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
         refuse_on_cpu(device)
     sampling = {"top_p": opts.top_p, "top_k": opts.top_k, "stop": list(opts.stop),
                 "stop_token_ids": list(opts.stop_token_ids)}
+    shapes = model_shapes(model_dir)  # the learner's model, which an update must fit
     if r.url.strip():
         return VLLMServerEngine(_server_url(cfg, index), eos_ids=eos_ids,
                                 timeout_s=r.request_timeout_s, sampling=sampling,
-                                weight_backend=opts.weight_backend, routing=routing)
+                                weight_backend=opts.weight_backend, routing=routing,
+                                shapes=shapes)
     from rollouters.engines.vllm_fleet import VLLMServer
     from rollouters.engines.vllm_options import sleep_frees_memory
 
@@ -142,7 +145,8 @@ def _vllm_server_engine(cfg: Config, model_dir: str | Path, index: int, seed: in
     return VLLMServerEngine(server.url, eos_ids=eos_ids, timeout_s=r.request_timeout_s,
                             sampling=sampling, server=server,
                             sleep_frees=sleep_frees_memory(opts),
-                            weight_backend=opts.weight_backend, routing=routing)
+                            weight_backend=opts.weight_backend, routing=routing,
+                            shapes=shapes)
 
 
 def _server_url(cfg: Config, index: int) -> str:

@@ -59,7 +59,9 @@ class Engine(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace weights by name and set :attr:`version`; safe to call from another thread
-        while :meth:`generate` runs (takes effect at the next decode step)."""
+        while :meth:`generate` runs (takes effect at the next decode step). An update with a
+        name or a shape the model lacks raises :class:`~asyncrl.weights.fit.WeightsRefused`
+        and changes nothing."""
 
     def close(self) -> None:
         """Release what the engine holds (processes, threads, sockets); idempotent."""

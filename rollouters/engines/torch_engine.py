@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.weights.fit import check_fit
 from asyncrl.weights.lora_wire import split_adapters
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.lora_merge import LoraMerger
@@ -310,13 +311,7 @@ class TorchEngine:
 
     @staticmethod
     def _check(items: list[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor]) -> None:
-        unknown = sorted(name for name, _ in items if name not in targets)
-        if unknown:
-            raise KeyError(f"unknown weight names: {unknown}")
-        for name, tensor in items:
-            if targets[name].shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
-                                 f"{tuple(targets[name].shape)}")
+        check_fit(items, {name: target.shape for name, target in targets.items()})
 
     def close(self) -> None:
         """Nothing to release: the model lives and dies with this object."""

@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncrl.models import model_shapes
+from asyncrl.weights.fit import check_fit
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.vllm_options import (
     VLLMOptions,
@@ -77,6 +79,7 @@ class AsyncVLLMEngine:
         configure_process_env(opts.device, in_process=False,
                               tensor_parallel_size=opts.tensor_parallel_size)
         self._vision = prepare_vlm(model_dir)
+        self._shapes = model_shapes(model_dir)  # what an update may carry (check_fit)
         self.opts = opts
         self.update_timeout_s = update_timeout_s
         self._version = version
@@ -191,6 +194,8 @@ class AsyncVLLMEngine:
         """vLLM's pause (keep) → start → update → finish(version) → reset prefix cache →
         resume. Tokens sampled before the pause keep their label, those after carry
         ``version``. Asleep, the update is held (copied) and applied at the wake."""
+        weights = list(weights)
+        check_fit(weights, self._shapes)  # vLLM loads tensor by tensor: refuse before the first
         stage = self._sender.stage_device  # host memory, or the GPU for ipc handles
         tensors = sent_weights([(name, t.detach().to(stage).contiguous())
                                 for name, t in weights], self.opts)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.models import model_shapes
+from asyncrl.weights.fit import check_fit
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.vllm_gloo import BACKEND, NCCL_BACKEND
 from rollouters.engines.vllm_ipc import IPC_BACKENDS
@@ -108,6 +110,7 @@ class VLLMEngine:
         self._routing = layout_for(model_dir, opts.routed_experts, opts.device)  # CPU: refused
         configure_process_env(opts.device, in_process=True)
         self._vision = prepare_vlm(model_dir)
+        self._shapes = model_shapes(model_dir)  # what an update may carry (check_fit)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.opts = opts
@@ -227,6 +230,8 @@ class VLLMEngine:
         Copies to CPU happen outside the lock, so generation only stops for the update. The
         reset preempts running rows: their KV cache is recomputed under the new weights. An
         update of a VLM's vision tower resets the encoder cache too (:func:`moves_vision`)."""
+        weights = list(weights)
+        check_fit(weights, self._shapes)  # vLLM loads tensor by tensor: refuse before the first
         tensors = sent_weights([(name, t.detach().to("cpu").contiguous())
                                 for name, t in weights], self.opts)
         with self._lock:

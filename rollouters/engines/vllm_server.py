@@ -33,12 +33,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncrl.weights.fit import check_fit
 from rollouters.engines.base import Completion, check_generate_args
 from rollouters.engines.http import request_json
 from rollouters.engines.vllm_options import parse_version, span_versions
@@ -89,13 +90,17 @@ class VLLMServerEngine:
     was started with (``asyncrl_gloo``, ``asyncrl_nccl``, ``asyncrl_ipc`` or ``asyncrl_shm``;
     None: ``asyncrl_gloo``). ``routing``: the model's layout, to return each position's
     experts (the server must run with ``--enable-return-routed-experts``); None: not asked for.
+    ``shapes``: the model's tensor shapes (:func:`asyncrl.models.model_shapes`), which every
+    update is checked against before anything is sent (:mod:`asyncrl.weights.fit`); None: the
+    server's own refusal, which may leave the update partial.
     """
 
     def __init__(self, url: str, eos_ids: Sequence[int], timeout_s: float = 120.0,
                  host: str = "127.0.0.1", sampling: dict[str, Any] | None = None,
                  server: Any = None, sleep_frees: bool = False,
                  weight_backend: str | None = None,
-                 routing: RoutingLayout | None = None) -> None:
+                 routing: RoutingLayout | None = None,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.url = url.rstrip("/")
         self.eos_ids = tuple(eos_ids)  # the model's own (asyncrl.tokens), sent explicitly
         self.sampling = dict(sampling or {})
@@ -105,6 +110,7 @@ class VLLMServerEngine:
         self._update_lock = threading.Lock()  # one update, sleep or wake at a time
         self._weight_backend = weight_backend
         self._routing = routing
+        self._shapes = shapes
         self._sender: WeightSender | None = None  # from the first update on
         self._sleep = SleepCycle(self._update_lock)  # the gate generate calls pass
         self._held = HeldUpdate()  # updates that arrived asleep, for the wake
@@ -169,6 +175,9 @@ class VLLMServerEngine:
         reset the prefix cache, resume. Safe beside :meth:`generate`: tokens sampled before
         the pause keep the old label, those after it get the new one. Asleep, the update is
         held (copied) and applied at the wake."""
+        weights = list(weights)
+        if self._shapes is not None:  # vLLM loads tensor by tensor: refuse before the first
+            check_fit(weights, self._shapes)
         with self._update_lock:  # the sender is made once, under it
             stage = self._weight_sender().stage_device  # host memory, or the GPU for ipc
             tensors = [(name, t.detach().to(stage).contiguous()) for name, t in weights]

@@ -1,6 +1,7 @@
 """Engines join and die mid-run: a late engine gets the current weights before it generates,
-a SIGKILLed engine is evicted from the broadcast group and the run goes on, and Ctrl-C on a
-fleet that joined makes it leave cleanly."""
+a SIGKILLed engine is evicted from the broadcast group and the run goes on, a fleet with
+another model stops on the first update it refuses, and Ctrl-C on a fleet that joined makes it
+leave cleanly."""
 
 from __future__ import annotations
 
@@ -50,9 +51,24 @@ def test_engines_join_and_die_mid_run(tmp_path: Path, processes: Processes) -> N
         killed_at = len(step_records(metrics))
         wait_for(lambda: len(step_records(metrics)) >= killed_at + 10, 180,
                  "ten more steps after an engine was killed")
+        after = step_records(metrics)[killed_at + 5:]
+
+        # A fleet whose model is not the learner's (its own run directory, so its own tiny
+        # model, wider): its engine refuses the first update before loading any of it, and the
+        # fleet stops with the reason as a config error (exit 2, not restarted).
+        mismatched = processes.start(
+            "rollout2", "rollout", str(QUICKSTART), *sets, "--set", "run.name=other",
+            "--set", "model.tiny.hidden_size=96", "--buffer", address, "--workers", "1",
+            "--first-index", "2")
+        assert processes.wait(mismatched, 120) == 2, processes.log("rollout2")
+        log = processes.log("rollout2")
+        assert "does not take the learner's weights" in log, log
+        assert "model.embed_tokens.weight: shape" in log, log
+        resumed_at = len(step_records(metrics))
+        wait_for(lambda: len(step_records(metrics)) >= resumed_at + 3, 180,
+                 "three more steps after the mismatched fleet stopped")
     finally:
         client.close()
-    after = step_records(metrics)[killed_at + 5:]
     assert all(r["weights/members"] == 1 for r in after), [r["weights/members"] for r in after]
     assert sum(r.get("weights/evicted", 0) for r in step_records(metrics)) >= 1 or \
         "weights: evicted" in processes.log("learner")

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -427,37 +429,53 @@ def test_unpadded_plan_and_reused_buffers() -> None:
         stop_broker()
 
 
+@contextmanager
+def engine_sync(engine: Any, member: str, timeout_s: float) -> Iterator[tuple[Any, Any]]:
+    """Both ends in this process around a real engine: a broker thread, the broadcaster and
+    the engine's own receiver (:func:`rollouters.engines.make_weight_receiver`), started with
+    ``member`` heartbeating as a rollout member; everything stopped on exit."""
+    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from buffers.zmq_broker import start_broker_thread
+    from buffers.zmq_client import ZmqBufferClient
+    from rollouters.engines import make_weight_receiver
+
+    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
+                                               groups_per_step=1)
+    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
+    own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
+    receiver = make_weight_receiver(engine, own, member)
+    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.05, timeout_s=timeout_s))
+    try:
+        beats.heartbeat(member, "rollout", {"engine_version": -1})
+        receiver.start()
+        yield broadcaster, receiver
+    finally:
+        broadcaster.close()
+        receiver.stop()
+        for client in (control, beats, own):
+            client.close()
+        stop_broker()
+
+
 @pytest.mark.timeout(60)
 def test_adopting_engine_alternates_receive_pools() -> None:
     """``adopt=True`` with a real TorchEngine over real gloo: every version becomes the
     engine's parameters without a copy, and consecutive versions land in different pools, so
     a receive never writes into the tensors the engine is generating with."""
-    from asyncrl.config.schema import (BufferConfig, TinyModelConfig, WeightsConfig,
-                                       ZmqBufferConfig)
+    from asyncrl.config.schema import TinyModelConfig
     from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model
-    from asyncrl.weights.broadcaster import WeightBroadcaster
-    from buffers.zmq_broker import start_broker_thread
-    from buffers.zmq_client import ZmqBufferClient
-    from rollouters.engines import make_weight_receiver
     from rollouters.engines.torch_engine import TorchEngine
 
     torch.set_num_threads(1)
     engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), (EOS_ID,), PAD_ID)
-    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
-                                               groups_per_step=1)
-    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
-    own = ZmqBufferClient(address, 10.0)
-    receiver = make_weight_receiver(engine, own, "engine-a")
-    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.05, timeout_s=TIMEOUT_S))
+    with engine_sync(engine, "engine-a", TIMEOUT_S) as (broadcaster, receiver):
 
-    def pool_of(ptr: int) -> int:
-        starts = [pool.slot(0).data_ptr() for pool in receiver._pools]
-        ends = [s + pool.nbytes for s, pool in zip(starts, receiver._pools)]
-        return next(i for i, (s, e) in enumerate(zip(starts, ends)) if s <= ptr < e)
+        def pool_of(ptr: int) -> int:
+            starts = [pool.slot(0).data_ptr() for pool in receiver._pools]
+            ends = [s + pool.nbytes for s, pool in zip(starts, receiver._pools)]
+            return next(i for i, (s, e) in enumerate(zip(starts, ends)) if s <= ptr < e)
 
-    try:
-        beats.heartbeat("engine-a", "rollout", {"engine_version": -1})
-        receiver.start()
         ptrs = []
         for version in (1, 2, 3):
             state = build_tiny_model(TinyModelConfig(), len(VOCAB), version).state_dict()
@@ -469,12 +487,40 @@ def test_adopting_engine_alternates_receive_pools() -> None:
             ptrs.append([p.data_ptr() for p in params.values()])
         homes = [{pool_of(ptr) for ptr in version_ptrs} for version_ptrs in ptrs]
         assert homes == [{0}, {1}, {0}], homes  # the pools stay the same objects throughout
-    finally:
-        broadcaster.close()
-        receiver.stop()
-        for client in (control, beats, own):
-            client.close()
-        stop_broker()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_update_changes_nothing_and_ends_the_service() -> None:
+    """An engine whose model is not the learner's (wider, so every shape differs) over real
+    gloo: the update is refused before any tensor is loaded (the engine's weights and version
+    are as before), the receiver takes no more updates and says why at once, the broadcaster
+    evicts it (no ack), and the rollout worker's error for it names the config section."""
+    from asyncrl.config import ConfigError
+    from asyncrl.config.schema import TinyModelConfig
+    from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model
+    from asyncrl.weights.fit import WeightsRefused
+    from rollouters.engines.torch_engine import TorchEngine
+    from rollouters.worker import refused_weights
+
+    torch.set_num_threads(1)
+    engine = TorchEngine(build_tiny_model(TinyModelConfig(), len(VOCAB), 0), (EOS_ID,), PAD_ID)
+    before = engine.state_dict()
+    wider = build_tiny_model(TinyModelConfig(hidden_size=96), len(VOCAB), 1).state_dict()
+    with engine_sync(engine, "engine-w", timeout_s=2.0) as (broadcaster, receiver):
+        metrics = broadcaster.sync(wider, 1)
+        assert metrics["weights/members"] == 0 and metrics["weights/evicted"] == 1, metrics
+        started = time.monotonic()
+        assert not receiver.wait_for_version(1, timeout=30.0)
+        assert time.monotonic() - started < 1.0, "a refusal ends the wait at once"
+        assert isinstance(receiver.refused, WeightsRefused)
+        assert "shape" in str(receiver.refused), receiver.refused
+        receiver._thread.join(5.0)
+        assert not receiver._thread.is_alive(), "the receiver serves no more"
+        assert engine.version == 0
+        assert all(torch.equal(t, before[k]) for k, t in engine.state_dict().items())
+        error = refused_weights(receiver.refused)
+        assert isinstance(error, ConfigError) and str(error).startswith("model: ")
+        assert str(receiver.refused) in str(error)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from asyncrl.config import ConfigError, load_config  # noqa: E402
 from asyncrl.config.schema import LoraConfig, TinyModelConfig  # noqa: E402
 from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model  # noqa: E402
+from asyncrl.weights.fit import WeightsRefused  # noqa: E402
 from asyncrl.weights.lora_wire import adapter_name, merge, split_adapters  # noqa: E402
 from learners.lora import merged_state, sends_adapters, wrap_lora  # noqa: E402
 from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
@@ -188,11 +189,11 @@ def test_bad_adapter_update_changes_nothing() -> None:
     update = _adapters(_trained_peft(1))
     update["model.layers.9.mlp.down_proj.weight#lora_A"] = torch.ones(4, 256)
     update["model.layers.9.mlp.down_proj.weight#lora_B"] = torch.ones(64, 4)
-    with pytest.raises(KeyError):
+    with pytest.raises(WeightsRefused, match="adapters on unknown weights"):
         engine.load_weights(update.items(), version=1)
     misfit = _adapters(_trained_peft(1))
     misfit[f"{Q}#lora_A"] = torch.ones(4, 7)
-    with pytest.raises(ValueError):
+    with pytest.raises(WeightsRefused, match="does not fit"):
         engine.load_weights(misfit.items(), version=1)
     assert engine.version == 0
     for name, tensor in engine.state_dict().items():

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from asyncrl.config.schema import TinyModelConfig  # noqa: E402
 from asyncrl.models import EOS_ID, PAD_ID, VOCAB, build_tiny_model  # noqa: E402
+from asyncrl.weights.fit import WeightsRefused  # noqa: E402
 from rollouters.engines.base import Engine  # noqa: E402
 from rollouters.engines.torch_engine import TorchEngine  # noqa: E402
 
@@ -119,7 +120,7 @@ def test_unknown_weight_name_raises_and_changes_nothing() -> None:
     before = engine.state_dict()
     bad = [("model.norm.weight", torch.zeros_like(before["model.norm.weight"])),
            ("no.such.weight", torch.zeros(3))]
-    with pytest.raises(KeyError, match="no.such.weight"):
+    with pytest.raises(WeightsRefused, match="no.such.weight"):
         engine.load_weights(bad, version=9)
     assert engine.version == 0
     assert torch.equal(engine.state_dict()["model.norm.weight"], before["model.norm.weight"])
@@ -142,7 +143,7 @@ def test_adopt_weights_takes_the_tensors_without_a_copy() -> None:
     reference = other.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True)
     assert [c.tokens for g in got for c in g] == [c.tokens for g in reference for c in g]
     assert engine.version == 3
-    with pytest.raises(KeyError, match="no.such.weight"):
+    with pytest.raises(WeightsRefused, match="no.such.weight"):
         engine.adopt_weights({"model.norm.weight": torch.zeros(norm.shape),
                               "no.such.weight": torch.zeros(3)}, version=4)
     assert engine.version == 3 and torch.equal(params["model.norm.weight"],
