@@ -30,13 +30,15 @@ class WeightsRefused(ValueError):
 
 def check_fit(items: Iterable[tuple[str, Any]], shapes: Mapping[str, Sequence[int]]) -> None:
     """Raise :class:`WeightsRefused` unless every ``(name, tensor)`` names one of ``shapes``
-    with that shape. Nothing is loaded by it: call it before the first tensor moves."""
+    with that shape (a tensor, or its shape where the update is only announced). Nothing is
+    loaded by it: call it before the first tensor moves."""
     items = list(items)
     unknown = sorted(name for name, _ in items if name not in shapes)
     if unknown:
         more = f" and {len(unknown) - SHOWN} more" if len(unknown) > SHOWN else ""
         raise WeightsRefused(f"unknown weight names: {unknown[:SHOWN]}{more}")
-    for name, tensor in items:
-        if tuple(shapes[name]) != tuple(tensor.shape):
-            raise WeightsRefused(f"{name}: shape {tuple(tensor.shape)} does not match "
+    for name, value in items:
+        shape = tuple(getattr(value, "shape", value))
+        if tuple(shapes[name]) != shape:
+            raise WeightsRefused(f"{name}: shape {shape} does not match "
                                  f"{tuple(shapes[name])}")

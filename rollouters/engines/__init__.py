@@ -162,12 +162,14 @@ def _server_url(cfg: Config, index: int) -> str:
 def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
                    eos_ids: tuple[int, ...]) -> Engine:
     """Attach to ``rollout.url``'s server, or launch one (``rollout.sglang.module``)."""
+    from asyncrl.models import model_shapes
     from rollouters.engines.sglang_engine import MEMORY_SAVER_FLAG, SglangEngine, SglangServer
 
     r = cfg.rollout
     timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
                 "update_timeout_s": 2 * cfg.weights.timeout_s,  # a join waits for the others
-                "eos_ids": eos_ids}
+                "eos_ids": eos_ids,
+                "shapes": model_shapes(model_dir)}  # the learner's model, which updates fit
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)
     saver = [MEMORY_SAVER_FLAG] if cfg.launcher.colocate else []  # its sleep frees memory

@@ -28,13 +28,14 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from asyncrl.weights.fit import check_fit
 from asyncrl.weights.plan import BucketPlan
 from asyncrl.weights.receiver import WeightReceiver, agreed_transport
 from asyncrl.weights.slices import Seat
@@ -98,14 +99,19 @@ class SglangEngine:
     Every call has a timeout: ``timeout_s`` for control calls, ``generate_timeout_s`` for
     ``/generate`` (long sequences take a while), ``update_timeout_s`` for weight calls (they
     block for as long as the learner takes to broadcast). The policy version is tracked here
-    and mirrored to the server as its ``weight_version`` string.
+    and mirrored to the server as its ``weight_version`` string. ``shapes``: the model's
+    tensor shapes (:func:`asyncrl.models.model_shapes`), which every update's manifest is
+    checked against before the server joins its group (:mod:`asyncrl.weights.fit`); None:
+    the server's own refusal, which may leave the update partial.
     """
 
     def __init__(self, url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0,
                  update_timeout_s: float = 600.0, pause_mode: PauseMode = "in_place",
                  version: int = 0, server: SglangServer | None = None,
-                 eos_ids: tuple[int, ...] = ()) -> None:
+                 eos_ids: tuple[int, ...] = (),
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.shapes = shapes
         # Sent as stop_token_ids on every request: SGLang would otherwise stop only at the EOS
         # its own files name, and a tokenizer's EOS that generation_config leaves out
         # (<|im_end|> vs <|endoftext|>) would run the row to max_new_tokens.
@@ -351,7 +357,13 @@ class SglangWeightPeer(WeightReceiver):
         self._by_tensor = False  # this epoch's transport hands tensors over (ipc)
 
     def _serve(self, ann: dict[str, Any]) -> None:
+        """As :class:`WeightReceiver`, after checking the update's manifest against the
+        model's shapes: the server loads bucket by bucket, so a refusal of its own could leave
+        the update partial; refused here, the server never joins the group."""
         self._version_in_flight = int(ann.get("version", -1))  # read by _receive below
+        if self.engine.shapes is not None and self.member in ann.get("members", []):
+            check_fit([(spec["name"], spec["shape"]) for spec in ann["manifest"]],
+                      self.engine.shapes)
         super()._serve(ann)
 
     def _applied(self, named: dict[str, torch.Tensor], version: int) -> None:

@@ -218,6 +218,26 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
         assert fake.groups == {} and fake.calls[-1][0] == "/destroy_weights_update_group"
 
 
+def test_an_update_the_model_does_not_fit_is_refused_before_the_server_joins(server) -> None:
+    """With the model's shapes known (the factory passes them), the peer checks the update's
+    manifest before anything: a tensor of another shape is refused, the server is never asked
+    to join or load (a refusal of its own, bucket by bucket, could leave the update partial),
+    and the peer serves no more (the rollout worker stops on :attr:`refused`)."""
+    from asyncrl.weights.fit import WeightsRefused
+
+    url, fake = server
+    fake.join_groups = True
+    engine = SglangEngine(url, update_timeout_s=20.0, shapes={"a": (4, 4), "c": (2, 8)})
+    with weight_sync(engine, WeightsConfig(bucket_mb=0.0001, timeout_s=2)) as parts:
+        peer, broadcaster = parts
+        metrics = broadcaster.sync({"a": torch.randn(4, 4), "c": torch.randn(2, 16)}, 5)
+        assert metrics["weights/members"] == 0, metrics
+        assert not peer.wait_for_version(5, timeout=10)
+        assert isinstance(peer.refused, WeightsRefused)
+        assert "c: shape (2, 16) does not match (2, 8)" in str(peer.refused)
+        assert [p for p, _ in fake.calls] == [] and engine.version == 0
+
+
 def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> None:
     """``rollout.engine = "sglang"`` with ``rollout.url``: one server per worker, and the
     worker's weight receiver is the peer (the server receives the broadcast itself)."""
@@ -235,6 +255,7 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     engine = make_engine(cfg, model_dir, 0, ModelTokenizer(model_dir))
     assert isinstance(engine, SglangEngine) and engine.url == url
     assert engine.eos_ids == (EOS_ID,)   # the model's own, sent as stop_token_ids
+    assert engine.shapes is not None and "lm_head.weight" in engine.shapes  # updates fit them
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
     control = ZmqBufferClient(address, 10.0)
