@@ -26,7 +26,7 @@ from asyncrl.launch.preflight import check_startup
 from asyncrl.launch.restart import Restarts, RestartPolicy, RoleFailed
 from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_dir_note,
                                     status_client, write_run_dir)
-from asyncrl.launch.signals import LauncherSignals
+from asyncrl.launch.signals import LauncherSignals, say_learner_stops
 from asyncrl.monitor import make_view
 from buffers.backends import buffer_backend
 from buffers.run_token import TOKEN_ENV, ensure_token
@@ -195,10 +195,13 @@ class LocalLauncher:
 
     def _stop_role(self, role: Role) -> None:
         """SIGTERM the role's process group, wait for it (the learner longer: it saves), then
-        SIGKILL what is left."""
+        SIGKILL what is left. A learner still running is told what it does meanwhile, which
+        with a real model's eval set takes minutes, and how not to wait for it."""
+        grace_s = self.cfg.launcher.stop_grace_s(role.name)
+        if role.name == "learner" and role.proc.poll() is None:
+            say_learner_stops(grace_s)
         _signal_group(role.proc, signal.SIGTERM)
-        if self.signals.overran(lambda: role.proc.poll() is not None,
-                                self.cfg.launcher.stop_grace_s(role.name)):
+        if self.signals.overran(lambda: role.proc.poll() is not None, grace_s):
             logger.warning("%s did not stop in time: killing it", role.name)
         _signal_group(role.proc, signal.SIGKILL)  # also reaps children it left behind
         role.proc.wait()

@@ -37,7 +37,7 @@ from asyncrl.launch.preflight import check_startup
 from asyncrl.launch.restart import Restarts, RestartPolicy, RoleFailed
 from asyncrl.launch.run_dir import (is_resuming, print_final, reopen_run, run_dir_note,
                                     status_client, write_run_dir)
-from asyncrl.launch.signals import LauncherSignals
+from asyncrl.launch.signals import LauncherSignals, say_learner_stops
 from asyncrl.monitor import make_view
 from buffers.backends import buffer_backend
 from buffers.run_token import TOKEN_ENV, ensure_token
@@ -378,8 +378,10 @@ class RayLauncher:
     def _wait_stopped(self, ray: Any, refs: list[Any], role: str) -> None:
         """Give a role's actors their grace to stop (none after a second signal); say so when
         some did not stop in time."""
-        if self.signals.overran(lambda: not _pending(ray, refs),
-                                self.cfg.launcher.stop_grace_s(role)):
+        grace_s = self.cfg.launcher.stop_grace_s(role)
+        if role == "learner" and _pending(ray, refs):
+            say_learner_stops(grace_s)
+        if self.signals.overran(lambda: not _pending(ray, refs), grace_s):
             logger.warning("%d %s actors did not stop in time: killing them",
                            len(_pending(ray, refs)), role)
 

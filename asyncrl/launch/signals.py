@@ -73,3 +73,11 @@ class LauncherSignals:
                 return True
             self.force.wait(poll_s)
         return False
+
+
+def say_learner_stops(grace_s: float) -> None:
+    """On the console, when a stop reaches a learner still running: what it does before it
+    exits (with a real model's eval set, minutes), and how not to wait for it."""
+    logger.info("stopping the learner: it saves its checkpoint and final model, then runs the "
+                "final eval (up to %.0f s, launcher.learner_stop_timeout_s); interrupt again "
+                "to kill it now (the run resumes from its last checkpoint)", grace_s)

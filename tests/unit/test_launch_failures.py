@@ -81,19 +81,24 @@ def _saving_role(tmp_path: Path, name: str, save_s: float) -> Role:
 
 
 @pytest.mark.timeout(60)
-def test_the_learner_gets_its_own_grace_to_save_and_the_others_the_common_one(tmp_path: Path
-                                                                             ) -> None:
+def test_the_learner_gets_its_own_grace_to_save_and_the_others_the_common_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The learner saves its checkpoint and export after a stop: `up` gave it
     ``launcher.stop_timeout_s`` (10 s) like any role, and on a loaded machine (or a real
-    model) killed it mid-save; it gets ``launcher.learner_stop_timeout_s`` now."""
+    model) killed it mid-save; it gets ``launcher.learner_stop_timeout_s`` now, and the
+    console says so, with how not to wait."""
     cfg = load_config(None, [f"run.output_dir={str(tmp_path)!r}", "launcher.stop_timeout_s=1",
                              "launcher.learner_stop_timeout_s=30"])
     launcher = LocalLauncher(cfg)
     learner, rollout = (_saving_role(tmp_path, name, 3.0) for name in ("learner", "rollout"))
-    launcher._stop_role(learner)
-    launcher._stop_role(rollout)
+    with caplog.at_level("INFO", logger="asyncrl.launch.signals"):
+        launcher._stop_role(learner)
+        launcher._stop_role(rollout)
     assert learner.proc.returncode == 0      # saved, and exited on its own
     assert rollout.proc.returncode == -9     # killed after stop_timeout_s
+    said = [r.getMessage() for r in caplog.records if "stopping the learner" in r.getMessage()]
+    assert len(said) == 1 and "up to 30 s, launcher.learner_stop_timeout_s" in said[0] \
+        and "interrupt again" in said[0], said
 
 
 @pytest.mark.timeout(60)
@@ -128,9 +133,11 @@ class _StoppingActors:
 
 
 @pytest.mark.timeout(60)
-def test_a_second_signal_kills_the_ray_actors_still_stopping(tmp_path: Path) -> None:
+def test_a_second_signal_kills_the_ray_actors_still_stopping(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """As with the local launcher: a second Ctrl-C to `up` with ``launcher.type = "ray"``
-    kills the actors still stopping instead of waiting out ``learner_stop_timeout_s``."""
+    kills the actors still stopping instead of waiting out ``learner_stop_timeout_s``, which
+    the console named at the first."""
     import signal
     import threading
     import time
@@ -146,5 +153,8 @@ def test_a_second_signal_kills_the_ray_actors_still_stopping(tmp_path: Path) -> 
     launcher.signals.on_signal(signal.SIGINT, None)   # the stop
     threading.Timer(1.0, launcher.signals.on_signal, (signal.SIGINT, None)).start()   # impatient
     start = time.monotonic()
-    launcher.shutdown(ray)
+    with caplog.at_level("INFO", logger="asyncrl.launch.signals"):
+        launcher.shutdown(ray)
     assert ray.killed == [actor] and time.monotonic() - start < 10
+    assert any("stopping the learner" in r.getMessage() and "up to 30 s" in r.getMessage()
+               for r in caplog.records)
