@@ -2,7 +2,7 @@
 one node of a real three-node cluster (which does not own the run's slot) runs every role end
 to end: the learner trains on what the rollout workers put, and `asyncrl up` resets the run's
 keys, found by SCAN across the nodes, on the way in. A short run: learning with Redis is what
-test_redis_quickstart shows; this shows the cluster path of every role."""
+test_lora_quickstart shows; this shows the cluster path of every role."""
 
 from __future__ import annotations
 
