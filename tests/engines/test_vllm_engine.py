@@ -172,15 +172,30 @@ def test_updates_from_another_thread_keep_versions_monotonic(engine,
 
 def test_a_failed_update_is_followed_by_a_fresh_join(engine, tiny_model_dir: Path,
                                                      reference_state: dict) -> None:
-    """An update the worker refuses at its first tensor (a name the model lacks) raises at once,
-    not after the broadcast's timeout, and drops the transfer group; the next update joins a
-    fresh group and lands, as after an eviction and rejoin. Meanwhile the engine generates with
-    the weights it had."""
+    """An update with a name the model lacks is refused before anything is sent
+    (``check_fit``): the transfer group stays. Behind that check (widened here, as for a
+    server whose model is not the worker's directory), the worker refuses it at its first
+    tensor: that raises at once, not after the broadcast's timeout, and drops the transfer
+    group; the next update joins a fresh group and lands, as after an eviction and rejoin.
+    Meanwhile the engine generates with the weights it had."""
+    from asyncrl.weights.fit import WeightsRefused
+
     before = _flat(engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
+    engine.load_weights(reference_state.items(), version=0)  # joined, whatever ran before
+    group = engine._sender.group
     bad = {"model.no_such_layer.weight": torch.zeros(2), **reference_state}
-    start = time.perf_counter()
-    with pytest.raises(Exception, match="no_such_layer"):
+    with pytest.raises(WeightsRefused, match="no_such_layer"):
         engine.load_weights(bad.items(), version=1)
+    assert engine._sender.group is group and engine.version == 0
+
+    shapes = engine._shapes
+    engine._shapes = {**shapes, "model.no_such_layer.weight": (2,)}
+    start = time.perf_counter()
+    try:
+        with pytest.raises(Exception, match="no_such_layer"):
+            engine.load_weights(bad.items(), version=1)
+    finally:
+        engine._shapes = shapes
     assert time.perf_counter() - start < 30  # not the 60 s gloo timeout
     assert engine._sender.group is None and engine.version == 0
     again = _flat(engine.generate(PROMPTS, n=1, temperature=1.0, max_new_tokens=8, greedy=True))
