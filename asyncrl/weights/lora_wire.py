@@ -75,4 +75,4 @@ def check_targets(adapters: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
         if len(shape) != 2 or tuple(shape) != (scaled_b.shape[0], lora_a.shape[1]) \
                 or scaled_b.shape[1] != lora_a.shape[0]:
             raise WeightsRefused(f"{name}: adapter B {tuple(scaled_b.shape)} · A "
-                             f"{tuple(lora_a.shape)} does not fit {tuple(shape)}")
+                                 f"{tuple(lora_a.shape)} does not fit {tuple(shape)}")
