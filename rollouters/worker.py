@@ -114,8 +114,11 @@ def run_rollout_worker(cfg: Config, index: int, address: str | None,
 def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
                        stop: threading.Event) -> None:
     """Rollout workers ``indices`` as threads of this process, sharing ``stop``; the first
-    failure stops the others, and this raises once all have ended."""
+    failure stops the others, and this raises once all have ended: the first config error
+    as it is (the process then exits 2 and is not restarted, as a worker process would),
+    else a RuntimeError naming the failed workers."""
     failures: list[int] = []
+    config_errors: list[ConfigError] = []
 
     def run(index: int) -> None:
         try:
@@ -123,9 +126,11 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
         except BufferStopped as exc:  # the stop asked for (a signal), with the broker gone
             logger.info("rollout worker %d stopped without waiting for the buffer: %s",
                         index, exc)
-        except Exception:  # noqa: BLE001 - reported, then every thread is stopped
+        except Exception as exc:  # noqa: BLE001 - reported, then every thread is stopped
             logger.exception("rollout worker %d failed: stopping the others", index)
             failures.append(index)
+            if isinstance(exc, ConfigError):
+                config_errors.append(exc)
             stop.set()
 
     threads = [threading.Thread(target=run, args=(i,), name=f"rollout-{i}", daemon=True)
@@ -134,6 +139,8 @@ def run_worker_threads(cfg: Config, indices: list[int], address: str | None,
         thread.start()
     for thread in threads:
         thread.join()
+    if config_errors:
+        raise config_errors[0]
     if failures:
         raise RuntimeError(f"rollout workers {sorted(failures)} failed")
 

@@ -132,6 +132,31 @@ def test_a_config_error_is_not_restarted(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_worker_threads_raise_a_threads_config_error_as_it_is(monkeypatch):
+    """The sim engine's workers run as threads of one process (``run_worker_threads``): a
+    config error in one (a fleet whose model refuses the learner's weights) stops the others
+    and is raised as it is, so the process exits 2 and is not restarted, as a worker process
+    would; any other failure stays a RuntimeError naming the workers."""
+    from asyncrl.config import ConfigError
+    from rollouters import worker
+
+    def fake_worker(cfg, index, address, stop):  # the threads' supervision is under test
+        if index == 1:
+            raise ConfigError("model: refused")
+        assert stop.wait(30), "the failure stops the other threads"
+
+    monkeypatch.setattr(worker, "run_rollout_worker", fake_worker)
+    with pytest.raises(ConfigError, match="model: refused"):
+        worker.run_worker_threads(None, [0, 1], None, threading.Event())
+
+    def crashing_worker(cfg, index, address, stop):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(worker, "run_rollout_worker", crashing_worker)
+    with pytest.raises(RuntimeError, match=r"rollout workers \[0, 1\] failed"):
+        worker.run_worker_threads(None, [0, 1], None, threading.Event())
+
+
 def crash_once_then_wait(marker: str, stop: threading.Event) -> None:
     """Child target: notes its pid; the first start is SIGKILLed, the second waits."""
     pids = Path(marker)
