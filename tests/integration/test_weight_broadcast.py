@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -392,26 +392,19 @@ def test_unpadded_plan_and_reused_buffers() -> None:
     """``align=1`` (SGLang's layout: misaligned tensors are copied out on arrival) over real
     gloo, and three versions through the same staging and receive buffers: each arrives
     exactly, although the buffers it passed through held the previous one."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
-    from asyncrl.weights.broadcaster import WeightBroadcaster
+    from asyncrl.config.schema import WeightsConfig
     from asyncrl.weights.receiver import WeightReceiver
-    from buffers.zmq_broker import start_broker_thread
-    from buffers.zmq_client import ZmqBufferClient
 
     torch.set_num_threads(1)
-    address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
-                                               groups_per_step=1)
-    control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
-    own = ZmqBufferClient(address, 10.0)
     got: dict[int, dict[str, torch.Tensor]] = {}
-    receiver = WeightReceiver(
-        own, "engine-u",
-        lambda named, version: got.__setitem__(version, {k: v.clone() for k, v in named.items()}))
-    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.0005, timeout_s=TIMEOUT_S),
-                                    align=1)
-    try:
-        beats.heartbeat("engine-u", "rollout", {"engine_version": -1, "weights": "ready"})
-        receiver.start()
+
+    def receiver_for(own: Any) -> WeightReceiver:
+        return WeightReceiver(own, "engine-u", lambda named, version: got.__setitem__(
+            version, {k: v.clone() for k, v in named.items()}))
+
+    with in_process_sync("engine-u", receiver_for,
+                         WeightsConfig(bucket_mb=0.0005, timeout_s=TIMEOUT_S), align=1,
+                         beat={"weights": "ready"}) as (broadcaster, receiver):
         pools = []
         for version in (1, 2, 3):
             state = {"a": torch.randn(3), "b": torch.randn(7, 5).to(torch.bfloat16),
@@ -421,33 +414,29 @@ def test_unpadded_plan_and_reused_buffers() -> None:
             assert all(torch.equal(got[version][k], v) for k, v in state.items()), version
             pools.append(receiver._pools[0])
         assert pools[0] is not None and pools[0] is pools[1] is pools[2], "one pool, reused"
-    finally:
-        broadcaster.close()
-        receiver.stop()
-        for client in (control, beats, own):
-            client.close()
-        stop_broker()
 
 
 @contextmanager
-def engine_sync(engine: Any, member: str, timeout_s: float) -> Iterator[tuple[Any, Any]]:
-    """Both ends in this process around a real engine: a broker thread, the broadcaster and
-    the engine's own receiver (:func:`rollouters.engines.make_weight_receiver`), started with
-    ``member`` heartbeating as a rollout member; everything stopped on exit."""
-    from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
+def in_process_sync(member: str, receiver_for: Callable[[Any], Any], weights: Any,
+                    align: int | None = None, beat: dict[str, Any] | None = None
+                    ) -> Iterator[tuple[Any, Any]]:
+    """Both ends in this process: a broker thread, the broadcaster (``weights``, ``align``) and
+    the receiver ``receiver_for`` makes on a client of its own, started with ``member``
+    heartbeating as a rollout member (``beat``: more of its heartbeat); all stopped on exit."""
+    from asyncrl.config.schema import BufferConfig, ZmqBufferConfig
     from asyncrl.weights.broadcaster import WeightBroadcaster
     from buffers.zmq_broker import start_broker_thread
     from buffers.zmq_client import ZmqBufferClient
-    from rollouters.engines import make_weight_receiver
 
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
     control, beats = ZmqBufferClient(address, 10.0), ZmqBufferClient(address, 10.0)
     own = ZmqBufferClient(address, 10.0)  # the receiver thread's own client
-    receiver = make_weight_receiver(engine, own, member)
-    broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.05, timeout_s=timeout_s))
+    receiver = receiver_for(own)
+    broadcaster = WeightBroadcaster(control, weights,
+                                    **({} if align is None else {"align": align}))
     try:
-        beats.heartbeat(member, "rollout", {"engine_version": -1})
+        beats.heartbeat(member, "rollout", {"engine_version": -1, **(beat or {})})
         receiver.start()
         yield broadcaster, receiver
     finally:
@@ -456,6 +445,16 @@ def engine_sync(engine: Any, member: str, timeout_s: float) -> Iterator[tuple[An
         for client in (control, beats, own):
             client.close()
         stop_broker()
+
+
+def engine_sync(engine: Any, member: str, timeout_s: float) -> Any:
+    """:func:`in_process_sync` around a real engine and its own receiver
+    (:func:`rollouters.engines.make_weight_receiver`)."""
+    from asyncrl.config.schema import WeightsConfig
+    from rollouters.engines import make_weight_receiver
+
+    return in_process_sync(member, lambda own: make_weight_receiver(engine, own, member),
+                           WeightsConfig(bucket_mb=0.05, timeout_s=timeout_s))
 
 
 @pytest.mark.timeout(60)
