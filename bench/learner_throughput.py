@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 trainers[packing] = Fsdp2Trainer(tmp, cfg, device,
                                                  attn_implementation=args.attn)
             times: dict[bool, list[float]] = {packing: [] for packing in layouts}
+            warmups: dict[bool, list[float]] = {packing: [] for packing in layouts}  # compiles
             peak_mem = {packing: 0 for packing in layouts}
             for step in range(args.warmup + args.steps):
                 for packing, trainer in trainers.items():
@@ -162,6 +163,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                 torch.cuda.max_memory_allocated())
                     if step >= args.warmup:
                         times[packing].append(time.perf_counter() - start)
+                    else:
+                        warmups[packing].append(time.perf_counter() - start)
             peak = peak_flops(args)
             tokens = sum(lengths)
             for packing in layouts:
@@ -176,10 +179,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                        "micro_batches": len(plan_micro_batches(
                            lengths, args.micro_batch_tokens, packing)),
                        "step_s": median, "tokens_per_s": tokens / median,
+                       "warmup_s": warmups[packing],
                        "ratio": (statistics.median(times[False]) / median
                                  if len(layouts) == 2 else None)}
                 if peak is not None:
                     row["mfu"] = 6 * params * tokens / median / peak
+                    row["peak_tflops"] = peak / 1e12
                 if device.type == "cuda":
                     row["peak_gib"] = peak_mem[packing] / 2**30
                 rows.append(row)
