@@ -103,7 +103,8 @@ class PhaseConductor:
         missed the deadline, and the bytes of weights, KV cache and receive buffers the
         sleeping engines say they still hold (``colocate/asleep_held_bytes``: 0 when all let
         go of them;
-        on CUDA also ``colocate/engines_gib_asleep``, all their processes still allocate)."""
+        on CUDA also ``colocate/engines_gib_asleep``, all their processes still allocate, and
+        ``colocate/engines_gib_peak``, the sum of their peaks in the rollout phase before)."""
         from asyncrl.weights.rendezvous import await_keys  # imports torch.distributed
 
         start = time.monotonic()
@@ -129,10 +130,13 @@ class PhaseConductor:
                    for part in ("weights_bytes", "kv_bytes", "receive_bytes"))
         on_device = [value["memory"]["device_allocated_bytes"] for value in asleep
                      if "device_allocated_bytes" in value.get("memory", {})]
+        peaks = [value["memory"]["device_peak_bytes"] for value in asleep
+                 if "device_peak_bytes" in value.get("memory", {})]
         return {"colocate/sleep_s": time.monotonic() - start,
                 "colocate/asleep_held_bytes": float(held),
                 **({"colocate/engines_gib_asleep": sum(on_device) / 2**30} if on_device
                    else {}),
+                **({"colocate/engines_gib_peak": sum(peaks) / 2**30} if peaks else {}),
                 "colocate/engine_sleep_s": max(sleeps, default=0.0),
                 "colocate/wake_s": max(wakes, default=0.0),
                 "colocate/engines": float(len(members)),

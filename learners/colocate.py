@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from asyncrl.devices import release_device_memory
+
 if TYPE_CHECKING:
     from learners.lost import Lost
 
@@ -71,7 +73,7 @@ class HostOffload:
                 if isinstance(value, torch.Tensor) and value.device == self.device:
                     state[key] = move(value)
                     self._moved.add((id(state), key))
-        self._settle()
+        release_device_memory(self.device)   # the engines come next: all of it, workspaces too
         self.on_host = True
         return time.perf_counter() - start
 
@@ -86,17 +88,13 @@ class HostOffload:
                 if (id(state), key) in self._moved:
                     state[key] = move(value)
         self._moved = set()
-        self._settle()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.on_host = False
         return time.perf_counter() - start
 
     def _states(self) -> list[dict[str, Any]]:
         return [state for opt in self.optimizers for state in opt.state.values()]
-
-    def _settle(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
 
 
 def _mover(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -166,6 +164,8 @@ class Colocated:
             dist.barrier()   # no rank takes the device before rank 0 saw every engine asleep
         metrics["colocate/onload_s"] = self.offload.to_device()
         metrics.update(self._allocated("in"))
+        if self.offload.device.type == "cuda":   # the train phase's peak, read before the move out
+            torch.cuda.reset_peak_memory_stats(self.offload.device)
         if self._beat is not None:
             self._ask(lost, self._beat, TRAINING)
         self._handover = {**metrics, "colocate/handover_s": time.perf_counter() - start}
@@ -176,8 +176,9 @@ class Colocated:
         ``colocate/sleep_s`` (its wait for the engines), ``onload_s``, ``offload_s``, the
         slowest engine's own ``engine_sleep_s`` and ``wake_s``."""
         start = time.perf_counter()
+        peak = self._peak()
         offload_s = self.offload.to_host()
-        out = self._allocated("out")
+        out = {**peak, **self._allocated("out")}
         if self.conductor is not None:
             self._ask(lost, self.conductor.to_rollout)
         metrics, self._handover = self._handover, {}
@@ -199,6 +200,15 @@ class Colocated:
         if device.type != "cuda":
             return {}
         return {f"colocate/learner_gib_{when}": torch.cuda.memory_allocated(device) / 2**30}
+
+    def _peak(self) -> dict[str, float]:
+        """CUDA: the most this process held on its device since the move in
+        (``colocate/learner_gib_peak``: state, activations, workspaces); nothing before the
+        first step, or on CPU."""
+        device = self.offload.device
+        if device.type != "cuda" or self.offload.on_host:
+            return {}
+        return {"colocate/learner_gib_peak": torch.cuda.max_memory_allocated(device) / 2**30}
 
     def end(self) -> None:
         """After the last step: the state back on the device for the run's end (export, final

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.devices import release_device_memory
 from asyncrl.weights.fit import check_fit
 from asyncrl.weights.lora_wire import split_adapters
 from rollouters.engines.base import Completion, check_generate_args
@@ -339,7 +340,8 @@ class TorchEngine:
         """Wait for the generate calls in flight to end (their KV caches die with them), then
         move every parameter to a host copy and release its device storage; later generate
         calls wait for :meth:`wake_up`. Buffers (rotary tables) stay: they are small. On CUDA
-        the allocator's cached blocks go back to the device, for the learner to use."""
+        the allocator's cached blocks and cuBLAS's workspaces go back to the device, for the
+        learner to use."""
         with self._phase:
             self._asleep = True
             self._phase.wait_for(lambda: self._active == 0)
@@ -348,8 +350,7 @@ class TorchEngine:
                 if id(param) not in self._offloaded:
                     self._offloaded[id(param)] = (param, _to_host(param.data))
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)   # no generate call is left to use a workspace
         logger.debug("asleep: %.1f MB of weights in host memory", self.memory()["host_bytes"] / 1e6)
 
     def wake_up(self) -> None:
@@ -359,6 +360,8 @@ class TorchEngine:
             for param, host in self._offloaded.values():
                 param.data = host.to(self.device, copy=True)
             self._offloaded = {}
+            if self.device.type == "cuda":   # memory()'s peak: of this rollout phase
+                torch.cuda.reset_peak_memory_stats(self.device)
         with self._phase:
             self._asleep = False
             self._phase.notify_all()
@@ -367,7 +370,8 @@ class TorchEngine:
         """Bytes the engine holds: its parameters on the device (``weights_bytes``), their
         host copies while asleep (``host_bytes``), the KV caches of calls in flight
         (``kv_bytes``); on CUDA also everything the process has allocated on the device
-        (``device_allocated_bytes``)."""
+        (``device_allocated_bytes``) and the most it has held since the last wake
+        (``device_peak_bytes``: the rollout phase's peak, when asked asleep)."""
         with self._lock:
             weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
             host = sum(h.untyped_storage().nbytes() for _, h in self._offloaded.values())
@@ -376,6 +380,7 @@ class TorchEngine:
         held = {"weights_bytes": weights, "host_bytes": host, "kv_bytes": kv}
         if self.device.type == "cuda":   # all this process holds there (receive pools too)
             held["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            held["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return held
 
 

@@ -69,11 +69,15 @@ def test_colocated_one_step_off_run_learns(tmp_path: Path, processes: Processes)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_colocated_cuda_run_learns_and_lets_go_of_the_device(tmp_path: Path,
                                                              processes: Processes) -> None:
-    """The same on one GPU shared by the learner and both engines: after each step the
-    learner holds a fraction of what it held while training, and the engines nothing."""
+    """The same on one GPU shared by the learner and both engines: while the engines
+    generate, the learner holds a small part of its train phase's peak, and asleep the
+    engines a small part of theirs. cuBLAS's workspaces (32 MiB a handle and stream on
+    Hopper) count: the first CUDA run kept them, 65 MiB in the learner against the tiny
+    model's 1.5 MiB of state, and this test failed on that (2026-11-28, H200)."""
     records = _run(tmp_path, processes, "cuda", 2, "buffer.max_staleness=0",
                    "learner.device=cuda", "rollout.device=cuda")
     for record in records:
-        assert record["colocate/learner_gib_out"] < 0.5 * record["colocate/learner_gib_in"], \
+        assert record["colocate/learner_gib_out"] < 0.1 * record["colocate/learner_gib_peak"], \
             record
-        assert "colocate/engines_gib_asleep" in record, record   # the engines' own figure
+        assert record["colocate/engines_gib_asleep"] < 0.1 * record["colocate/engines_gib_peak"], \
+            record
