@@ -8,7 +8,9 @@ kernel attends within each sequence and needs no mask:
 - ``flash_attention_2`` (the ``flash-attn`` package, CUDA): transformers' varlen path; the
   sequence boundaries come from the packed forward (``cu_seq_lens_*``).
 - ``flex_attention``: transformers builds a block mask of the packed sequences. torch (2.13)
-  runs it on CPU without a backward pass, so it trains on CUDA only (refused on CPU).
+  runs it on CPU without a backward pass, so it trains on CUDA only (refused on CPU), where
+  inductor's kernel needs a head dimension of at least 16 (refused below: the first GPU run
+  failed there with a tiny model's 8).
 - ``varlen_sdpa`` (here, any device): ``sdpa`` with its causal kernel once per sequence of
   the packed row, no mask at all. A padded batch runs it once per row: right padding (the
   learner's) never reaches a real token under a causal mask, so no padding mask is needed
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 VARLEN_SDPA = "varlen_sdpa"
 KEY = "model.attn_implementation"
+FLEX_MIN_HEAD_DIM = 16   # inductor's flex_attention lowering (torch 2.11 on an H200)
 
 
 def resolve_attn_implementation(requested: str, device: torch.device,
@@ -54,7 +57,24 @@ def resolve_attn_implementation(requested: str, device: torch.device,
         raise ValueError(f"{KEY} = \"flex_attention\": torch {torch.__version__} has no "
                          f"flex_attention backward on CPU, so it cannot train there; use "
                          f"\"{VARLEN_SDPA}\" (the same varlen attention with sdpa)")
+    if requested == "flex_attention" and (head_dim := _head_dim(model_config)) is not None \
+            and head_dim < FLEX_MIN_HEAD_DIM:
+        raise ValueError(f"{KEY} = \"flex_attention\": its CUDA kernel needs a head dimension "
+                         f"of at least {FLEX_MIN_HEAD_DIM}, and this model's is {head_dim}; "
+                         f"use \"{VARLEN_SDPA}\" or \"auto\"")
     return requested
+
+
+def _head_dim(config: Any) -> int | None:
+    """An HF config's attention head dimension (a VLM's: its text model's), if it says."""
+    config = getattr(config, "text_config", None) or config
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden = getattr(config, "hidden_size", None)
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) \
+            and heads else None
+    return head_dim if isinstance(head_dim, int) else None
 
 
 def _sliding(config: Any) -> bool:

@@ -15,13 +15,20 @@ torch.set_num_threads(1)
 CUDA = torch.cuda.is_available()
 
 
-def _model(attn: str, device: str = "cpu", dtype=torch.float32):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _config(attn: str, hidden: int = 32):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64, **attn_kwargs(attn))
+
+
+def _model(attn: str, device: str = "cpu", dtype=torch.float32, hidden: int = 32):
+    """hidden 32: heads of 8; 64 (heads of 16) for flex_attention's CUDA kernel."""
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, **attn_kwargs(attn))
+    config = _config(attn, hidden)
     return Qwen2ForCausalLM(config).eval().to(device, dtype)
 
 
@@ -72,8 +79,9 @@ def test_flex_attention_packed_equals_padded_forward_on_cpu(
 def test_packed_equals_padded_with_gradients_on_cuda(attn: str) -> None:
     batch = _batch("cuda")
     real = batch.attention_mask.bool()
-    want, want_grads = _logprobs_and_grads(_model("sdpa", "cuda"), batch, packing=False)
-    got, grads = _logprobs_and_grads(_model(attn, "cuda"), batch, packing=True)
+    want, want_grads = _logprobs_and_grads(_model("sdpa", "cuda", hidden=64), batch,
+                                           packing=False)
+    got, grads = _logprobs_and_grads(_model(attn, "cuda", hidden=64), batch, packing=True)
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], atol=1e-4, rtol=1e-3)
@@ -86,6 +94,11 @@ def test_auto_and_refusals_name_the_key() -> None:
         resolve_attn_implementation("flex_attention", torch.device("cpu"))
     with pytest.raises(ValueError, match="model.attn_implementation.*flash-attn"):
         resolve_attn_implementation("flash_attention_2", torch.device("cpu"))
+    cuda = torch.device("cuda")   # resolving touches no GPU
+    with pytest.raises(ValueError, match="model.attn_implementation.*at least 16.*is 8"):
+        resolve_attn_implementation("flex_attention", cuda, _config("sdpa"))
+    assert resolve_attn_implementation("flex_attention", cuda, _config("sdpa", 64)) == \
+        "flex_attention"
 
 
 def test_varlen_sdpa_refuses_a_kv_cache_and_left_padding() -> None:
