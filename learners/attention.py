@@ -12,9 +12,11 @@ kernel attends within each sequence and needs no mask:
   inductor's kernel needs a head dimension of at least 16 (refused below: the first GPU run
   failed there with a tiny model's 8).
 - ``varlen_sdpa`` (here, any device): ``sdpa`` with its causal kernel once per sequence of
-  the packed row, no mask at all. A padded batch runs it once per row: right padding (the
-  learner's) never reaches a real token under a causal mask, so no padding mask is needed
-  either; a left-padded mask or a KV cache (generation) is refused.
+  the packed row, no mask at all; on CUDA in fp16/bf16, one call of torch's own
+  flash-attention varlen kernel for the whole row instead, where it runs
+  (:mod:`learners.flash_varlen`). A padded batch runs ``sdpa`` once per row: right padding
+  (the learner's) never reaches a real token under a causal mask, so no padding mask is
+  needed either; a left-padded mask or a KV cache (generation) is refused.
 
 ``auto`` takes ``flash_attention_2`` where it can run, else ``varlen_sdpa``; the choice is
 logged. transformers finds ``varlen_sdpa`` by name in its attention registry, where
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from learners import flash_varlen
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +148,10 @@ def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
                           cu_seq_lens_cpu: Tensor | None = None, **kwargs: Any
                           ) -> tuple[Tensor, None]:
     """Causal ``sdpa`` of ``query [B, Hq, T, D]`` against ``key, value [B, Hkv, T, D]``, per
-    sequence of ``cu_seq_lens_cpu`` when given (one packed row: :func:`varlen_kwargs`), else
-    per row; the output as
-    transformers' kernels return it, ``[B, T, Hq, D]``. Runs outside ``torch.compile`` (the
-    per-sequence loop would recompile for every new set of lengths)."""
+    sequence of ``cu_seq_lens_cpu`` when given (one packed row: :func:`varlen_kwargs`; on
+    CUDA one flash varlen call over ``cu_seq_lens_q`` where it runs), else per row; the
+    output as transformers' kernels return it, ``[B, T, Hq, D]``. Runs outside
+    ``torch.compile`` (the per-sequence loop would recompile for every new set of lengths)."""
     if sliding_window is not None:
         raise ValueError(f"{KEY} = \"{VARLEN_SDPA}\" has no sliding window; this model uses "
                          "one: choose \"sdpa\" or \"flash_attention_2\"")
@@ -157,8 +161,14 @@ def varlen_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: 
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                               scale=scaling, enable_gqa=gqa)
 
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens_cpu is None or query.shape[0] != 1:
         out = attend(query, key, value)
+    elif cu_seq_lens is not None and flash_varlen.usable(query, key, dropout):
+        out = flash_varlen.attend(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                  value[0].transpose(0, 1), cu_seq_lens,
+                                  int(torch.diff(cu_seq_lens_cpu).max()), scaling)
+        return out.unsqueeze(0), None
     else:
         bounds = cu_seq_lens_cpu.tolist()
         out = torch.cat([attend(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e])
