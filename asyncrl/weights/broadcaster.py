@@ -244,7 +244,7 @@ class WeightBroadcaster:
         self._version = version
         self._phases = {"timing/weight_send": 0.0, "timing/weight_ack": 0.0}
         plan = plan_buckets(state_dict, max(1, int(self._cfg.bucket_mb * 2**20)), self._align,
-                            int(self._cfg.alone_mb * 2**20))
+                            self._alone_bytes())
         state_device = next(iter(state_dict.values())).device if state_dict else None
         self._device = self._learner_device or state_device
         opts = announced_opts(self._cfg.transport, plan.total_bytes, self._sim_sync_s)
@@ -266,6 +266,15 @@ class WeightBroadcaster:
                 "weights/buckets": float(len(plan.bucket_nbytes)),
                 "weights/attempts": float(attempts), "weights/epoch": float(self._epoch),
                 **self._phases}
+
+    def _alone_bytes(self) -> int:
+        """``weights.alone_mb`` in bytes, or 0 (pack every tensor) while the group's transport
+        pays per bucket whatever its size (``packs_every_tensor``: ipc). The plan is announced
+        before an epoch picks its transport (``auto``), so the first update of a group goes
+        by the setting, and the next by the transport it got; any plan suits any transport."""
+        if self._group is not None and self._group.transport.packs_every_tensor:
+            return 0
+        return int(self._cfg.alone_mb * 2**20)
 
     def _deliver(self, plan: BucketPlan, state: Mapping[str, torch.Tensor],
                  version: int) -> tuple[list[str], int]:

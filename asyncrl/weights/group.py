@@ -82,6 +82,7 @@ class GroupTransport:
     against raw broadcasts over it)."""
 
     DEVICE_PREFIX = "cpu"  # the key prefix torch gives this backend's store (its device type)
+    packs_every_tensor = False  # a large tensor is one collective from its own memory
 
     def __init__(self, *, host: str, timeout_s: float, device: torch.device | None = None) -> None:
         self._host = host

@@ -44,6 +44,8 @@ class SimTransport:
     unused: its buffers stay on the CPU):
     :meth:`connect` only records the rank."""
 
+    packs_every_tensor = False
+
     def __init__(self, *, host: str, timeout_s: float, s_per_byte: float,
                  device: torch.device | None = None) -> None:
         self.rank, self.world = 0, 1

@@ -56,7 +56,13 @@ class WeightTransport(Protocol):
     Collectives of one group match by issue order, so every end posts its buckets in plan
     order. A posted bucket's tensor must stay untouched until its :meth:`Pending.wait`
     returns; at most a few are in flight (the broadcaster double-buffers, a receiver posts
-    all of an update's at once)."""
+    all of an update's at once).
+
+    ``packs_every_tensor``: True where a bucket costs a fixed overhead whatever its size
+    (ipc), so that the broadcaster packs every tensor into buckets, ``weights.alone_mb``
+    aside, once such a group exists."""
+
+    packs_every_tensor: bool
 
     def connect(self, store: dist.Store | None, group: str, rank: int, world: int) -> None:
         """Join the group named ``group`` over the epoch's ``store`` as ``rank`` of ``world``;

@@ -416,6 +416,38 @@ def test_unpadded_plan_and_reused_buffers() -> None:
         assert pools[0] is not None and pools[0] is pools[1] is pools[2], "one pool, reused"
 
 
+def test_a_transport_that_pays_per_bucket_gets_every_tensor_packed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ipc pays ~0.5 ms a bucket whatever its size (H200), so once a group's transport says
+    ``packs_every_tensor`` the next updates pack even the tensors ``weights.alone_mb`` would
+    send alone; the first, announced before the group existed, goes by the setting. gloo
+    stands in for ipc here (no GPU): the receiver follows whichever plan is announced."""
+    from asyncrl.config.schema import WeightsConfig
+    from asyncrl.weights.group import GlooTransport
+    from asyncrl.weights.receiver import WeightReceiver
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(GlooTransport, "packs_every_tensor", True)
+    got: dict[int, dict[str, torch.Tensor]] = {}
+
+    def receiver_for(own: Any) -> WeightReceiver:
+        return WeightReceiver(own, "engine-p", lambda named, version: got.__setitem__(
+            version, {k: v.clone() for k, v in named.items()}))
+
+    weights = WeightsConfig(bucket_mb=1.0, alone_mb=0.01, timeout_s=TIMEOUT_S)
+    with in_process_sync("engine-p", receiver_for, weights,
+                         beat={"weights": "ready"}) as (broadcaster, receiver):
+        buckets = []
+        for version in (1, 2, 3):
+            state = {f"w{i}": torch.randn(64, 64) * version for i in range(4)}   # 16 KB each
+            metrics = broadcaster.sync(state, version)
+            assert metrics["weights/members"] == 1
+            assert receiver.wait_for_version(version, timeout=TIMEOUT_S)
+            assert all(torch.equal(got[version][k], v) for k, v in state.items()), version
+            buckets.append(metrics["weights/buckets"])
+        assert buckets == [4, 1, 1], buckets
+
+
 @contextmanager
 def in_process_sync(member: str, receiver_for: Callable[[Any], Any], weights: Any,
                     align: int | None = None, beat: dict[str, Any] | None = None
