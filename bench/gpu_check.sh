@@ -17,7 +17,8 @@
 #                         and padded interleaved with the default (auto) attention and
 #                         chunked log-probs: tokens/s, MFU, peak GiB
 #   learner_1p5b_best     the same at the Qwen2.5-1.5B shape with --best (learner.compile,
-#                         packed): issue 41's MFU goal
+#                         packed): issue 41's MFU goal; --profile: one more step under
+#                         torch.profiler, its busy device time and top ops (in the JSON)
 #   colocated_quickstart  the quickstart (120 steps) with launcher.colocate = true on CUDA, if
 #                         this tree's config has that key; otherwise skipped
 #   gpu_tests             the gpu-marked tests of tests/unit and tests/integration (the ipc
@@ -171,7 +172,7 @@ else
   LEARNER=(bench/learner_throughput.py --device cuda --groups 16 --max-len 1024
            --micro-batch-tokens 16384 --warmup 1 --steps 2)
   step learner_mfu 100 "$PY" "${LEARNER[@]}" --layout both --json "$WORK/learner_mfu.json"
-  step learner_1p5b_best 150 "$PY" "${LEARNER[@]}" --shape 1.5b --best \
+  step learner_1p5b_best 150 "$PY" "${LEARNER[@]}" --shape 1.5b --best --profile \
     --json "$WORK/learner_1p5b_best.json"
   if has_colocate; then
     step colocated_quickstart 90 "$PY" -m asyncrl.cli up configs/quickstart.toml \
@@ -189,7 +190,7 @@ else
   else
     record gpu_tests skipped 0 "pytest is not installed (carry its wheels in ./wheels)"
   fi
-  step learner_1p5b 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout both \
+  step learner_1p5b 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout both --profile \
     --json "$WORK/learner_1p5b.json"
 fi
 
@@ -238,7 +239,11 @@ for name in LEARNER_STEPS:
         results.setdefault(name, []).append(
             f"{row['layout']} ({row.get('attn', '?')}): {row['tokens_per_s']:,.0f} tokens/s, "
             f"{row['step_s']:.3f} s/step (first {row.get('warmup_s', [float('nan')])[0]:.1f} s), "
-            f"{mfu}, peak {row.get('peak_gib', float('nan')):.1f} GiB")
+            f"{mfu}, peak {row.get('peak_gib', float('nan')):.1f} GiB"
+            + (f"; profiled {row['profile']['wall_s']:.2f} s, kernels "
+               f"{row['profile']['busy_s']:.2f} s, top: " + ", ".join(
+                   f"{op['op'][:40]} {op['s']:.2f} s" for op in row["profile"]["top"][:3])
+               if "profile" in row else ""))
 if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
     record = report["colocated_last_record"]
     keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))

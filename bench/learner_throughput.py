@@ -11,7 +11,9 @@ The learner's speed settings are flags: ``--attn`` (``model.attn_implementation`
 ``auto``, which logs its pick), ``--logprob-chunk-tokens`` (``learner.logprob_chunk_tokens``;
 0 = the full logits), ``--compile`` (``learner.compile``, inductor), ``--liger``,
 ``--offload params``, ``--activation-checkpointing``; ``--best`` = ``--compile`` with the
-defaults (auto attention, chunked logprobs) and packed micro-batches. ``--shape`` picks the
+defaults (auto attention, chunked logprobs) and packed micro-batches. ``--profile`` adds one
+step per layout under ``torch.profiler`` (busy device time and the top ops, printed and in the
+JSON), for finding where the MFU goes. ``--shape`` picks the
 model: ``0.5b`` (default), ``1.5b`` (Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads, 2 KV heads,
 MLP 8960, tied embeddings: ~1.54B parameters), ``small`` (= ``--small``).
 
@@ -45,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +128,33 @@ def peak_flops(args: argparse.Namespace) -> float | None:
     return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def profile_step(trainer: Any, batch: Any, device: torch.device, top: int = 25) -> dict:
+    """One more ``train_step`` under ``torch.profiler``: the wall time, the device time the
+    kernels and copies took (``busy``: their sum, so overlapping streams can push it past the
+    wall; on CPU the ops' own CPU time), and the ``top`` ops and kernels by their own device
+    time (CPU: CPU time). Where the step's time goes while the MFU is below the goal."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        trainer.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ranked = sorted(averages, key=lambda e: getattr(e, field, 0.0), reverse=True)
+    # busy: the device's own events (kernels, copies), not the ops that launched them too
+    own = [e for e in averages if not cuda or e.device_type != DeviceType.CPU]
+    busy = sum(getattr(e, field, 0.0) for e in own) / 1e6
+    return {"wall_s": wall, "busy_s": busy, "by": field,
+            "top": [{"op": e.key[:120], "calls": e.count, "s": getattr(e, field, 0.0) / 1e6}
+                    for e in ranked[:top]]}
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     from learners.backends.fsdp2 import Fsdp2Trainer
 
@@ -165,6 +195,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                         times[packing].append(time.perf_counter() - start)
                     else:
                         warmups[packing].append(time.perf_counter() - start)
+            profiles = {packing: profile_step(trainer, batch, device)
+                        for packing, trainer in trainers.items()} if args.profile else {}
             peak = peak_flops(args)
             tokens = sum(lengths)
             for packing in layouts:
@@ -187,6 +219,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row["peak_tflops"] = peak / 1e12
                 if device.type == "cuda":
                     row["peak_gib"] = peak_mem[packing] / 2**30
+                if packing in profiles:
+                    row["profile"] = profiles[packing]
                 rows.append(row)
     finally:
         shutdown_learner_group()
@@ -220,6 +254,9 @@ def main() -> None:
     parser.add_argument("--best", action="store_true",
                         help="--compile, packed micro-batches, default attention and logprobs")
     parser.add_argument("--peak-tflops", type=float, help="device peak for MFU")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step per layout under torch.profiler: busy time and "
+                             "the top ops (in the JSON rows, and printed)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     if args.small:
@@ -245,6 +282,13 @@ def main() -> None:
         mem = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "n/a"
         print(f"| {r['layout']} | {r['micro_batches']} | {r['computed_tokens']} | "
               f"{r['step_s']:.3f} | {r['tokens_per_s']:.1f} | {ratio} | {mfu} | {mem} |")
+    for r in rows:
+        if "profile" in r:
+            prof = r["profile"]
+            print(f"\n{r['layout']}: profiled step {prof['wall_s']:.3f} s, ops busy "
+                  f"{prof['busy_s']:.3f} s ({prof['by']})")
+            for op in prof["top"]:
+                print(f"  {op['s']:8.4f} s  {op['calls']:6d}  {op['op']}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
