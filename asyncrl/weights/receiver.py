@@ -109,6 +109,7 @@ class WeightReceiver:
         self._pools: list[BucketBuffers | None] = [None, None] if adopt else [None]
         self._serving = threading.Lock()  # held while an update is served: the pools in use
         self._next_pool = 0  # adopt: the pool the engine does not hold
+        self._pool_sizes: set[tuple[int, int, str]] = set()  # (pool, bytes, device) logged
         self._thread = threading.Thread(target=self._run, name=f"weights-{member}", daemon=True)
 
     @property
@@ -262,8 +263,13 @@ class WeightReceiver:
             self._pools[index] = None  # let the old buffers go before allocating the new ones
             pool = self._pools[index] = BucketBuffers(plan, device,
                                                       slots=len(plan.bucket_nbytes))
-            logger.info("weights: %s receive pool %d for %d buckets: %.1f MB", self.member,
-                        index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
+            # once per size: a sleeping engine (launcher.colocate) lets go of its pools at
+            # every step and allocates the same again at the next update
+            size = (index, pool.nbytes, str(device))
+            level = logging.DEBUG if size in self._pool_sizes else logging.INFO
+            self._pool_sizes.add(size)
+            logger.log(level, "weights: %s receive pool %d for %d buckets: %.1f MB",
+                       self.member, index, len(plan.bucket_nbytes), pool.nbytes / 1e6)
         return pool
 
     @property

@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import logging  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
@@ -205,9 +206,11 @@ def test_acks_left_by_an_earlier_learner_count_for_nothing(address: str, fleet: 
     control.close()
 
 
-def test_a_sleeping_engine_lets_go_of_its_receive_buffers(address: str) -> None:
+def test_a_sleeping_engine_lets_go_of_its_receive_buffers(
+        address: str, caplog: pytest.LogCaptureFixture) -> None:
     """The weight receiver's buffers (the engine adopted a received update: its weights are
-    views into them) go too when the engine sleeps; the next update gets new ones."""
+    views into them) go too when the engine sleeps; the next update gets new ones. Each
+    pool's size is logged once, not at every step's new allocation."""
     from asyncrl.config.schema import WeightsConfig
     from asyncrl.weights.broadcaster import WeightBroadcaster
     from rollouters.colocate import _WithReceiver
@@ -224,6 +227,7 @@ def test_a_sleeping_engine_lets_go_of_its_receive_buffers(address: str) -> None:
     beat.heartbeat(MEMBERS[0], "rollout", {})
     broadcaster = WeightBroadcaster(control, WeightsConfig(bucket_mb=0.25, alone_mb=0.0,
                                                            timeout_s=10.0))
+    caplog.set_level(logging.INFO, logger="asyncrl.weights.receiver")
     try:
         receiver.start()
         follower.start()
@@ -235,12 +239,20 @@ def test_a_sleeping_engine_lets_go_of_its_receive_buffers(address: str) -> None:
         metrics = conductor.to_train(1)
         assert engine.asleep and receiver.buffer_bytes == 0   # the receive buffers went too
         assert metrics["colocate/asleep_held_bytes"] == 0
-        conductor.to_rollout()
-        assert moved["awake"].wait(30)   # the follower woke it; the next update lands
-        newer = build_tiny_model(TinyModelConfig(), len(VOCAB), 2).state_dict()
-        assert broadcaster.sync(newer, 2)["weights/members"] == 1
-        held = engine.state_dict()
-        assert all(torch.equal(held[k], v) for k, v in newer.items() if k in held)
+        for version in (2, 3):   # adopting: pools 1, then 0 again, after each sleep
+            if version == 3:
+                moved["awake"].clear()
+                conductor.to_train(version - 1)
+                assert engine.asleep and receiver.buffer_bytes == 0
+            conductor.to_rollout()
+            assert moved["awake"].wait(30)   # the follower woke it; the next update lands
+            newer = build_tiny_model(TinyModelConfig(), len(VOCAB), version).state_dict()
+            assert broadcaster.sync(newer, version)["weights/members"] == 1
+            held = engine.state_dict()
+            assert all(torch.equal(held[k], v) for k, v in newer.items() if k in held)
+        pools = [r.getMessage() for r in caplog.records if "receive pool" in r.getMessage()
+                 and r.levelno == logging.INFO]
+        assert len(pools) == 2, pools   # pool 0 and pool 1, once each
     finally:
         broadcaster.close()
         follower.close()
