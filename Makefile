@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: quickstart test test-fast bench clean
+.PHONY: quickstart test test-fast bench gpu-wheels clean
 
 # pytest-xdist workers for `make test`. Most tests are whole runs of several processes that
 # leave a core idle much of the time (imports, start-up, waits): on 2 cores two workers left
@@ -38,6 +38,17 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/async_vs_sync.py
+
+# The project's pure-Python and small binary dependencies that the lent GPU machine lacks
+# (Python 3.12 there, no package registry), as wheels for bench/gpu_check.sh to install;
+# the device tool carries ./wheels when its call names it (`carry: ["wheels"]`, ~7 MB).
+# wheels/ is ignored by git, so the device tool carries it only when named.
+gpu-wheels:
+	mkdir -p wheels
+	$(PYTHON) -m pip download --only-binary :all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d wheels \
+		pydantic pyzmq orjson xxhash rich prometheus-client pytest redis hiredis
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -31,13 +31,11 @@
 # DIR: --out, else $OUT (the device tool's), else ./gpu-check.
 #
 # Python: $PYTHON, else python3. The project's dependencies that the machine lacks come as
-# wheels in ./wheels (carried, a few MiB), installed with `pip install --no-index --no-deps
-# --target` into DIR/pydeps; nothing is downloaded there. Prepare them beforehand where a
-# registry is reachable, for the GPU machine's Python (3.12 so far), e.g.
-#   pip download --only-binary :all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
-#       -d wheels pydantic pyzmq orjson xxhash rich prometheus-client pytest redis hiredis
-# (with their dependencies: --no-deps is not passed to the download).
+# wheels in ./wheels (ignored by git: the device tool's call must carry it, ~7 MB), installed
+# with `pip install --no-index --no-deps --target` into the temporary folder; nothing is
+# downloaded there. Prepare them where a registry is reachable with `make gpu-wheels` (for the
+# GPU machine's Python, 3.12 so far; their dependencies come too). On the device tool:
+#   run  command: bash bench/gpu_check.sh --out "$OUT"   carry: ["wheels"]   timeout_s: 600
 #
 # Without CUDA it refuses (exit 2) unless --dry-run, which checks on any machine that every
 # step's Python pieces import, and writes the same JSON and table (nothing measured).
