@@ -49,6 +49,9 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform any -d wheels \
 		pydantic pyzmq orjson xxhash rich prometheus-client pytest redis hiredis
+	# learner.liger: its own wheel only (its dependencies, torch and triton, are there)
+	$(PYTHON) -m pip download --only-binary :all: --no-deps --python-version 3.12 \
+		--implementation cp --platform any -d wheels "liger-kernel>=0.8"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
