@@ -3,7 +3,10 @@
 # torch and transformers pre-installed, no vLLM, no package registry, at most 64 MiB carried).
 # Every session lent a GPU runs it first and records its table in bench/RESULTS.md.
 #
-#   bash bench/gpu_check.sh [--out DIR] [--budget-s 540] [--dry-run]
+#   bash bench/gpu_check.sh [--out DIR] [--budget-s 540] [--only STEP,STEP...] [--dry-run]
+#
+# --only runs those steps (and env, which the report needs): a second call on the warm
+# machine for the steps the first one had no time left for, e.g. --only learner_1p5b,learner_flex
 #
 # Steps in this order, each under its own `timeout` and all under --budget-s (default 540 s:
 # with the machine's start the call stays under the device tool's 10 minutes; a step that no
@@ -25,6 +28,8 @@
 #                         transport's among them) and vLLM ipc's CUDA handles
 #                         (tests/engines/test_ipc_handles.py), if pytest is there
 #   learner_1p5b          the 1.5B shape without compile, packed and padded, if time is left
+#   learner_flex          the 0.5B shape with model.attn_implementation = flex_attention,
+#                         packed and padded (issue 41 asks for it), if time is left
 # Writes three files to DIR: gpu_check.json, gpu_check.md (one table) and gpu_check_logs.tar.gz
 # (the steps' logs, their raw JSON, the colocated run's metrics). The work itself happens in a
 # temporary folder, because the device tool brings back only a few files from $OUT.
@@ -45,6 +50,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$PWD/gpu-check}"
 BUDGET_S=540
 DRY=0
+ONLY=""
 PY="${PYTHON:-python3}"
 
 while [ $# -gt 0 ]; do
@@ -52,7 +58,8 @@ while [ $# -gt 0 ]; do
     --out) OUT_DIR="$2"; shift 2 ;;
     --budget-s) BUDGET_S="$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    --only) ONLY=",$2,"; shift 2 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {print}' "$0"; exit 0 ;;
     *) echo "bench/gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -89,6 +96,10 @@ record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"; }
 # step NAME LIMIT_S COMMAND...: run it under `timeout` if it still fits the budget.
 step() {
   local name="$1" limit="$2"; shift 2
+  if [ -n "$ONLY" ] && [ "$name" != env ] && [ "$name" != pieces ] \
+      && [[ "$ONLY" != *",$name,"* ]]; then
+    return   # not asked for (--only)
+  fi
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
   if [ "$left" -lt "$limit" ]; then
     record "$name" skipped 0 "needs up to ${limit} s, ${left} s of the budget left"
@@ -190,6 +201,8 @@ else
   fi
   step learner_1p5b 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout both --profile \
     --json "$WORK/learner_1p5b.json"
+  step learner_flex 120 "$PY" "${LEARNER[@]}" --layout both --attn flex_attention \
+    --json "$WORK/learner_flex.json"
 fi
 
 "$PY" - "$WORK" "$OUT_DIR" "$DRY" "$(( $(date +%s) - START ))" <<'REPORT'
@@ -199,7 +212,7 @@ import sys
 from pathlib import Path
 
 work, out, dry, total_s = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b")
+LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b", "learner_flex")
 
 
 def load(name):
