@@ -258,11 +258,18 @@ def _time_split(status: Mapping[str, Any], history: History) -> Panel:
 
 def _handover(info: Mapping[str, Any]) -> Text:
     """The colocated mode's last handover, move by move (``learners.colocate``): engines to
-    sleep, the learner's state in, out, engines awake."""
-    return Text(f"sleep {fmt(info.get('colocate/sleep_s'))} · in "
-                f"{fmt(info.get('colocate/onload_s'))} · out "
-                f"{fmt(info.get('colocate/offload_s'))} · wake "
-                f"{fmt(info.get('colocate/wake_s'))} s")
+    sleep, the learner's state in, out, engines awake; on CUDA also the device memory each
+    side held at its peak and what it kept while the other side ran."""
+    text = (f"sleep {fmt(info.get('colocate/sleep_s'))} · in "
+            f"{fmt(info.get('colocate/onload_s'))} · out "
+            f"{fmt(info.get('colocate/offload_s'))} · wake "
+            f"{fmt(info.get('colocate/wake_s'))} s")
+    if "colocate/learner_gib_peak" in info:   # a line of its own: the panel is narrow
+        text += (f"\npeak→kept GiB: learner {fmt(info.get('colocate/learner_gib_peak'), '.1f')}"
+                 f"→{fmt(info.get('colocate/learner_gib_out'), '.2f')} · engines "
+                 f"{fmt(info.get('colocate/engines_gib_peak'), '.1f')}→"
+                 f"{fmt(info.get('colocate/engines_gib_asleep'), '.2f')}")
+    return Text(text)
 
 
 def _curves(status: Mapping[str, Any], history: History) -> Panel:

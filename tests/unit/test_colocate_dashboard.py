@@ -25,6 +25,17 @@ def test_the_phase_and_the_handover_are_on_screen() -> None:
     assert f"({TRAINING})" in text.splitlines()[0]
     assert "sleep 0.125 · in 0.050 · out 0.062 · wake 0.020 s" in text
     assert "colocated handover" in text
+    assert "GiB" not in text   # on CPU no device memory is recorded
+
+
+def test_on_cuda_the_memory_of_each_phase_is_on_screen() -> None:
+    status, history, _ = _colocated()
+    learner = next(m for m in status["members"].values() if m["role"] == "learner")
+    learner["info"].update({"colocate/learner_gib_peak": 31.5, "colocate/learner_gib_out": 0.25,
+                            "colocate/engines_gib_peak": 40.0,
+                            "colocate/engines_gib_asleep": 0.5})
+    text = screen(status, history)
+    assert "peak→kept GiB: learner 31.5→0.25 · engines 40.0→0.50" in text
 
 
 def test_the_handover_is_a_part_of_the_step() -> None:
