@@ -31,6 +31,8 @@
 #                         a GPU under 100 GiB: both trainers took 87.8), if time is left
 #   learner_flex          the 0.5B shape with model.attn_implementation = flex_attention,
 #                         packed and padded (issue 41 asks for it), if time is left
+#   learner_liger         the 1.5B shape, padded, with learner.liger (its wheel carried),
+#                         if time is left
 # Writes three files to DIR: gpu_check.json, gpu_check.md (one table) and gpu_check_logs.tar.gz
 # (the steps' logs, their raw JSON, the colocated run's metrics). The work itself happens in a
 # temporary folder, because the device tool brings back only a few files from $OUT.
@@ -210,6 +212,8 @@ else
     --json "$WORK/learner_1p5b.json"
   step learner_flex 120 "$PY" "${LEARNER[@]}" --layout both --attn flex_attention \
     --json "$WORK/learner_flex.json"
+  step learner_liger 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout padded --liger \
+    --json "$WORK/learner_liger.json"
 fi
 
 "$PY" - "$WORK" "$OUT_DIR" "$DRY" "$(( $(date +%s) - START ))" <<'REPORT'
@@ -219,7 +223,8 @@ import sys
 from pathlib import Path
 
 work, out, dry, total_s = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b", "learner_flex")
+LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b", "learner_flex",
+                 "learner_liger")
 
 
 def load(name):
