@@ -93,6 +93,84 @@ if [ "$DRY" = 0 ]; then
   fi
 fi
 
+REPORT_PY=$(cat <<'REPORT'
+"""Assemble gpu_check.json and gpu_check.md from the steps and their JSON outputs."""
+import json
+import sys
+from pathlib import Path
+
+work, out, dry, total_s = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+quiet = sys.argv[5:] == ["quiet"]
+LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b", "learner_flex",
+                 "learner_liger")
+
+
+def load(name):
+    path = work / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+steps = [dict(zip(("name", "status", "seconds", "detail"), line.split("\t", 3)))
+         for line in (work / "steps.tsv").read_text().splitlines() if line]
+runs = sorted((work / "runs").glob("**/metrics.jsonl")) if (work / "runs").exists() else []
+last = runs[-1].read_text().splitlines()[-1] if runs and runs[-1].read_text().strip() else None
+report = {"dry_run": dry, "total_s": total_s, "env": load("env.json"), "steps": steps,
+          "ipc_transfer": load("ipc_transfer.json"),
+          **{name: load(f"{name}.json") for name in LEARNER_STEPS},
+          "colocated_last_record": json.loads(last) if last else None}
+(out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+
+env = report["env"] or {}
+matmul = env.get("matmul_tflops")
+lines = [f"# GPU check{' (dry run)' if dry else ''}: {env.get('gpu', 'no GPU')}, "
+         f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {total_s} s; "
+         f"bf16 matmul {matmul} TFLOP/s", "",
+         "| step | status | s | result |", "|---|---|---|---|"]
+results = {}
+for row in report["ipc_transfer"] or []:
+    results.setdefault("ipc_transfer", []).append(
+        f"{row['engines']} engine(s), {row['mb']:.0f} MB: sync {row['sync_s']:.3f} s "
+        f"{row['sync_gbs']:.1f} GB/s vs memcpy {row['raw_s']:.3f} s {row['raw_gbs']:.1f} GB/s "
+        f"({row['ratio']:.0%})")
+for name in LEARNER_STEPS:
+    for row in report[name] or []:
+        mfu = f"MFU {100 * row['mfu']:.1f} %" if "mfu" in row else "MFU n/a"
+        if "mfu" in row and matmul:  # the same FLOPs against the ceiling measured here
+            mfu += f" ({100 * row['mfu'] * row.get('peak_tflops', 989) / matmul:.1f} % of matmul)"
+        results.setdefault(name, []).append(
+            f"{row['layout']} ({row.get('attn', '?')}): {row['tokens_per_s']:,.0f} tokens/s, "
+            f"{row['step_s']:.3f} s/step (first {row.get('warmup_s', [float('nan')])[0]:.1f} s), "
+            f"{mfu}, peak {row.get('peak_gib', float('nan')):.1f} GiB"
+            + (f"; profiled {row['profile']['wall_s']:.2f} s, kernels "
+               f"{row['profile']['busy_s']:.2f} s, top: " + ", ".join(
+                   f"{op['op'][:40]} {op['s']:.2f} s" for op in row["profile"]["top"][:3])
+               if "profile" in row else ""))
+if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
+    record = report["colocated_last_record"]
+    keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
+            or "gib" in k.lower()]
+    results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in keys)]
+for s in steps:
+    text = "; ".join(results.get(s["name"], [])) or s["detail"]
+    lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | {text} |")
+(out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+if not quiet:
+    print("\n".join(lines))
+REPORT
+)
+
+# report [quiet]: gpu_check.json, gpu_check.md and the logs' tarball in DIR, from what the
+# steps left so far. After every step too, so that a call cut short by the device tool's
+# limit still brings back every finished step (the work folder itself stays there).
+report() {
+  "$PY" -c "$REPORT_PY" "$WORK" "$OUT_DIR" "$DRY" "$(( $(date +%s) - START ))" "$@"
+  local rc=$?
+  (cd "$WORK" && tar czf "$OUT_DIR/gpu_check_logs.tar.gz" --exclude=pydeps --exclude='*.pt' \
+     --exclude='*.safetensors' --exclude='*.bin' --exclude='*.spill' .) \
+    || echo "bench/gpu_check.sh: the logs were not packed ($WORK)" >&2
+  return "$rc"
+}
+
 # record NAME STATUS SECONDS DETAIL
 record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"; }
 
@@ -116,6 +194,8 @@ step() {
     124|137) record "$name" timeout "$took" "over ${limit} s; see logs/$name.log" ;;
     *) record "$name" failed "$took" "exit $rc: $(tail -n 1 "$WORK/logs/$name.log" | tr '\t' ' ' | cut -c1-160)" ;;
   esac
+  echo "gpu_check: $(tail -n 1 "$STEPS" | cut -f1-3 | tr '\t' ' ') s"   # progress, as it goes
+  report quiet
 }
 
 has_pytest() { "$PY" -c "import pytest" 2>/dev/null; }
@@ -216,73 +296,8 @@ else
     --json "$WORK/learner_liger.json"
 fi
 
-"$PY" - "$WORK" "$OUT_DIR" "$DRY" "$(( $(date +%s) - START ))" <<'REPORT'
-"""Assemble gpu_check.json and gpu_check.md from the steps and their JSON outputs."""
-import json
-import sys
-from pathlib import Path
-
-work, out, dry, total_s = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-LEARNER_STEPS = ("learner_mfu", "learner_1p5b_best", "learner_1p5b", "learner_flex",
-                 "learner_liger")
-
-
-def load(name):
-    path = work / name
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-steps = [dict(zip(("name", "status", "seconds", "detail"), line.split("\t", 3)))
-         for line in (work / "steps.tsv").read_text().splitlines() if line]
-runs = sorted((work / "runs").glob("**/metrics.jsonl")) if (work / "runs").exists() else []
-last = runs[-1].read_text().splitlines()[-1] if runs and runs[-1].read_text().strip() else None
-report = {"dry_run": dry, "total_s": total_s, "env": load("env.json"), "steps": steps,
-          "ipc_transfer": load("ipc_transfer.json"),
-          **{name: load(f"{name}.json") for name in LEARNER_STEPS},
-          "colocated_last_record": json.loads(last) if last else None}
-(out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-
-env = report["env"] or {}
-matmul = env.get("matmul_tflops")
-lines = [f"# GPU check{' (dry run)' if dry else ''}: {env.get('gpu', 'no GPU')}, "
-         f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {total_s} s; "
-         f"bf16 matmul {matmul} TFLOP/s", "",
-         "| step | status | s | result |", "|---|---|---|---|"]
-results = {}
-for row in report["ipc_transfer"] or []:
-    results.setdefault("ipc_transfer", []).append(
-        f"{row['engines']} engine(s), {row['mb']:.0f} MB: sync {row['sync_s']:.3f} s "
-        f"{row['sync_gbs']:.1f} GB/s vs memcpy {row['raw_s']:.3f} s {row['raw_gbs']:.1f} GB/s "
-        f"({row['ratio']:.0%})")
-for name in LEARNER_STEPS:
-    for row in report[name] or []:
-        mfu = f"MFU {100 * row['mfu']:.1f} %" if "mfu" in row else "MFU n/a"
-        if "mfu" in row and matmul:  # the same FLOPs against the ceiling measured here
-            mfu += f" ({100 * row['mfu'] * row.get('peak_tflops', 989) / matmul:.1f} % of matmul)"
-        results.setdefault(name, []).append(
-            f"{row['layout']} ({row.get('attn', '?')}): {row['tokens_per_s']:,.0f} tokens/s, "
-            f"{row['step_s']:.3f} s/step (first {row.get('warmup_s', [float('nan')])[0]:.1f} s), "
-            f"{mfu}, peak {row.get('peak_gib', float('nan')):.1f} GiB"
-            + (f"; profiled {row['profile']['wall_s']:.2f} s, kernels "
-               f"{row['profile']['busy_s']:.2f} s, top: " + ", ".join(
-                   f"{op['op'][:40]} {op['s']:.2f} s" for op in row["profile"]["top"][:3])
-               if "profile" in row else ""))
-if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
-    record = report["colocated_last_record"]
-    keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
-            or "gib" in k.lower()]
-    results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in keys)]
-for s in steps:
-    text = "; ".join(results.get(s["name"], [])) or s["detail"]
-    lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | {text} |")
-(out / "gpu_check.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-REPORT
+report
 status=$?
-# the logs, the raw JSON and the colocated run's metrics, in one file
-(cd "$WORK" && tar czf "$OUT_DIR/gpu_check_logs.tar.gz" --exclude=pydeps --exclude='*.pt' \
-   --exclude='*.safetensors' --exclude='*.bin' --exclude='*.spill' .) \
-  || echo "bench/gpu_check.sh: the logs were not packed ($WORK)" >&2
 [ "$status" = 0 ] || exit "$status"
 # exit status: 0 when every step that ran succeeded (skips are reported, not failures)
 if cut -f2 "$STEPS" | grep -qE '^(failed|timeout)$'; then exit 1; fi
