@@ -128,15 +128,15 @@ class PhaseConductor:
         sleeps = [float(value.get("seconds", 0.0)) for value in asleep]
         held = sum(value.get("memory", {}).get(part, 0) for value in asleep
                    for part in ("weights_bytes", "kv_bytes", "receive_bytes"))
-        on_device = [value["memory"]["device_allocated_bytes"] for value in asleep
-                     if "device_allocated_bytes" in value.get("memory", {})]
-        peaks = [value["memory"]["device_peak_bytes"] for value in asleep
-                 if "device_peak_bytes" in value.get("memory", {})]
+        on_cuda = {}   # what engines on CUDA report: all their processes allocate, and peaked at
+        for metric, part in (("engines_gib_asleep", "device_allocated_bytes"),
+                             ("engines_gib_peak", "device_peak_bytes")):
+            reported = [value["memory"][part] for value in asleep
+                        if part in value.get("memory", {})]
+            if reported:
+                on_cuda[f"colocate/{metric}"] = sum(reported) / 2**30
         return {"colocate/sleep_s": time.monotonic() - start,
-                "colocate/asleep_held_bytes": float(held),
-                **({"colocate/engines_gib_asleep": sum(on_device) / 2**30} if on_device
-                   else {}),
-                **({"colocate/engines_gib_peak": sum(peaks) / 2**30} if peaks else {}),
+                "colocate/asleep_held_bytes": float(held), **on_cuda,
                 "colocate/engine_sleep_s": max(sleeps, default=0.0),
                 "colocate/wake_s": max(wakes, default=0.0),
                 "colocate/engines": float(len(members)),

@@ -215,6 +215,13 @@ def model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
+def attention_head_dim(config: Any) -> int:
+    """The attention head size of an HF config (a vision-language model's: its text
+    model's): ``head_dim`` where the config says it, else hidden size / heads."""
+    text = config.get_text_config()
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved beside a model (the char tokenizer for the tiny model).
 

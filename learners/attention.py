@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from asyncrl.models import attention_head_dim
 from learners import flash_varlen
 
 logger = logging.getLogger(__name__)
@@ -61,24 +62,12 @@ def resolve_attn_implementation(requested: str, device: torch.device,
         raise ValueError(f"{KEY} = \"flex_attention\": torch {torch.__version__} has no "
                          f"flex_attention backward on CPU, so it cannot train there; use "
                          f"\"{VARLEN_SDPA}\" (the same varlen attention with sdpa)")
-    if requested == "flex_attention" and (head_dim := _head_dim(model_config)) is not None \
-            and head_dim < FLEX_MIN_HEAD_DIM:
+    if requested == "flex_attention" and model_config is not None \
+            and (head_dim := attention_head_dim(model_config)) < FLEX_MIN_HEAD_DIM:
         raise ValueError(f"{KEY} = \"flex_attention\": its CUDA kernel needs a head dimension "
                          f"of at least {FLEX_MIN_HEAD_DIM}, and this model's is {head_dim}; "
                          f"use \"{VARLEN_SDPA}\" or \"auto\"")
     return requested
-
-
-def _head_dim(config: Any) -> int | None:
-    """An HF config's attention head dimension (a VLM's: its text model's), if it says."""
-    config = getattr(config, "text_config", None) or config
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None:
-        hidden = getattr(config, "hidden_size", None)
-        heads = getattr(config, "num_attention_heads", None)
-        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) \
-            and heads else None
-    return head_dim if isinstance(head_dim, int) else None
 
 
 def _sliding(config: Any) -> bool:

@@ -209,9 +209,9 @@ def check_head_dim(model_dir: str | Path, device: str) -> None:
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()  # a VLM's text model
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
+    from asyncrl.models import attention_head_dim
+
+    head_dim = attention_head_dim(AutoConfig.from_pretrained(str(model_dir)))
     if head_dim < CPU_MIN_HEAD_DIM:
         raise ValueError(
             f"vLLM on CPU needs an attention head size >= {CPU_MIN_HEAD_DIM}, the model has "
