@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from asyncrl.metrics import val_score
-from asyncrl.snapshot import (MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, STEP_TIME,
+from asyncrl.snapshot import (MFU, MISMATCH, REWARD, STALENESS_MAX, STALENESS_MEAN, STEP_TIME,
                               TRAINED_TOKENS_PER_S, WAIT_DATA, History, engine_idle, evictions,
                               fleet_idle, learner_idle, learner_info, rollouts)
 
@@ -94,7 +94,8 @@ def _header(status: Mapping[str, Any]) -> Text:
         (f"v{status.get('version', 0)}", "bold cyan"),
         (f" ({info['state']})" if info.get("state") else "", "yellow"),
         f" · reward {fmt(info.get(REWARD))} · val {fmt(val_score(info))}"
-        f" · train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s")
+        f" · train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s"
+        + (f" · mfu {100 * info[MFU]:.1f}%" if MFU in info else ""))
     return text
 
 

@@ -24,6 +24,10 @@ over; asyncrl's own concerns get their own namespaces. Times are seconds.
 ``response_length/mean``       generated tokens per trained sample (``/max``, ``/min``)
 ``perf/trained_tokens``        trained tokens in the step (all ranks)
 ``perf/trained_tokens_per_s``  trained tokens over the step's wall time
+``perf/tflops``                the model's FLOPs of the step (``learners.flops``) per
+                               learner device and second of ``timing/train_step``
+``perf/mfu``                   ``perf/tflops`` over the device's dense bf16 peak (by GPU
+                               name, or ``learner.peak_tflops``; absent on a CPU)
 ``perf/compiles``              ``learner.compile``: graphs compiled during the step (0 once
                                warm; rising every step means recompiles)
 ``val/test_score/<task>``      held-out greedy score (``eval.every_steps``): exact-match

@@ -22,7 +22,7 @@ from asyncrl.config.schema import MonitorConfig
 from asyncrl.control_plane import STOPPED
 from buffers.protocol import DATA_EXHAUSTED
 from asyncrl.dashboard import dashboard, fmt
-from asyncrl.snapshot import (REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
+from asyncrl.snapshot import (MFU, REWARD, STALENESS_MAX, STALENESS_MEAN, TRAINED_TOKENS_PER_S,
                               History, evictions, learner_info, rollouts)
 from asyncrl.metrics import val_score
 
@@ -30,8 +30,9 @@ SCREEN_WIDTH = 120  # when the output is not a terminal, render at a fixed width
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """One line: version, consumed staleness, token rates, depth, score, held-out score, and
-    the reward calls that failed (scored 0) once any did."""
+    """One line: version, consumed staleness, token rates (and the learner's MFU where its
+    device's peak is known), depth, score, held-out score, and the reward calls that failed
+    (scored 0) once any did."""
     info = learner_info(status)
     gen = sum(m.get("info", {}).get("tokens_per_s", 0.0)
               for m in rollouts(status).values() if m.get("alive"))
@@ -39,7 +40,8 @@ def progress_line(status: dict[str, Any]) -> str:
     return (f"v{status.get('version', 0):<4} "
             f"stale mean {fmt(info.get(STALENESS_MEAN), '.2f')} "
             f"max {fmt(info.get(STALENESS_MAX), '.0f')} | "
-            f"gen {gen:,.0f} tok/s train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s | "
+            f"gen {gen:,.0f} tok/s train {fmt(info.get(TRAINED_TOKENS_PER_S), ',.0f')} tok/s" +
+            (f" mfu {100 * info[MFU]:.1f}%" if MFU in info else "") + " | "
             f"depth {status.get('depth', 0)} drops {status.get('dropped_stale', 0)}" +
             (f" paced {status.get('pace_held_s', 0.0):.1f}s"
              if status.get("staleness_mode") == "pace" else "") + " | "

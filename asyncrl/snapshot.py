@@ -19,6 +19,7 @@ REWARD = "critic/score/mean"
 MISMATCH = "mismatch/abs_logp"
 STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
 TRAINED_TOKENS_PER_S = "perf/trained_tokens_per_s"
+MFU = "perf/mfu"
 STEP_TIME, WAIT_DATA = "timing/step", "timing/wait_data"
 # In the learner's heartbeat, not its metrics: {engine: why} for the engines the weight sync
 # evicted, until each is heard from again (asyncrl.weights.membership).

@@ -33,6 +33,9 @@
 #                         packed and padded (issue 41 asks for it), if time is left
 #   learner_liger         the 1.5B shape, padded, with learner.liger (its wheel carried),
 #                         if time is left
+#   logprob_head          bench/learner_memory.py in bf16 at the 1.5B width, 16384 tokens:
+#                         the LM head's log-prob path, full logits against chunks, eager and
+#                         compiled (learner.compile), if time is left
 # Writes three files to DIR: gpu_check.json, gpu_check.md (one table) and gpu_check_logs.tar.gz
 # (the steps' logs, their raw JSON, the colocated run's metrics). The work itself happens in a
 # temporary folder, because the device tool brings back only a few files from $OUT.
@@ -117,6 +120,7 @@ last = runs[-1].read_text().splitlines()[-1] if runs and runs[-1].read_text().st
 report = {"dry_run": dry, "total_s": total_s, "env": load("env.json"), "steps": steps,
           "ipc_transfer": load("ipc_transfer.json"),
           **{name: load(f"{name}.json") for name in LEARNER_STEPS},
+          "logprob_head": load("logprob_head.json"),
           "colocated_last_record": json.loads(last) if last else None}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
@@ -145,6 +149,10 @@ for name in LEARNER_STEPS:
                f"{row['profile']['busy_s']:.2f} s, top: " + ", ".join(
                    f"{op['op'][:40]} {op['s']:.2f} s" for op in row["profile"]["top"][:3])
                if "profile" in row else ""))
+for name, row in (report["logprob_head"] or {}).items():   # full, chunked, compiled
+    results.setdefault("logprob_head", []).append(
+        f"{name}: {row['step_s']:.3f} s/step, no-grad {row['no_grad_s']:.3f} s, "
+        f"activations {row['activations_mib']:,.0f} MiB")
 if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
     record = report["colocated_last_record"]
     keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
@@ -244,7 +252,8 @@ PIECES_PY='
 import importlib, sys
 for name in ("tests.unit.test_weight_ipc", "tests.engines.test_ipc_handles",
              "asyncrl.weights.ipc", "asyncrl.weights.group",
-             "bench.weight_sync", "bench.learner_throughput", "asyncrl.cli"):
+             "bench.weight_sync", "bench.learner_throughput", "bench.learner_memory",
+             "asyncrl.cli"):
     importlib.import_module(name)
     print("imports:", name)
 '
@@ -294,6 +303,9 @@ else
     --json "$WORK/learner_flex.json"
   step learner_liger 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout padded --liger \
     --json "$WORK/learner_liger.json"
+  step logprob_head 150 "$PY" bench/learner_memory.py --device cuda --dtype bfloat16 \
+    --tokens 16384 --chunk 1024 --hidden 1536 --steps 3 --compile inductor \
+    --json "$WORK/logprob_head.json"
 fi
 
 report

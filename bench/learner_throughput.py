@@ -22,12 +22,15 @@ Both micro-batch layouts run in the same process on the same batch, interleaved 
 time / packed time. ``tokens/s`` counts real tokens (prompt + completion) per second of
 ``train_step``; padded micro-batches also compute their padding, reported as ``computed``.
 
-MFU (CUDA only): ``6 · N · tokens / time / peak``, N = parameters without the input
-embedding (a lookup, no FLOPs; with tied embeddings the LM head's matmul still counts once),
-attention's ``T²`` term ignored; peak = the device's dense bf16 TFLOP/s (``--peak-tflops``, or
-989 for H100/H200, 312 for A100). Also on CUDA: ``peak GiB``, the most memory allocated during
-that layout's steps, which includes both trainers' resident weights and AdamW state when both
-layouts run (``--layout`` one of them to read a single trainer's need).
+MFU (CUDA only): the step's model FLOPs as the learner counts them for ``perf/mfu``
+(``learners.flops``: 6 per parameter and token, the input embedding not counted, the LM head
+on the trained tokens alone, which is all the learner runs it on, and causal attention's
+``s²`` term) over the median step time and the device's dense bf16 peak (``--peak-tflops``,
+else by the GPU's name: 989 TFLOP/s for H100/H200). Before 2026-11-28 the bench counted the
+head on every token and no attention: 0.6 % fewer FLOPs for the 1.5B shape's batch. Also on
+CUDA: ``peak GiB``, the most memory allocated during that layout's steps, which includes
+both trainers' resident weights and AdamW state when both layouts run (``--layout`` one of
+them to read a single trainer's need).
 
     python bench/learner_throughput.py --small              # CPU
     python bench/learner_throughput.py --layout padded --groups 2 --group-size 4 --max-len 256
@@ -63,11 +66,11 @@ from bench.qwen_shapes import FULL, SMALL  # noqa: E402
 from learners.packing import LOGPROB_CHUNK_TOKENS  # noqa: E402
 from learners.batching import collate  # noqa: E402
 from learners.dist import init_learner_group, shutdown_learner_group  # noqa: E402
+from learners.flops import peak_flops  # noqa: E402
 from learners.packing import plan_micro_batches  # noqa: E402
 
 logger = logging.getLogger("bench.learner_throughput")
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 # --layout: packing on/off. One layout halves the memory (one trainer and its AdamW state),
 # which is what lets the 0.5B model train on a 24 GiB CPU machine.
 LAYOUTS = {"both": (True, False), "packed": (True,), "padded": (False,)}
@@ -117,15 +120,6 @@ def computed_tokens(lengths: list[int], budget: int, packing: bool) -> int:
     if packing:
         return sum(lengths)
     return sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)
-
-
-def peak_flops(args: argparse.Namespace) -> float | None:
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def profile_step(trainer: Any, batch: Any, device: torch.device, top: int = 25) -> dict:
@@ -197,15 +191,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                         warmups[packing].append(time.perf_counter() - start)
             profiles = {packing: profile_step(trainer, batch, device)
                         for packing, trainer in trainers.items()} if args.profile else {}
-            peak = peak_flops(args)
+            peak = peak_flops(device, args.peak_tflops)
             tokens = sum(lengths)
+            trained = int((batch.loss_mask != 0).sum())
             for packing in layouts:
                 median = statistics.median(times[packing])
                 row = {"layout": "packed" if packing else "padded", "params": params,
                        "shape": args.shape, "attn": trainers[packing].attn,
                        "logprob_chunk_tokens": args.logprob_chunk_tokens,
                        "compile": args.compile, "liger": args.liger, "offload": args.offload,
-                       "sequences": len(lengths), "tokens": tokens,
+                       "sequences": len(lengths), "tokens": tokens, "trained_tokens": trained,
                        "computed_tokens": computed_tokens(lengths, args.micro_batch_tokens,
                                                           packing),
                        "micro_batches": len(plan_micro_batches(
@@ -215,7 +210,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                        "ratio": (statistics.median(times[False]) / median
                                  if len(layouts) == 2 else None)}
                 if peak is not None:
-                    row["mfu"] = 6 * params * tokens / median / peak
+                    # the model FLOPs the learner itself reports (perf/mfu, learners.flops)
+                    row["mfu"] = trainers[packing].steps.step_flops(batch) / median / peak
                     row["peak_tflops"] = peak / 1e12
                 if device.type == "cuda":
                     row["peak_gib"] = peak_mem[packing] / 2**30
@@ -269,7 +265,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = run(args)
     print(f"model params (FLOP-counted) {rows[0]['params'] / 1e6:.1f}M ({args.shape}), "
-          f"{rows[0]['sequences']} sequences, {rows[0]['tokens']} tokens per step, "
+          f"{rows[0]['sequences']} sequences, {rows[0]['tokens']} tokens per step "
+          f"({rows[0]['trained_tokens']} trained), "
           f"micro_batch_tokens {args.micro_batch_tokens}; attention {rows[0]['attn']}, "
           f"logprob chunks {args.logprob_chunk_tokens or 'off'}, compile {args.compile}, "
           f"liger {args.liger}, offload {args.offload}")

@@ -36,25 +36,114 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                     "output_multiplier_scale")
 
 
+def chunk_stats(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's ``(logprob of the target, entropy, logsumexp)``, float32 ``[n]``, from its
+    logits ``[n, V]`` of any float dtype. In place on the fp32 copy: eager holds one
+    ``[n, V]`` fp32 tensor and the ``exp`` beside it."""
+    logp = logits.float()
+    lse = torch.logsumexp(logp, -1)
+    logp.sub_(lse[:, None])
+    logprob = logp.gather(-1, targets[:, None]).squeeze(-1)
+    return logprob, -logp.exp().mul_(logp).sum(-1), lse
+
+
+def chunk_logit_grad(logits: Tensor, lse: Tensor, entropy: Tensor, targets: Tensor,
+                     g_logp: Tensor | None, g_entropy: Tensor | None) -> Tensor:
+    """∂loss/∂z of one chunk in ``logits``' dtype, from its recomputed logits (in place on the
+    fp32 copy where it can be):
+
+        ∂/∂z = g_logp · (onehot(target) − p)  −  g_H · p · (log p + H)
+    """
+    logp = logits.float().sub_(lse[:, None])
+    p = logp.exp()
+    if g_entropy is not None:   # −g_H · p · (log p + H)
+        term = logp.add_(entropy[:, None]).mul_(p).mul_(-g_entropy[:, None])
+    if g_logp is None:
+        return term.to(logits.dtype)
+    grad = p.mul_(-g_logp[:, None])   # g · (onehot − p)
+    grad.scatter_add_(1, targets[:, None], g_logp[:, None])
+    if g_entropy is not None:
+        grad.add_(term)
+    return grad.to(logits.dtype)
+
+
+def fusable_chunk_stats(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`chunk_stats` written for a compiler: the same operations in the same order,
+    none in place (an in-place op on an input costs a compiled graph one more ``[n, V]``
+    fp32 buffer)."""
+    logp = logits.float()
+    lse = torch.logsumexp(logp, -1)
+    logp = logp - lse[:, None]
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1), lse
+
+
+def fusable_chunk_logit_grad(logits: Tensor, lse: Tensor, entropy: Tensor, targets: Tensor,
+                             g_logp: Tensor | None, g_entropy: Tensor | None) -> Tensor:
+    """:func:`chunk_logit_grad` written for a compiler: the same operations in the same
+    order, none in place, and the target's term added where a column index equals it rather
+    than scattered, so inductor makes it one elementwise kernel from the bf16 logits to the
+    bf16 gradient."""
+    logp = logits.float() - lse[:, None]
+    p = logp.exp()
+    grad = None
+    if g_logp is not None:   # g · (onehot − p)
+        onehot = torch.arange(p.shape[1], device=p.device)[None, :] == targets[:, None]
+        grad = p * -g_logp[:, None] + torch.where(onehot, g_logp[:, None], 0.0)
+    if g_entropy is not None:   # −g_H · p · (log p + H)
+        term = (logp + entropy[:, None]) * p * -g_entropy[:, None]
+        grad = term if grad is None else grad + term
+    assert grad is not None, "the caller passes at least one gradient"
+    return grad.to(logits.dtype)
+
+
+class HeadKernels:
+    """The per-chunk arithmetic after the LM head's matmul (:func:`chunk_stats`,
+    :func:`chunk_logit_grad`), eager or compiled.
+
+    Eager, each is ~10 passes over a ``[chunk, vocab]`` fp32 tensor (the cast, ``logsumexp``,
+    the subtraction, ``exp``, the products and sums). On a GPU these are memory traffic: at
+    1024 tokens and Qwen2.5's vocabulary a pass moves 0.6 GB, and by the bandwidth the ten
+    take about twice as long as the chunk's matmul at the 1.5B width (an estimate;
+    ``bench/gpu_check.sh``'s ``logprob_head`` step measures it). Compiled
+    (``learner.compile``), inductor fuses each into reductions that read the chunk's bf16
+    logits once or twice, and writes the gradient in bf16 directly. Shapes are dynamic: a
+    shorter last chunk does not recompile (one of a single token does, once: dynamo
+    specialises sizes 0 and 1).
+
+    Two spellings of the same operations in the same order, each the lighter for its
+    runner: eager works in place, the compiled one out of place. Measured on a CPU in fp32
+    (``bench/learner_memory.py``'s child, 512 tokens in chunks of 256): eager in place 444
+    MiB of activations, eager out of place 1,076; compiled out of place 443, compiled in
+    place 743 (an input mutated in place costs the graph a buffer). The tests hold the two
+    equal."""
+
+    def __init__(self, compile_backend: str | None = None) -> None:
+        self.stats: Callable[..., tuple[Tensor, Tensor, Tensor]] = chunk_stats
+        self.logit_grad: Callable[..., Tensor] = chunk_logit_grad
+        if compile_backend is not None:
+            self.stats = torch.compile(fusable_chunk_stats, backend=compile_backend,
+                                       dynamic=True)
+            self.logit_grad = torch.compile(fusable_chunk_logit_grad,
+                                            backend=compile_backend, dynamic=True)
+
+
 class ChunkedHeadLogprobs(torch.autograd.Function):
     """``(logprobs [N], entropy [N])`` float32 of ``hidden [N, H] @ weight[V, H].T + bias``,
-    ``chunk`` rows at a time; backward recomputes each chunk (module docstring)."""
+    ``chunk`` rows at a time; backward recomputes each chunk (module docstring). ``kernels``:
+    the per-chunk arithmetic (:class:`HeadKernels`)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                chunk: int) -> tuple[Tensor, Tensor]:
+                chunk: int, kernels: HeadKernels) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logp = F.linear(hidden[s:e], weight, bias).float()
-            lse[s:e] = torch.logsumexp(logp, -1)
-            logp.sub_(lse[s:e, None])
-            logprobs[s:e] = logp.gather(-1, targets[s:e, None]).squeeze(-1)
-            entropy[s:e] = -logp.exp().mul_(logp).sum(-1)
+            logprobs[s:e], entropy[s:e], lse[s:e] = kernels.stats(
+                F.linear(hidden[s:e], weight, bias), targets[s:e])
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.kernels = chunk, kernels
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -69,14 +158,13 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
             if want_b else None
         if g_logp is None and g_entropy is None:
-            return grad_h, grad_w, grad_b, None, None
+            return grad_h, grad_w, grad_b, None, None, None
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
-            grad = _chunk_logit_grad(F.linear(hidden[s:e], weight, bias).float(), lse[s:e],
-                                     entropy[s:e], targets[s:e],
-                                     None if g_logp is None else g_logp[s:e],
-                                     None if g_entropy is None else g_entropy[s:e])
-            low = grad.to(hidden.dtype)
+            low = ctx.kernels.logit_grad(F.linear(hidden[s:e], weight, bias), lse[s:e],
+                                         entropy[s:e], targets[s:e],
+                                         None if g_logp is None else g_logp[s:e],
+                                         None if g_entropy is None else g_entropy[s:e])
             if grad_h is not None:
                 grad_h[s:e] = low @ weight
             if grad_w is not None:
@@ -85,33 +173,22 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 else:
                     grad_w += low.T @ hidden[s:e]
             if grad_b is not None:
-                grad_b += grad.sum(0)
+                grad_b += low.sum(0, dtype=torch.float32)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None)
-
-
-def _chunk_logit_grad(logits: Tensor, lse: Tensor, entropy: Tensor, targets: Tensor,
-                      g_logp: Tensor | None, g_entropy: Tensor | None) -> Tensor:
-    """∂loss/∂z of one chunk, in place in ``logits``' memory where it can be (fp32 [n, V])."""
-    logp = logits.sub_(lse[:, None])
-    p = logp.exp()
-    if g_entropy is not None:   # −g_H · p · (log p + H)
-        term = logp.add_(entropy[:, None]).mul_(p).mul_(-g_entropy[:, None])
-    if g_logp is None:
-        return term
-    grad = p.mul_(-g_logp[:, None])   # g · (onehot − p)
-    grad.scatter_add_(1, targets[:, None], g_logp[:, None])
-    return grad.add_(term) if g_entropy is not None else grad
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
 def chunked_logprobs_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None,
-                             targets: Tensor, chunk_tokens: int) -> tuple[Tensor, Tensor]:
+                             targets: Tensor, chunk_tokens: int,
+                             kernels: HeadKernels | None = None) -> tuple[Tensor, Tensor]:
     """Logprob of each target and entropy, both float32 of ``targets``' shape, from
-    ``hidden [..., H]`` through the head ``(weight, bias)``; ``chunk_tokens`` rows at a time."""
+    ``hidden [..., H]`` through the head ``(weight, bias)``; ``chunk_tokens`` rows at a time,
+    by ``kernels`` (default: eager)."""
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     logprobs, entropy = ChunkedHeadLogprobs.apply(flat, weight, bias, targets.reshape(-1),
-                                                  max(int(chunk_tokens), 1))
+                                                  max(int(chunk_tokens), 1),
+                                                  kernels or HeadKernels())
     return logprobs.view(shape), entropy.view(shape)
 
 
@@ -139,23 +216,35 @@ def fusable(model: nn.Module) -> bool:
 
 
 def head_logprobs(model: nn.Module, head: nn.Linear, targets: Tensor, chunk_tokens: int,
-                  temperature: float = 1.0, **inputs: Any) -> tuple[Tensor, Tensor]:
+                  temperature: float = 1.0, kernels: HeadKernels | None = None,
+                  where: Tensor | None = None, **inputs: Any) -> tuple[Tensor, Tensor]:
     """``model(**inputs)`` with its LM head ``head`` computing :func:`chunked_logprobs_entropy`
     of ``targets`` (shaped like ``input_ids``) instead of the logits. ``head`` is the output
     embedding of a :func:`fusable` model (inside a peft wrapper: ``learners.lora.hf_model``).
     ``temperature``: the logits are ``(hidden @ W.T + b) / T``, taken as ``(hidden / T) @ W.T
-    + b / T`` so the chunks never see an unscaled copy."""
+    + b / T`` so the chunks never see an unscaled copy. ``kernels``: :class:`HeadKernels`
+    (default: eager). ``where`` (bool, shaped like ``targets``): the head runs on those tokens
+    alone, and the others' logprob and entropy are 0. Finding them costs one device sync."""
+    index = None if where is None else where.reshape(-1).nonzero().squeeze(1)
 
     def fused(hidden: Tensor) -> Tensor:
         bias = head.bias
+        flat, wanted = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        if index is not None:
+            flat, wanted = flat.index_select(0, index), wanted.index_select(0, index)
         if temperature != 1.0:
-            hidden = hidden / temperature
+            flat = flat / temperature
             bias = None if bias is None else bias / temperature
-        logprobs, entropy = chunked_logprobs_entropy(hidden, head.weight, bias, targets,
-                                                     chunk_tokens)
+        logprobs, entropy = chunked_logprobs_entropy(flat, head.weight, bias, wanted,
+                                                     chunk_tokens, kernels)
         # One tensor back through the model's forward, so hooks on the head's output (ZeRO-3's
         # re-gather for backward) see the computation; [..., 2] costs 8 bytes a token.
-        return torch.stack((logprobs, entropy), -1)
+        # A new tensor, not a view: FSDP2 warns that an in-place op on a view output would
+        # skip its pre-backward hook.
+        if index is None:
+            return torch.stack((logprobs.view(targets.shape), entropy.view(targets.shape)), -1)
+        return logprobs.new_zeros(*targets.shape, 2).index_put(
+            torch.unravel_index(index, targets.shape), torch.stack((logprobs, entropy), -1))
 
     with _forward_replaced(head, fused):
         out = model(**inputs).logits
@@ -173,5 +262,6 @@ def _forward_replaced(module: nn.Module, forward: Callable[[Tensor], Tensor]) ->
         del module.forward
 
 
-__all__ = ["ChunkedHeadLogprobs", "chunked_logprobs_entropy", "fusable", "head_logprobs",
-           "plain_logprobs_entropy"]
+__all__ = ["ChunkedHeadLogprobs", "HeadKernels", "chunk_logit_grad", "chunk_stats",
+           "chunked_logprobs_entropy", "fusable", "fusable_chunk_logit_grad",
+           "fusable_chunk_stats", "head_logprobs", "plain_logprobs_entropy"]

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from learners.attention import varlen_kwargs
 from learners.batching import TrainBatch
-from learners.fused_logprobs import fusable, head_logprobs, plain_logprobs_entropy
+from learners.fused_logprobs import HeadKernels, fusable, head_logprobs, plain_logprobs_entropy
 from learners.lora import hf_model
 from learners.vision import forward_inputs, refuse_packing
 
@@ -94,27 +94,36 @@ LOGPROB_CHUNK_TOKENS = 1024
 
 
 def token_logprobs(model: nn.Module, batch: TrainBatch, packing: bool = False,
-                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, temperature: float = 1.0
+                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS, temperature: float = 1.0,
+                   head_kernels: HeadKernels | None = None, positions: Tensor | None = None
                    ) -> Tensor:
     """``log p(targets[b, t] | input_ids[b, ≤t])`` as float32 ``[B, T]`` (0 on padding when
-    packed), by a packed or a padded forward (see the module docstring), of the logits
-    divided by ``temperature``: the distribution the engines sampled from
-    (``rollout.temperature``), whose logprobs they report as the behaviour's."""
+    packed, and outside ``positions`` when given: :func:`token_logprobs_and_entropy`), by a
+    packed or a padded forward (see the module docstring), of the logits divided by
+    ``temperature``: the distribution the engines sampled from (``rollout.temperature``),
+    whose logprobs they report as the behaviour's."""
     return token_logprobs_and_entropy(model, batch, packing, entropy=False,
-                                      chunk_tokens=chunk_tokens, temperature=temperature)[0]
+                                      chunk_tokens=chunk_tokens, temperature=temperature,
+                                      head_kernels=head_kernels, positions=positions)[0]
 
 
 def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: bool = False,
                                entropy: bool = True, entropy_grad: bool = False, *,
                                chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                               temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+                               temperature: float = 1.0, head_kernels: HeadKernels | None = None,
+                               positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """:func:`token_logprobs` and, from the same forward, the per-token entropy (float32,
     detached unless ``entropy_grad``: an entropy bonus differentiates it).
 
+    ``positions`` (bool ``[B, T]``, the learner's loss mask): the only tokens whose logprob and
+    entropy are wanted; both are 0 elsewhere, and the fused head never computes them (a
+    prompt's tokens, padding, an environment's turns: their share of the LM head's work).
+
     ``chunk_tokens > 0`` and a :func:`~learners.fused_logprobs.fusable` model: the LM head runs
     that many tokens at a time and the ``[tokens, vocab]`` logits never exist whole
-    (``learners.fused_logprobs``); otherwise the full logits (the plain path, which the fused
-    one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
+    (``learners.fused_logprobs``), its per-chunk arithmetic by ``head_kernels`` (compiled
+    under ``learner.compile``; default eager); otherwise the full logits (the plain path,
+    which the fused one equals within float rounding: ``tests/unit/test_fused_logprobs.py``)."""
     refuse_packing(packing, batch.pixel_values)
     if packing:
         input_ids, position_ids, (rows, cols) = pack(batch)
@@ -124,17 +133,20 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False,
                   **varlen_kwargs(batch.lengths)}
         targets = batch.targets[rows, cols].unsqueeze(0)
+        where = None if positions is None else positions[rows, cols].unsqueeze(0)
     else:
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                   "use_cache": False}
         targets = batch.targets
+        where = positions
     context: AbstractContextManager = nullcontext()
     if batch.pixel_values is not None:   # a vision-language model (learners.vision)
         vision, context = forward_inputs(model, batch)
         inputs.update(vision)
     with context:
         logprobs, ent = _forward_logprobs(model, targets, chunk_tokens, inputs,
-                                          entropy and entropy_grad, temperature)
+                                          entropy and entropy_grad, temperature, head_kernels,
+                                          where)
     if not (entropy and entropy_grad):
         ent = ent.detach()
     if packing:
@@ -143,19 +155,29 @@ def token_logprobs_and_entropy(model: nn.Module, batch: TrainBatch, packing: boo
     return logprobs, ent if entropy else None
 
 
+def fuses_head(model: nn.Module, chunk_tokens: int) -> bool:
+    """Whether :func:`token_logprobs_and_entropy` takes ``model``'s fused, chunked head (which
+    runs on the wanted ``positions`` alone) rather than its full logits."""
+    return chunk_tokens > 0 and fusable(hf_model(model))
+
+
 def _forward_logprobs(model: nn.Module, targets: Tensor, chunk_tokens: int,
-                      inputs: dict[str, Any], entropy_grad: bool, temperature: float
+                      inputs: dict[str, Any], entropy_grad: bool, temperature: float,
+                      head_kernels: HeadKernels | None, where: Tensor | None
                       ) -> tuple[Tensor, Tensor]:
     """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``, of the
-    logits divided by ``temperature``."""
+    logits divided by ``temperature``; 0 outside ``where`` (shaped like ``targets``) if given."""
     base = hf_model(model)
-    if chunk_tokens > 0 and fusable(base):
+    if fuses_head(model, chunk_tokens):
         return head_logprobs(model, base.get_output_embeddings(), targets, chunk_tokens,
-                             temperature, **inputs)
+                             temperature, head_kernels, where, **inputs)
     logits = model(**inputs).logits
     if temperature != 1.0:
         logits = logits.float() / temperature
-    return plain_logprobs_entropy(logits, targets, entropy_grad)
+    logprobs, entropy = plain_logprobs_entropy(logits, targets, entropy_grad)
+    if where is None:
+        return logprobs, entropy
+    return logprobs.where(where, 0.0), entropy.where(where, 0.0)
 
 
 def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Tensor:
@@ -164,5 +186,5 @@ def _unpack(packed: Tensor, batch: TrainBatch, rows: Tensor, cols: Tensor) -> Te
     return out.index_put((rows, cols), packed)
 
 
-__all__ = ["LOGPROB_CHUNK_TOKENS", "micro_batches", "pack", "plan_micro_batches", "token_logprobs",
-           "token_logprobs_and_entropy"]
+__all__ = ["LOGPROB_CHUNK_TOKENS", "fuses_head", "micro_batches", "pack", "plan_micro_batches",
+           "token_logprobs", "token_logprobs_and_entropy"]

@@ -805,6 +805,10 @@ class LearnerConfig(Section):
         1024, ge=0, le=1 << 20, description="Tokens per chunk through the LM head when "
         "computing logprobs and entropy (learner, reference, proximal): the [tokens, vocab] "
         "logits never exist whole; 0 = the full logits at once.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="The learner device's dense bf16 peak, TFLOP/s, for perf/mfu; "
+        "unset: by the GPU's name (H100/H200 989, A100 312, ...: learners/flops.py), and no "
+        "MFU on a CPU or a GPU not in that list.")
     routing_replay: bool = Field(False, description="MoE models: the engine records the "
                                  "experts it routed each token to, they travel with the group, "
                                  "and the learner's forward uses them instead of its own "

@@ -215,7 +215,7 @@ class DeepSpeedTrainer:
         metrics.update(self.steps.mismatch_metrics(mismatch))
         metrics["actor/grad_norm"] = float(self.engine.get_global_grad_norm())
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
+        metrics.update(self.steps.timing_metrics(batch, time.perf_counter() - start))
         return metrics
 
     def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:

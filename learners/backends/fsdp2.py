@@ -241,7 +241,7 @@ class Fsdp2Trainer:
         metrics["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         if self.compiles is not None:   # graphs compiled during this step (0 once warm)
             metrics["perf/compiles"] = self.steps.max_over_ranks(float(self.compiles.take()))
-        metrics["timing/train_step"] = self.steps.max_over_ranks(time.perf_counter() - start)
+        metrics.update(self.steps.timing_metrics(batch, time.perf_counter() - start))
         return metrics
 
     def full_state_dict(self, every_rank: bool = False) -> dict[str, Tensor]:

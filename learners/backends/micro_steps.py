@@ -29,7 +29,10 @@ from torch import Tensor, nn
 
 from asyncrl.config.schema import LearnerConfig
 from learners.batching import TrainBatch
+from learners.dist import gather_rows
 from learners.export_dir import replace_dir
+from learners.flops import ModelFlops, mfu, peak_flops
+from learners.fused_logprobs import HeadKernels
 from learners.lora import hf_model
 from learners.losses.aggregation import aggregation_weights
 from learners.losses.objective import objective
@@ -42,7 +45,7 @@ from learners.mismatch import (
     warn_if_all_rejected,
     warn_if_mismatched,
 )
-from learners.packing import micro_batches, token_logprobs_and_entropy
+from learners.packing import fuses_head, micro_batches, token_logprobs_and_entropy
 from learners.packing import token_logprobs as packed_or_padded_logprobs
 from learners.routing_replay import RoutingReplay
 
@@ -105,6 +108,12 @@ class MicroSteps:
         # The policy's forwards (proximal and trained; not a reference model of its own)
         # route as the engine did, micro-batch by micro-batch.
         self.replay = RoutingReplay(model, cfg.packing) if cfg.routing_replay else None
+        # learner.compile: the LM head's per-chunk softmax arithmetic is compiled too.
+        self.head_kernels = HeadKernels(cfg.compile_backend if cfg.compile else None)
+        # perf/mfu: the model's FLOPs per step (learners.flops) against the device's peak.
+        self.flops = ModelFlops.of(hf_model(model))
+        self.peak = peak_flops(device, cfg.peak_tflops)
+        self.fused_head = fuses_head(model, cfg.logprob_chunk_tokens)
         self.rejected_all = False  # the last accumulate's verdict (drop_gradient_if_all_rejected)
 
     def global_units(self, batch: TrainBatch) -> Tensor:
@@ -129,7 +138,8 @@ class MicroSteps:
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
-                entropy_grad=self.cfg.loss.entropy_coeff > 0, temperature=self.temperature)
+                entropy_grad=self.cfg.loss.entropy_coeff > 0, temperature=self.temperature,
+                head_kernels=self.head_kernels, positions=micro.loss_mask != 0)
             micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref,
                                                    entropy)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
@@ -172,19 +182,43 @@ class MicroSteps:
         """Before the update: proximal logprobs under the current weights (decoupled PPO) and
         the reference's logprobs (KL). Collective (sharded all-gathers) whenever configured."""
         packing, chunk = self.cfg.packing, self.cfg.logprob_chunk_tokens
+        # Only the trained tokens' logprobs are used (the loss, KL, mismatch): the LM head
+        # skips the rest, as in the trained forward.
+        args = (packing, chunk, self.temperature, self.head_kernels, batch.loss_mask != 0)
         proximal = None
         if self.cfg.loss.policy_loss == "decoupled_ppo":
-            proximal = packed_or_padded_logprobs(self.model, batch, packing, chunk,
-                                                 self.temperature)
+            proximal = packed_or_padded_logprobs(self.model, batch, *args)
         ref = None
         if self.reference is not None:
-            ref = packed_or_padded_logprobs(self.reference, batch, packing, chunk,
-                                                self.temperature)
+            ref = packed_or_padded_logprobs(self.reference, batch, *args)
         elif self.reference_is_base:
             with self.model.disable_adapter():
-                ref = packed_or_padded_logprobs(self.model, batch, packing, chunk,
-                                                self.temperature)
+                ref = packed_or_padded_logprobs(self.model, batch, *args)
         return proximal, ref
+
+    def step_flops(self, batch: TrainBatch) -> float:
+        """The model FLOPs of this rank's share of a step: its forward and backward, and the
+        frozen forwards (proximal, reference) this objective runs."""
+        lengths = batch.lengths.tolist()
+        head_tokens = int((batch.loss_mask != 0).sum()) if self.fused_head else sum(lengths)
+        frozen = int(self.cfg.loss.policy_loss == "decoupled_ppo") + int(
+            self.reference is not None or self.reference_is_base)
+        return self.flops.step(lengths, head_tokens, frozen)
+
+    def timing_metrics(self, batch: TrainBatch, seconds: float) -> dict[str, float]:
+        """``timing/train_step`` (the slowest rank's ``seconds``), ``perf/tflops`` (the model
+        FLOPs of the step per device and second of it) and, where the device's peak is known,
+        ``perf/mfu``. COLLECTIVE: one all-gather."""
+        rows = gather_rows(torch.tensor([seconds, self.step_flops(batch)], dtype=torch.float64,
+                                        device=self.device))
+        step_s, flops = float(rows[:, 0].max()), float(rows[:, 1].sum())
+        world = rows.shape[0]
+        metrics = {"timing/train_step": step_s,
+                   "perf/tflops": flops / max(step_s, 1e-9) / world / 1e12}
+        share = mfu(flops, step_s, self.peak, world)
+        if share is not None:
+            metrics["perf/mfu"] = share
+        return metrics
 
     def mismatch_sums(self, logprobs: Tensor, batch: TrainBatch) -> Tensor:
         high = self.cfg.loss.clip_eps_high

@@ -75,6 +75,15 @@ def test_progress_line_shows_what_users_watch() -> None:
     line = progress_line(STATUS)
     assert line.startswith("v7") and "score 0.500" in line and "gen 1,234 tok/s" in line
     assert "train 900 tok/s" in line and "val 0.750" in line and "stale mean 0.25 max 1" in line
+    assert "mfu" not in line   # a learner on a CPU reports none
+
+
+def test_progress_line_shows_the_learners_mfu_where_it_has_one() -> None:
+    import copy
+
+    status = copy.deepcopy(STATUS)
+    status["members"]["learner-0"]["info"]["perf/mfu"] = 0.2488
+    assert "train 900 tok/s mfu 24.9% |" in progress_line(status)
 
 
 def test_a_role_on_a_cpu_build_of_torch_prints_no_deepspeed_accelerator_warning() -> None:

@@ -61,6 +61,15 @@ def test_header_and_engine_table() -> None:
         assert cells[-1] == f"{engine_idle(member['info']):.0%}"
 
 
+def test_the_header_shows_the_learners_mfu_where_it_has_one() -> None:
+    """A CPU learner (the recorded run) reports no MFU; a GPU one's is in the header."""
+    status, history = snapshot()
+    assert "mfu" not in screen(status, history).splitlines()[0]
+    learner = next(m for m in status["members"].values() if m["role"] == "learner")
+    learner["info"]["perf/mfu"] = 0.2488
+    assert "tok/s · mfu 24.9%" in screen(status, history).splitlines()[0]
+
+
 def test_an_engine_ahead_of_the_published_version_shows_no_lag() -> None:
     """It acked the next weights, which are published once every engine has."""
     status, history = snapshot()

@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is optional: DS_BUILD_OPS=0 p
 from asyncrl.config.schema import LearnerConfig, LossConfig
 from learners.batching import collate
 from tests.unit import test_fsdp2
-from tests.unit.test_fsdp2 import STEPS, rank_groups, spawn_runs
+from tests.unit.test_fsdp2 import STEPS, WALL_CLOCK, rank_groups, spawn_runs, step_flops
 
 # The same tiny Qwen2 (a module-scoped fixture), registered here under the same name.
 tiny_model_dir = test_fsdp2.tiny_model_dir
@@ -111,8 +111,9 @@ def test_zero_two_ranks_match_fsdp2_one_rank(runs: dict[str, Path], tiny_model_d
     for step_base, step_run in zip(base["metrics"], run["metrics"], strict=True):
         assert step_run.keys() == step_base.keys()
         for key, value in step_base.items():
-            if key != "timing/train_step":
+            if key not in WALL_CLOCK:
                 assert step_run[key] == pytest.approx(value, rel=METRIC_REL, abs=1e-6), key
+        assert step_flops(step_run, 2) == pytest.approx(step_flops(step_base, 1), rel=1e-9)
     assert run["metrics"][-1]["actor/kl_loss"] > 0
 
 

@@ -211,8 +211,19 @@ def _assert_worlds_match(runs: dict[int, Path], tiny_model_dir: Path) -> None:
     assert moved > 1e-3   # training moved the weights far more than the tolerance
     for step_single, step_multi in zip(single["metrics"], multi["metrics"]):
         for name, value in step_single.items():
-            if name != "timing/train_step":
+            if name not in WALL_CLOCK:
                 assert step_multi[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+        # The two ranks did the one rank's model FLOPs between them (perf/tflops).
+        assert step_flops(step_multi, 2) == pytest.approx(step_flops(step_single, 1), rel=1e-9)
+
+
+# Step metrics that depend on the wall clock: they differ between runs of the same step.
+WALL_CLOCK = ("timing/train_step", "perf/tflops")
+
+
+def step_flops(metrics: dict[str, float], world: int) -> float:
+    """The model FLOPs of a step, from its perf/tflops (per device and second)."""
+    return metrics["perf/tflops"] * 1e12 * metrics["timing/train_step"] * world
 
 
 def test_metrics_identical_on_all_ranks(runs: dict[int, Path]) -> None:

@@ -15,10 +15,12 @@ from learners import checkpoint
 from learners.batching import collate
 from tests.unit.test_checkpoint import one_rank_group  # noqa: F401 (fixture)
 from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
+    WALL_CLOCK,
     _initial_state,
     make_groups,
     rank_groups,
     spawn_runs,
+    step_flops,
     tiny_model_dir,
 )
 
@@ -80,8 +82,9 @@ def test_two_ranks_match_one_rank(runs: dict[int | str, Path]) -> None:
             torch.testing.assert_close(multi[key][name], tensor, atol=1e-5, rtol=0)
     for step_single, step_multi in zip(single["metrics"], multi["metrics"]):
         for name, value in step_single.items():
-            if name != "timing/train_step":
+            if name not in WALL_CLOCK:
                 assert step_multi[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+        assert step_flops(step_multi, 2) == pytest.approx(step_flops(step_single, 1), rel=1e-9)
     assert _load(runs[2] / "rank1.pt")["adapters"] == {}   # rank 0 only, like the state
 
 
