@@ -116,12 +116,17 @@ def load(name):
 steps = [dict(zip(("name", "status", "seconds", "detail"), line.split("\t", 3)))
          for line in (work / "steps.tsv").read_text().splitlines() if line]
 runs = sorted((work / "runs").glob("**/metrics.jsonl")) if (work / "runs").exists() else []
-last = runs[-1].read_text().splitlines()[-1] if runs and runs[-1].read_text().strip() else None
+records = [json.loads(line) for line in runs[-1].read_text().splitlines()
+           if line.strip()] if runs else []
+# the last training step's record (MFU, memory per phase), and the final eval's val/ scores
+trained = next((r for r in reversed(records) if "timing/train_step" in r), {})
+last = {**trained, **{k: v for k, v in (records[-1] if records else {}).items()
+                      if k.startswith("val/")}} or None
 report = {"dry_run": dry, "total_s": total_s, "env": load("env.json"), "steps": steps,
           "ipc_transfer": load("ipc_transfer.json"),
           **{name: load(f"{name}.json") for name in LEARNER_STEPS},
           "logprob_head": load("logprob_head.json"),
-          "colocated_last_record": json.loads(last) if last else None}
+          "colocated_last_record": last}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
 env = report["env"] or {}
@@ -155,8 +160,8 @@ for name, row in (report["logprob_head"] or {}).items():   # full, chunked, comp
         f"activations {row['activations_mib']:,.0f} MiB")
 if report["colocated_last_record"]:  # the run's step, time, score and memory per phase
     record = report["colocated_last_record"]
-    keys = [k for k in record if k in ("step", "time_s") or k.startswith(("val/", "colocate/"))
-            or "gib" in k.lower()]
+    keys = [k for k in record if k in ("step", "time_s", "perf/mfu")
+            or k.startswith(("val/", "colocate/")) or "gib" in k.lower()]
     results["colocated_quickstart"] = [", ".join(f"{k} {record[k]}" for k in keys)]
 for s in steps:
     text = "; ".join(results.get(s["name"], [])) or s["detail"]

@@ -75,7 +75,7 @@ def test_the_report_renders_what_a_gpu_run_leaves(tmp_path: Path) -> None:
     (work / "steps.tsv").write_text(
         "env\tok\t7\t\nipc_transfer\tok\t77\t\nlearner_1p5b\tok\t74\t\n"
         "gpu_tests\ttimeout\t150\tover 150 s; see logs/gpu_tests.log\n"
-        "logprob_head\tok\t60\t\n")
+        "logprob_head\tok\t60\t\ncolocated_quickstart\tok\t40\t\n")
     (work / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "torch": "2.11.0",
                                                "cuda": "13.0", "matmul_tflops": 805.2}))
     (work / "ipc_transfer.json").write_text(json.dumps([{
@@ -87,6 +87,12 @@ def test_the_report_renders_what_a_gpu_run_leaves(tmp_path: Path) -> None:
         "layout": "padded", "attn": "varlen_sdpa", "tokens_per_s": 26561.7, "step_s": 2.403,
         "warmup_s": [3.05], "mfu": 0.2488, "peak_tflops": 989.0, "peak_gib": 87.8,
         "profile": profile}]))
+    run = work / "runs" / "quickstart"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 119, "timing/train_step": 0.2, "perf/mfu": 0.0123,
+                    "colocate/learner_gib_peak": 3.5}) + "\n"
+        + json.dumps({"step": 120, "val/test_score/copy": 0.984}) + "\n")
     head = {"step_s": 0.412, "no_grad_s": 0.101, "activations_mib": 1536.4}
     (work / "logprob_head.json").write_text(json.dumps({"full": head, "compiled": head}))
     argv = [sys.executable, "-c", _report_py(), str(work), str(out), "0", "495"]
@@ -99,6 +105,9 @@ def test_the_report_renders_what_a_gpu_run_leaves(tmp_path: Path) -> None:
     assert "profiled 2.50 s, kernels 2.10 s, top: aten::mm 1.20 s" in table
     assert "| gpu_tests | timeout | 150 | over 150 s; see logs/gpu_tests.log |" in table
     assert "compiled: 0.412 s/step, no-grad 0.101 s, activations 1,536 MiB" in table
+    # the colocated run: its last training step's figures and the final eval's score
+    assert ("| colocated_quickstart | ok | 40 | step 119, perf/mfu 0.0123, "
+            "colocate/learner_gib_peak 3.5, val/test_score/copy 0.984 |") in table
     assert json.loads((out / "gpu_check.json").read_text())["learner_1p5b"][0]["mfu"] == 0.2488
     quiet = subprocess.run([*argv, "quiet"], capture_output=True, text=True, timeout=60)
     assert quiet.returncode == 0 and quiet.stdout == ""   # after each step: files, no table
