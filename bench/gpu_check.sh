@@ -308,7 +308,7 @@ else
     --json "$WORK/learner_flex.json"
   step learner_liger 100 "$PY" "${LEARNER[@]}" --shape 1.5b --layout padded --liger \
     --json "$WORK/learner_liger.json"
-  step logprob_head 150 "$PY" bench/learner_memory.py --device cuda --dtype bfloat16 \
+  step logprob_head 180 "$PY" bench/learner_memory.py --device cuda --dtype bfloat16 \
     --tokens 16384 --chunk 1024 --hidden 1536 --steps 3 --compile inductor \
     --json "$WORK/logprob_head.json"
 fi

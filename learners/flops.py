@@ -35,8 +35,8 @@ from asyncrl.vlm import vision_prefix
 # the first that matches counts, so a longer name comes before its prefix ("H200" before
 # "H20"). ``learner.peak_tflops`` overrides them, and names a GPU not here.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-                    ("GH200", 989.0), ("H20", 148.0), ("B200", 2250.0), ("A100", 312.0),
-                    ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("L4", 121.0))
+                    ("H20", 148.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+                    ("L40S", 362.0))
 
 
 @dataclass(frozen=True)
