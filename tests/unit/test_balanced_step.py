@@ -20,9 +20,11 @@ from learners.balance import split_batch
 from learners.batching import collate
 from learners.packing import plan_micro_batches
 from tests.unit.test_fsdp2 import (  # noqa: F401 (fixture)
+    WALL_CLOCK,
     _initial_state,
     make_groups,
     spawn_runs,
+    step_flops,
     tiny_model_dir,
 )
 
@@ -92,8 +94,18 @@ def test_matches_unbatched_one_rank(runs: dict[str, dict], tiny_model_dir: Path,
     assert moved > 1e-3   # training moved the weights far more than the tolerance
     for step_single, step_other in zip(single["metrics"], other["metrics"]):
         for key, value in step_single.items():
-            if not key.startswith("timing/"):
+            if key not in WALL_CLOCK:
                 assert step_other[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_the_runs_count_the_model_flops_of_one_batch(runs: dict[str, dict]) -> None:
+    """perf/tflops: however the batch is split over ranks and micro-batches, and whether
+    activations are recomputed or the logits chunked, a step's model FLOPs are the same. The
+    unbatched run's full logits run the LM head on every token, prompts too: more."""
+    fused = [step_flops(runs[name]["metrics"][0], RUNS[name][0])
+             for name in ("checkpointed", "packed", "padded", "chunked", "bf16")]
+    assert fused == pytest.approx([fused[0]] * len(fused), rel=1e-9)
+    assert step_flops(runs["unbatched"]["metrics"][0], 1) > fused[0] * (1 + 1e-6)
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(runs: dict[str, dict],
