@@ -115,6 +115,8 @@ class MicroSteps:
         self.peak = peak_flops(device, cfg.peak_tflops)
         self.fused_head = fuses_head(model, cfg.logprob_chunk_tokens)
         self.rejected_all = False  # the last accumulate's verdict (drop_gradient_if_all_rejected)
+        # Decoupled PPO: a forward without gradients for the proximal logprobs.
+        self.runs_proximal = cfg.loss.policy_loss == "decoupled_ppo"
 
     def global_units(self, batch: TrainBatch) -> Tensor:
         """The step's aggregation units over every rank's share (tokens, samples or groups)."""
@@ -134,12 +136,15 @@ class MicroSteps:
             self.runner.begin_micro(index == len(plan) - 1)
             if self.replay is not None:  # through the backward: recomputation routes alike
                 self.replay.use(micro)
-            proximal, ref = self.frozen_logprobs(micro)
+            # Only the trained tokens' logprobs are used (the loss, KL, mismatch): the LM head
+            # skips the rest, in the frozen forwards and the trained one alike.
+            trained = micro.loss_mask != 0
+            proximal, ref = self.frozen_logprobs(micro, trained)
             logprobs, entropy = token_logprobs_and_entropy(
                 self.runner.policy(), micro, self.cfg.packing,
                 chunk_tokens=self.cfg.logprob_chunk_tokens,
                 entropy_grad=self.cfg.loss.entropy_coeff > 0, temperature=self.temperature,
-                head_kernels=self.head_kernels, positions=micro.loss_mask != 0)
+                head_kernels=self.head_kernels, positions=trained)
             micro_loss, _, micro_stats = objective(self.cfg, micro, logprobs, proximal, ref,
                                                    entropy)
             micro_stats["entropy"] = masked_mean(entropy, micro.loss_mask)
@@ -178,15 +183,15 @@ class MicroSteps:
         return plan + [batch.as_pad()] * (int(count.item()) - len(plan))
 
     @torch.no_grad()
-    def frozen_logprobs(self, batch: TrainBatch) -> tuple[Tensor | None, Tensor | None]:
+    def frozen_logprobs(self, batch: TrainBatch, positions: Tensor
+                        ) -> tuple[Tensor | None, Tensor | None]:
         """Before the update: proximal logprobs under the current weights (decoupled PPO) and
-        the reference's logprobs (KL). Collective (sharded all-gathers) whenever configured."""
-        packing, chunk = self.cfg.packing, self.cfg.logprob_chunk_tokens
-        # Only the trained tokens' logprobs are used (the loss, KL, mismatch): the LM head
-        # skips the rest, as in the trained forward.
-        args = (packing, chunk, self.temperature, self.head_kernels, batch.loss_mask != 0)
+        the reference's logprobs (KL), at ``positions`` (0 elsewhere). Collective (sharded
+        all-gathers) whenever configured."""
+        args = (self.cfg.packing, self.cfg.logprob_chunk_tokens, self.temperature,
+                self.head_kernels, positions)
         proximal = None
-        if self.cfg.loss.policy_loss == "decoupled_ppo":
+        if self.runs_proximal:
             proximal = packed_or_padded_logprobs(self.model, batch, *args)
         ref = None
         if self.reference is not None:
@@ -201,8 +206,8 @@ class MicroSteps:
         frozen forwards (proximal, reference) this objective runs."""
         lengths = batch.lengths.tolist()
         head_tokens = int((batch.loss_mask != 0).sum()) if self.fused_head else sum(lengths)
-        frozen = int(self.cfg.loss.policy_loss == "decoupled_ppo") + int(
-            self.reference is not None or self.reference_is_base)
+        frozen = int(self.runs_proximal) + int(self.reference is not None
+                                               or self.reference_is_base)
         return self.flops.step(lengths, head_tokens, frozen)
 
     def timing_metrics(self, batch: TrainBatch, seconds: float) -> dict[str, float]:
