@@ -96,6 +96,16 @@ def fusable_chunk_logit_grad(logits: Tensor, lse: Tensor, entropy: Tensor, targe
     return grad.to(logits.dtype)
 
 
+def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``range(n)`` ``chunk`` rows at a time, except that a
+    last chunk of a single row joins the one before it (:class:`HeadKernels`: a size-1 chunk
+    would compile the head's kernels once more), unless every chunk is one row."""
+    bounds = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+    if chunk > 1 and len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
 class HeadKernels:
     """The per-chunk arithmetic after the LM head's matmul (:func:`chunk_stats`,
     :func:`chunk_logit_grad`), eager or compiled.
@@ -107,8 +117,9 @@ class HeadKernels:
     ``bench/gpu_check.sh``'s ``logprob_head`` step measures it). Compiled
     (``learner.compile``), inductor fuses each into reductions that read the chunk's bf16
     logits once or twice, and writes the gradient in bf16 directly. Shapes are dynamic: a
-    shorter last chunk does not recompile (one of a single token does, once: dynamo
-    specialises sizes 0 and 1).
+    shorter last chunk does not recompile. dynamo specialises sizes 0 and 1, so a last chunk of
+    one token would compile once more: :func:`chunk_bounds` gives that token to the chunk
+    before it.
 
     Two spellings of the same operations in the same order, each the lighter for its
     runner: eager works in place, the compiled one out of place. Measured on a CPU in fp32
@@ -138,8 +149,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logprobs), torch.empty_like(logprobs)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
+        for s, e in chunk_bounds(n, chunk):
             logprobs[s:e], entropy[s:e], lse[s:e] = kernels.stats(
                 F.linear(hidden[s:e], weight, bias), targets[s:e])
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
@@ -159,8 +169,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             if want_b else None
         if g_logp is None and g_entropy is None:
             return grad_h, grad_w, grad_b, None, None, None
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, hidden.shape[0])
+        for s, e in chunk_bounds(hidden.shape[0], ctx.chunk):
             low = ctx.kernels.logit_grad(F.linear(hidden[s:e], weight, bias), lse[s:e],
                                          entropy[s:e], targets[s:e],
                                          None if g_logp is None else g_logp[s:e],
@@ -262,6 +271,6 @@ def _forward_replaced(module: nn.Module, forward: Callable[[Tensor], Tensor]) ->
         del module.forward
 
 
-__all__ = ["ChunkedHeadLogprobs", "HeadKernels", "chunk_logit_grad", "chunk_stats",
-           "chunked_logprobs_entropy", "fusable", "fusable_chunk_logit_grad",
+__all__ = ["ChunkedHeadLogprobs", "HeadKernels", "chunk_bounds", "chunk_logit_grad",
+           "chunk_stats", "chunked_logprobs_entropy", "fusable", "fusable_chunk_logit_grad",
            "fusable_chunk_stats", "head_logprobs", "plain_logprobs_entropy"]

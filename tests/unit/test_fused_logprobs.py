@@ -9,8 +9,8 @@ from torch import nn
 
 from learners.batching import collate
 from learners.compile_blocks import CompileCounter
-from learners.fused_logprobs import (HeadKernels, chunked_logprobs_entropy, fusable,
-                                     plain_logprobs_entropy)
+from learners.fused_logprobs import (HeadKernels, chunk_bounds, chunked_logprobs_entropy,
+                                     fusable, plain_logprobs_entropy)
 from learners.packing import token_logprobs_and_entropy
 from tests.unit.test_packing import make_groups
 
@@ -87,8 +87,7 @@ def test_compiled_kernels_equal_eager(bias: bool, entropy_grad: bool) -> None:
     """learner.compile's head kernels (their out-of-place spelling, through dynamo and
     aot_eager: the graphs inductor receives) take the eager in-place kernels' values and
     gradients (the same operations in the same order: to 1e-6), whichever of the two outputs
-    is differentiated; chunks of 7 leave a last chunk of 1 (dynamo specialises sizes 0 and
-    1)."""
+    is differentiated; chunks of 7 of 50 tokens end in a chunk of 8 (:func:`chunk_bounds`)."""
     inputs = _inputs(50, 16, 300, bias, seed=3)
     eager = _chunked_and_grads(HeadKernels(), inputs, 7, entropy_grad)
     compiled = _chunked_and_grads(HeadKernels("aot_eager"), inputs, 7, entropy_grad)
@@ -109,6 +108,32 @@ def test_inductor_kernels_match_full_logits_without_recompiling() -> None:
         ref_lp, ref_ent = plain_logprobs_entropy(nn.functional.linear(h, w, b), targets, True)
         torch.testing.assert_close(lp, ref_lp.detach(), atol=ATOL, rtol=0)
         torch.testing.assert_close(ent, ref_ent.detach(), atol=ATOL, rtol=0)
+        for got, want in zip(grads, _grads(ref_lp, ref_ent, g_lp, g_h, (h, w, b))):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+        if n == 45:
+            assert counter.take() > 0
+    assert counter.take() == 0
+
+
+def test_chunk_bounds_give_a_last_single_row_to_the_chunk_before() -> None:
+    assert chunk_bounds(0, 4) == []
+    assert chunk_bounds(1, 4) == [(0, 1)]
+    assert chunk_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_bounds(9, 4) == [(0, 4), (4, 9)]
+    assert chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(5, 1) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_a_last_chunk_of_one_token_compiles_nothing_more() -> None:
+    """dynamo specialises sizes 0 and 1: a chunk of one token would be one more graph. Token
+    counts one past a multiple of the chunk compile nothing once warm."""
+    kernels = HeadKernels("eager")
+    counter = CompileCounter()
+    for n, seed in ((45, 7), (41, 8), (33, 9)):   # chunks of 8: last chunks of 5, 1, 1
+        h, w, b, targets, g_lp, g_h = inputs = _inputs(n, 16, 300, False, seed=seed)
+        lp, ent, grads = _chunked_and_grads(kernels, inputs, 8)
+        ref_lp, ref_ent = plain_logprobs_entropy(nn.functional.linear(h, w, b), targets, True)
+        torch.testing.assert_close(lp, ref_lp.detach(), atol=ATOL, rtol=0)
         for got, want in zip(grads, _grads(ref_lp, ref_ent, g_lp, g_h, (h, w, b))):
             torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
         if n == 45:
