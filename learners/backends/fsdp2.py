@@ -71,6 +71,18 @@ def compute_dtype(cfg: LearnerConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
 
 
+def speed_settings(cfg: LearnerConfig, device: torch.device) -> str:
+    """The learner settings that decide its speed and memory, in one line for the startup log:
+    on a GPU the first thing to check when the MFU is low is whether they are what was meant."""
+    dtype = str(compute_dtype(cfg, device)).removeprefix("torch.")
+    chunks = cfg.logprob_chunk_tokens or "off (full logits)"
+    return (f"{dtype} compute, micro-batches of {cfg.micro_batch_tokens} tokens "
+            f"{'packed' if cfg.packing else 'padded'}, compile "
+            f"{cfg.compile_backend if cfg.compile else 'off'}, log-prob chunks {chunks}, "
+            f"liger {'on' if cfg.liger else 'off'}, offload {cfg.offload}, activation "
+            f"checkpointing {'on' if cfg.activation_checkpointing else 'off'}")
+
+
 def shard_model(model: nn.Module, world: int, device_type: str,
                 param_dtype: torch.dtype = torch.float32, checkpointing: bool = False,
                 compile_backend: str | None = None, offload_params: bool = False) -> None:
@@ -189,6 +201,7 @@ class Fsdp2Trainer:
                     self.attn, cfg.loss.policy_loss, cfg.loss.advantage, cfg.loss.aggregation,
                     "a copy" if self.reference is not None
                     else "the base (adapters off)" if self.reference_is_base else "no")
+        logger.info("rank %d/%d: %s", self.rank, self.world, speed_settings(cfg, self.device))
 
     def _load_sharded(self, path: str | Path, dtype: torch.dtype,
                       lora: LoraConfig | None = None) -> nn.Module:
