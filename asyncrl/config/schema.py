@@ -550,7 +550,13 @@ def vllm_engine_arg_names() -> frozenset[str]:
 
 class SglangRolloutConfig(Section):
     """SGLang servers (``rollout.engine = "sglang"``) launched by the workers themselves, one
-    each, when ``rollout.url`` is empty; with a ``url`` these keys are not read."""
+    each, when ``rollout.url`` is empty; with a ``url`` only ``pause_mode`` is read."""
+
+    pause_mode: Literal["retract", "in_place"] = Field(
+        "retract", description="How generation pauses for a weight update: retract (running "
+        "requests wait in SGLang's queue and their KV cache is recomputed with the new "
+        "weights; the update flushes the prefix cache) or in_place (they keep their KV cache; "
+        "no flush, so prompts cached with older weights are reused).")
 
     module: str = Field("sglang.launch_server", pattern=MODULE_PATTERN,
                         description="The module each worker runs (`python -m`) to launch its "

@@ -91,7 +91,10 @@ def _aligned(n: int, align: int = ALIGN) -> int:
 def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
                  align: int = ALIGN, alone_bytes: int = 0) -> BucketPlan:
     """Greedy plan in state-dict order: open a new bucket when the next tensor would overflow.
-    Tensors start at multiples of ``align`` bytes inside their bucket.
+    Tensors start at multiples of ``align`` bytes inside their bucket, and never misaligned
+    for their own dtype: with an ``align`` below a tensor's element size (SGLang's 1), a
+    tensor the bytes before it would misalign (fp32 after a bf16 tensor of odd size) opens
+    a new bucket, since SGLang refuses to view it in place ("Unaligned received tensor").
 
     ``alone_bytes`` > 0: a tensor of at least that many bytes gets a bucket of its own, so the
     sender broadcasts the tensor's own memory instead of first copying it into a staging
@@ -109,7 +112,8 @@ def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
         alone = 0 < alone_bytes <= nbytes
         offset = _aligned(sizes[-1], align) if sizes else 0
         if not sizes or closed or (alone and sizes[-1] > 0) \
-                or (offset + nbytes > bucket_bytes and sizes[-1] > 0):
+                or (offset + nbytes > bucket_bytes and sizes[-1] > 0) \
+                or offset % tensor.element_size():
             sizes.append(0)
             offset = 0
         closed = alone

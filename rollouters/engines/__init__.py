@@ -168,7 +168,7 @@ def _sglang_engine(cfg: Config, model_dir: str | Path, index: int, seed: int,
     r = cfg.rollout
     timeouts = {"timeout_s": r.request_timeout_s, "generate_timeout_s": r.request_timeout_s,
                 "update_timeout_s": 2 * cfg.weights.timeout_s,  # a join waits for the others
-                "eos_ids": eos_ids,
+                "eos_ids": eos_ids, "pause_mode": r.sglang.pause_mode,
                 "shapes": model_shapes(model_dir)}  # the learner's model, which updates fit
     if r.url.strip():
         return SglangEngine(_server_url(cfg, index), **timeouts)

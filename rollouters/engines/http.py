@@ -37,7 +37,9 @@ def request_json(method: str, url: str, path: str, body: dict[str, Any] | None,
             raw = response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:MAX_DETAIL]
-        raise error(f"{where}: HTTP {exc.code}: {detail}") from exc
+        refused = error(f"{where}: HTTP {exc.code}: {detail}")
+        refused.status = exc.code   # read by http_status: 404 = a route this server lacks
+        raise refused from exc
     except TimeoutError as exc:
         raise timeout(late) from exc
     except urllib.error.URLError as exc:
@@ -47,3 +49,8 @@ def request_json(method: str, url: str, path: str, body: dict[str, Any] | None,
     except OSError as exc:  # a connection reset mid-answer
         raise error(f"{where}: {exc}") from exc
     return json.loads(raw) if raw.strip() else None
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of an error :func:`request_json` raised for one, else None."""
+    return getattr(exc, "status", None)

@@ -4,8 +4,11 @@
 Request and response shapes follow SGLang 0.5.x, ``python/sglang/srt/managers/io_struct.py``
 (``GenerateReqInput``, ``InitWeightsUpdateGroupReqInput``,
 ``UpdateWeightsFromDistributedReqInput``, ``PauseGenerationReqInput``,
-``UpdateWeightVersionReqInput``, ``UpdateWeightsFromTensorReqInput``) served by
-``srt/entrypoints/http_server.py``. SGLang does not install on our CPU machines: tests use a
+``UpdateWeightVersionReqInput``, ``UpdateWeightsFromTensorReqInput``,
+``Begin/EndWeightUpdateReqInput``) served by ``srt/entrypoints/http_server.py``, last checked
+against the 0.5.23 release (2026-10-30): its weight-update sessions, its refusal to flush the
+cache while requests run, its alignment rule for flattened buckets and its per-token
+``weight_versions`` are followed here. SGLang does not install on our CPU machines: tests use a
 schema-checking fixture, and a real server where one exists. Over ``gloo`` and ``nccl``
 weights never pass through this process: SGLang receives them itself from the learner's
 broadcast (see :class:`SglangWeightPeer` for what that asks of the learner side). Over
@@ -36,13 +39,13 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.weights.fit import check_fit
-from asyncrl.weights.plan import BucketPlan
+from asyncrl.weights.plan import BucketPlan, parse_dtype
 from asyncrl.weights.receiver import WeightReceiver, agreed_transport
 from asyncrl.weights.slices import Seat
 from asyncrl.weights.transport import transport_kind
 from buffers.protocol import ControlPlane
 from rollouters.engines.base import Completion, check_generate_args
-from rollouters.engines.http import request_json
+from rollouters.engines.http import http_status, request_json
 from rollouters.engines.managed_server import ManagedServer, free_port
 from rollouters.engines.vllm_sleep import DeferredUpdate, SleepCycle
 
@@ -103,10 +106,16 @@ class SglangEngine:
     tensor shapes (:func:`asyncrl.models.model_shapes`), which every update's manifest is
     checked against before the server joins its group (:mod:`asyncrl.weights.fit`); None:
     the server's own refusal, which may leave the update partial.
+
+    ``pause_mode``: how generation pauses for an update. ``retract`` (default) moves the
+    running requests back to SGLang's queue, so the update can flush the prefix cache the
+    old weights filled, and the requests go on after it, their KV cache recomputed with the
+    new weights. ``in_place`` keeps their KV cache and skips the flush (SGLang refuses one
+    while requests run), so prompts cached before the update are reused after it.
     """
 
     def __init__(self, url: str, timeout_s: float = 30.0, generate_timeout_s: float = 600.0,
-                 update_timeout_s: float = 600.0, pause_mode: PauseMode = "in_place",
+                 update_timeout_s: float = 600.0, pause_mode: PauseMode = "retract",
                  version: int = 0, server: SglangServer | None = None,
                  eos_ids: tuple[int, ...] = (),
                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
@@ -120,6 +129,10 @@ class SglangEngine:
         self.generate_timeout_s = generate_timeout_s
         self.update_timeout_s = update_timeout_s
         self.pause_mode = pause_mode
+        # SGLang flushes its prefix cache with an update only when no request is running:
+        # paused in place, requests stay running and the flush would fail the update.
+        self.flushes = pause_mode != "in_place"
+        self._sessions: bool | None = None  # does the server have weight-update sessions?
         self._version = version
         self._lock = threading.Lock()  # guards _version (generate threads vs the peer's)
         self._server = server  # launched by us: stopped by close()
@@ -152,13 +165,16 @@ class SglangEngine:
         """``n`` completions per prompt: one batched ``/generate``, each prompt repeated ``n``
         times (batch order is kept; ``sampling_params.n``'s expansion order is not relied on).
 
-        Per-token versions: SGLang does not say which tokens were decoded before and which
-        after a weight update, so every token is labelled with the OLDER of the versions in
-        effect at submission and at completion (versions only grow: that is the one at
-        submission). If no update happened meanwhile both are equal and the label is exact.
-        If one did, the label understates freshness: the staleness filter may then drop a
-        sample it could have kept, but never keeps one staler than allowed, and the behaviour
-        logprobs are SGLang's own, so the importance ratios stay right either way."""
+        Per-token versions: SGLang (0.5.23) says which weight version decoded which output
+        tokens (``meta_info.weight_versions``, spans of the version strings our updates set),
+        and each token takes its span's version (:func:`token_versions`). Where it does not
+        (an older SGLang, or tokens of its initial weights, labelled ``default``), a token
+        takes the OLDER of the versions in effect at submission and at completion (versions
+        only grow: that is the one at submission). If no update happened meanwhile both are
+        equal and the label is exact. If one did, the label understates freshness: the
+        staleness filter may then drop a sample it could have kept, but never keeps one
+        staler than allowed, and the behaviour logprobs are SGLang's own, so the importance
+        ratios stay right either way."""
         check_generate_args(prompts, n, temperature, max_new_tokens, greedy)
         rows = [list(p) for p in prompts for _ in range(n)]
         sampling: dict[str, Any] = {"temperature": 0.0 if greedy else temperature,
@@ -172,14 +188,58 @@ class SglangEngine:
         items = answer if isinstance(answer, list) else [answer]
         if len(items) != len(rows):
             raise SglangError(f"/generate: {len(items)} outputs for {len(rows)} inputs")
-        version = min(started, self.version)
-        completions = [parse_completion(item, version) for item in items]
+        now = self.version
+        completions = [parse_completion(item, min(started, now), now) for item in items]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     # --- weights ---------------------------------------------------------------------------
 
     def pause(self) -> None:
         self._post("/pause_generation", {"mode": self.pause_mode}, self.timeout_s)
+
+    @contextmanager
+    def weight_session(self) -> Iterator[None]:
+        """SGLang loads weights only inside a session (``/begin_weight_update`` ...
+        ``/end_weight_update``, which finalises them); a server without these routes (404:
+        SGLang before them) loads without one, and is not asked again. A session left open
+        (its worker died mid-update) is closed first. The session is closed even when the
+        update fails, so that the next one can open."""
+        opened = self._begin_session()
+        try:
+            yield
+        except BaseException:
+            if opened:
+                try:
+                    self._end_session()
+                except SglangError as exc:   # the update's own error is the one to raise
+                    logger.warning("SGLang %s: could not close the weight-update session "
+                                   "after a failed update: %s", self.url, exc)
+            raise
+        if opened:
+            self._end_session()
+
+    def _begin_session(self) -> bool:
+        if self._sessions is False:
+            return False
+        try:
+            self._post("/begin_weight_update", {}, self.update_timeout_s, UPDATE_TIMEOUT_KEY)
+        except SglangError as exc:
+            if http_status(exc) == 404:
+                logger.info("SGLang %s has no weight-update sessions (an older SGLang): "
+                            "updates load without them", self.url)
+                self._sessions = False
+                return False
+            if "already open" not in str(exc):
+                raise
+            logger.warning("SGLang %s: a weight-update session was left open (a worker that "
+                           "died mid-update?); closing it", self.url)
+            self._end_session()
+            self._post("/begin_weight_update", {}, self.update_timeout_s, UPDATE_TIMEOUT_KEY)
+        self._sessions = True
+        return True
+
+    def _end_session(self) -> None:
+        self._post("/end_weight_update", {}, self.update_timeout_s, UPDATE_TIMEOUT_KEY)
 
     def resume(self) -> None:
         self._post("/continue_generation", {}, self.timeout_s)
@@ -245,16 +305,21 @@ class SglangEngine:
             self._version = version
 
     def update(self, send: Callable[[], None]) -> None:
-        """Run a weight update, ``send`` (the requests that make the server take it): awake,
-        with generation paused around it; asleep, at the wake, between the resume of the
+        """Run a weight update, ``send`` (the requests that make the server take it), in a
+        weight-update session (:meth:`weight_session`): awake, with generation paused around
+        it; asleep, at the wake, between the resume of the
         weights and of the KV cache, while this call waits (up to ``update_timeout_s``:
         then :class:`SglangTimeout`, and the update is withdrawn)."""
+        def in_session() -> None:
+            with self.weight_session():
+                send()
+
         with self._sleep_lock:
             if not self._sleep.in_server:
                 with self.paused():
-                    send()
+                    in_session()
                 return
-            waiting = self._deferred.defer(send)  # under the lock: before any wake
+            waiting = self._deferred.defer(in_session)  # under the lock: before any wake
         if not self._deferred.wait(waiting, self.update_timeout_s):
             raise SglangTimeout(f"SGLang {self.url}: asleep for {self.update_timeout_s:.0f}s "
                                 f"with an update waiting for the wake ({UPDATE_TIMEOUT_KEY})")
@@ -298,13 +363,30 @@ class SglangEngine:
             self._server.stop()
 
 
-def parse_completion(item: dict[str, Any], version: int) -> Completion:
+def token_versions(meta: dict[str, Any], count: int, version: int, newest: int) -> list[int]:
+    """The policy version of each of ``count`` output tokens: from SGLang's
+    ``meta_info.weight_versions`` (``[{"version", "start", "end"}]``, output-token indices,
+    end exclusive) where a span names one of our versions (no newer than ``newest``, the
+    engine's own at completion), else ``version`` (a server without spans, its initial
+    weights' ``default``, a token no span covers)."""
+    versions = [version] * count
+    for span in meta.get("weight_versions") or ():
+        label = str(span.get("version", ""))
+        if label.isdigit():
+            start, end = max(int(span.get("start", 0)), 0), min(int(span.get("end", 0)), count)
+            versions[start:end] = [min(int(label), newest)] * max(end - start, 0)
+    return versions
+
+
+def parse_completion(item: dict[str, Any], version: int, newest: int | None = None
+                     ) -> Completion:
     """One ``/generate`` output. ``meta_info.output_token_logprobs`` is a list of
     ``[logprob, token_id, text]`` (text is null unless ``return_text_in_logprobs``): see
     ``TokenizerManager.detokenize_logprob_tokens`` in SGLang's
     ``srt/managers/tokenizer_manager.py``. The logprobs are after temperature unless the
     server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (do not set it for RL).
-    ``finish_reason`` is ``{"type": "stop" | "length" | "abort", ...}``."""
+    ``finish_reason`` is ``{"type": "stop" | "length" | "abort", ...}``. Token versions:
+    :func:`token_versions` (``newest`` defaults to ``version``)."""
     meta = item["meta_info"]
     triples = meta["output_token_logprobs"]
     tokens = [int(t[1]) for t in triples]
@@ -314,7 +396,9 @@ def parse_completion(item: dict[str, Any], version: int) -> Completion:
     reason = (meta.get("finish_reason") or {}).get("type", "length")
     if reason == "abort":
         raise SglangError(f"request aborted: {meta.get('finish_reason')}")
-    return Completion(tokens=tokens, logprobs=logprobs, versions=[version] * len(tokens),
+    versions = token_versions(meta, len(tokens), version,
+                              version if newest is None else newest)
+    return Completion(tokens=tokens, logprobs=logprobs, versions=versions,
                       finish_reason="stop" if reason == "stop" else "length")
 
 
@@ -399,7 +483,7 @@ class SglangWeightPeer(WeightReceiver):
         version = self._version_in_flight
         if self._by_tensor:
             named = super()._receive(plan)
-            handles = tensor_requests(plan, named, version)
+            handles = tensor_requests(plan, named, version, flush=self.engine.flushes)
 
             def load() -> None:
                 for request in handles:
@@ -417,7 +501,7 @@ class SglangWeightPeer(WeightReceiver):
             for index, request in enumerate(requests):
                 last = index == len(requests) - 1
                 self.engine.update_weights_from_distributed(
-                    **request, group_name=group, flush_cache=last,
+                    **request, group_name=group, flush_cache=last and self.engine.flushes,
                     weight_version=str(version) if last else None, load_format=FLATTENED)
             self.engine.set_version(version)  # before generation goes on (or the wake ends)
 
@@ -457,16 +541,17 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def tensor_requests(plan: BucketPlan, named: dict[str, torch.Tensor], version: int,
-                    tp_size: int = 1) -> list[dict[str, Any]]:
+                    tp_size: int = 1, flush: bool = True) -> list[dict[str, Any]]:
     """The ``/update_weights_from_tensor`` arguments of one update, one per bucket: that
     bucket's named tensors (``load_format`` None: a list of ``(name, tensor)``), the same
-    for every tensor-parallel rank; the last flushes the cache and sets the version."""
+    for every tensor-parallel rank; the last sets the version, and flushes the cache if
+    ``flush`` (:attr:`SglangEngine.flushes`)."""
     out = []
     count = len(plan.bucket_nbytes)
     for index in range(count):
         last = index == count - 1
         payload = serialize_named_tensors([(s.name, named[s.name]) for s in plan.in_bucket(index)])
-        out.append({"serialized": [payload] * tp_size, "flush_cache": last,
+        out.append({"serialized": [payload] * tp_size, "flush_cache": last and flush,
                     "weight_version": str(version) if last else None})
     return out
 
@@ -476,7 +561,9 @@ def sglang_requests(plan: BucketPlan) -> list[dict[str, list[Any]]]:
 
     Raises ``ValueError`` when a bucket has padding (SGLang would expect fewer bytes than the
     learner sends, and the collective would fail): the learner must plan with ``ALIGN = 1``
-    for SGLang peers."""
+    for SGLang peers; and when a tensor starts misaligned for its dtype, which SGLang refuses
+    before it receives, leaving the learner's broadcast to time out
+    (:func:`~asyncrl.weights.plan.plan_buckets` never plans one)."""
     out = []
     for index, nbytes in enumerate(plan.bucket_nbytes):
         specs = plan.in_bucket(index)
@@ -485,6 +572,9 @@ def sglang_requests(plan: BucketPlan) -> list[dict[str, list[Any]]]:
             if spec.offset != offset:
                 raise ValueError(f"bucket {index}: {spec.name} at byte {spec.offset}, SGLang "
                                  f"expects {offset}: plan SGLang peers without alignment")
+            if offset % parse_dtype(spec.dtype).itemsize:
+                raise ValueError(f"bucket {index}: {spec.name} ({spec.dtype}) at byte "
+                                 f"{offset}, misaligned for its dtype: SGLang refuses it")
             offset += spec.nbytes
         if offset != nbytes:
             raise ValueError(f"bucket {index}: {nbytes} bytes, tensors hold {offset}")

@@ -18,11 +18,20 @@ SGLang 0.5.x does at its HTTP and process-group boundaries.
   tested against torch's real key layout, not against a copy of our own.
 * ``/update_weights_from_distributed`` with ``load_format = "flattened_bucket"`` receives ONE
   ``uint8`` ``torch.distributed.broadcast`` from rank 0, splits it back to back into the named
-  tensors (``FlattenedTensorBucket``) and loads them; without it, one broadcast per tensor.
+  tensors (``FlattenedTensorBucket``) and loads them; without it, one broadcast per tensor. A
+  tensor misaligned for its dtype in the bucket is refused before the receive, as SGLang
+  0.5.23 does.
+* Weight updates load only inside a session, ``/begin_weight_update`` ...
+  ``/end_weight_update`` (SGLang 0.5.23's scheduler: an update outside one, a second begin,
+  an end without a begin are refused); ``sessions=False`` is an SGLang from before them (404).
+* An update that asks to flush the cache (``flush_cache``, true by default) is refused after
+  loading while a request runs, unless generation was paused with ``retract`` (SGLang's
+  ``flush_cache`` needs an idle scheduler; ``in_place`` leaves the requests running).
 * ``/generate`` with ``input_ids`` serves a real tiny torch model (``--model-path``) through
   :class:`TorchEngine`, returning ``output_ids`` and ``meta_info.output_token_logprobs`` as
-  ``[logprob, token_id, null]`` triples; without a model (unit tests) it answers scripted
-  tokens. ``/pause_generation`` holds new generation until ``/continue_generation``.
+  ``[logprob, token_id, null]`` triples, and ``meta_info.weight_versions`` (SGLang 0.5.23's
+  spans; ``spans=False`` leaves them out): an update while a request ran splits its tokens
+  in two halves; without a model (unit tests) it answers scripted tokens. ``/pause_generation`` holds new generation until ``/continue_generation``.
 * ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``--enable-memory-saver``)
   keep the set of released tags as SGLang's scheduler does (``offload_tags``; no tags: all,
   here ``weights`` and ``kv_cache``), and refuse what it refuses: a release while a request
@@ -57,6 +66,7 @@ logger = logging.getLogger(__name__)
 INT, STR, BOOL, NUM = (int,), (str,), (bool,), (int, float)
 OPT_STR = (str, type(None))
 MEMORY_TYPES = ("weights", "kv_cache")  # SGLang's GPU memory tags that this fixture knows
+SELECTORS = ("target", "draft", "all")  # which runners (the model, a speculative draft)
 GROUP_TIMEOUT_S = 60.0
 
 
@@ -80,7 +90,15 @@ SCHEMAS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
          "shapes": lambda v: isinstance(v, list) and all(
              isinstance(s, list) and all(type(d) is int for d in s) for s in v)},
         {"group_name": STR, "flush_cache": BOOL, "abort_all_requests": BOOL,
-         "weight_version": OPT_STR, "load_format": OPT_STR, "torch_empty_cache": BOOL}),
+         "weight_version": OPT_STR, "load_format": OPT_STR, "torch_empty_cache": BOOL,
+         "selector": lambda v: v in SELECTORS}),
+    "/update_weights_from_tensor": (
+        {"serialized_named_tensors": _str_list},
+        {"load_format": OPT_STR, "flush_cache": BOOL, "abort_all_requests": BOOL,
+         "weight_version": OPT_STR, "torch_empty_cache": BOOL,
+         "selector": lambda v: v in SELECTORS}),
+    "/begin_weight_update": ({}, {"selector": lambda v: v in SELECTORS}),
+    "/end_weight_update": ({}, {}),
     "/pause_generation": ({}, {"mode": lambda v: v in ("abort", "retract", "in_place")}),
     "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
     "/update_weight_version": ({"new_version": STR}, {"abort_all_requests": BOOL}),
@@ -162,8 +180,13 @@ class FakeSglang:
     ``arrived``), so tests can interleave calls deterministically."""
 
     def __init__(self, model_dir: str | None = None, join_groups: bool = False,
-                 dtype: str = "float32", seed: int = 0) -> None:
+                 dtype: str = "float32", seed: int = 0, sessions: bool = True,
+                 spans: bool = True) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.sessions = sessions  # False: an SGLang without weight-update sessions
+        self.spans = spans  # False: an SGLang whose outputs carry no weight_versions
+        self.session_open = False
+        self.pause_mode: str | None = None  # while paused: PauseGenerationReqInput.mode
         self.weight_version = "default"
         self.hold = False
         self.arrived = threading.Event()
@@ -199,13 +222,20 @@ class FakeSglang:
             finally:
                 with self._running:
                     self._generating -= 1
+        if path in ("/begin_weight_update", "/end_weight_update"):
+            return self._session(path)
+        if path.startswith("/update_weights") and self.sessions and not self.session_open:
+            return 400, {"success": False, "message": f"{path.lstrip('/')} must run between "
+                         "begin_weight_update() and end_weight_update()"}
         if path == "/pause_generation":
             with self._running:
                 self._paused = True
+                self.pause_mode = body.get("mode", "abort")
             return 200, {"message": "Generation paused successfully."}
         if path == "/continue_generation":
             with self._running:
                 self._paused = False
+                self.pause_mode = None
                 self._running.notify_all()
             return 200, {"message": "Generation continued successfully."}
         if path == "/update_weight_version":
@@ -216,10 +246,39 @@ class FakeSglang:
         if path == "/destroy_weights_update_group" and self.join_groups:
             return self._destroy(body.get("group_name", "weight_update_group"))
         if path == "/update_weights_from_distributed" and self.join_groups:
-            return self._receive(body)
-        if path == "/update_weights_from_distributed" and body.get("weight_version"):
+            status, answer = self._receive(body)
+            return (status, answer) if status != 200 else self._flushed(body, answer)
+        if path.startswith("/update_weights") and body.get("weight_version"):
             self.weight_version = body["weight_version"]
-        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+        return self._flushed(body, {"success": True,
+                                    "message": "Succeeded to update parameter online."})
+
+    def _session(self, path: str) -> tuple[int, Any]:
+        """SGLang's weight-update session: begin opens it (one at a time), end closes it."""
+        if not self.sessions:
+            return 404, {"detail": "Not Found"}
+        if path == "/begin_weight_update":
+            if self.session_open:
+                return 400, {"success": False, "message": "a weight-update session is already "
+                             "open; call end_weight_update() first"}
+            self.session_open = True
+        else:
+            if not self.session_open:
+                return 400, {"success": False, "message": "no weight-update session is open; "
+                             "call begin_weight_update() first"}
+            self.session_open = False
+        return 200, {"success": True, "message": "Success"}
+
+    def _flushed(self, body: dict[str, Any], answer: dict[str, Any]) -> tuple[int, Any]:
+        """After a load: SGLang's cache flush, refused unless no request runs (a ``retract``
+        pause moved them back to the queue, which a paused flush ignores)."""
+        with self._running:
+            busy = self._generating and not (self._paused and self.pause_mode == "retract")
+        if body.get("flush_cache", True) and busy:
+            return 400, {"success": False, "message": "Weights were updated, but the cache was "
+                         "not flushed because requests are still running or queued. Retract "
+                         "or finish them, then call /flush_cache."}
+        return 200, answer
 
     def _memory(self, path: str, tags: list[str]) -> tuple[int, Any]:
         """SGLang's scheduler: a release (idle only) adds the tags to ``offload_tags``, a
@@ -279,6 +338,14 @@ class FakeSglang:
         dtypes = [getattr(torch, d) for d in body["dtypes"]]
         sizes = [math.prod(s) * torch.empty(0, dtype=d).element_size()
                  for s, d in zip(body["shapes"], dtypes)]
+        if body.get("load_format") == "flattened_bucket":
+            offset = 0
+            for tensor, dtype, size in zip(body["names"], dtypes, sizes):
+                if offset % dtype.itemsize:   # refused before the receive, as SGLang does
+                    return 400, {"success": False, "message": "Failed to receive weights: "
+                                 f"Unaligned received tensor {tensor}: byte offset {offset}, "
+                                 f"dtype {dtype}"}
+                offset += size
         try:
             if body.get("load_format") == "flattened_bucket":
                 flat = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -301,6 +368,7 @@ class FakeSglang:
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     def _generate(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        before = self.weight_version   # the version the request started with
         if self.hold:
             self.arrived.set()
             self.release.wait(timeout=30)
@@ -309,7 +377,7 @@ class FakeSglang:
         params = body.get("sampling_params", {})
         rows = body["input_ids"]
         if self.engine is None:
-            return self._scripted(rows, params["max_new_tokens"])
+            return self._scripted(rows, params["max_new_tokens"], before)
         temperature = float(params.get("temperature", 1.0))
         outs = self.engine.generate(rows, 1, temperature or 1.0, params["max_new_tokens"],
                                     greedy=temperature == 0.0)
@@ -318,23 +386,36 @@ class FakeSglang:
             stop = completion.finish_reason == "stop"
             reason = ({"type": "stop", "matched": self.eos_id} if stop
                       else {"type": "length", "length": len(completion.tokens)})
-            answers.append(self._item(i, row, completion.tokens, completion.logprobs, reason))
+            answers.append(self._item(i, row, completion.tokens, completion.logprobs, reason,
+                                      before))
         return answers
 
-    def _scripted(self, rows: list[list[int]], n_new: int) -> list[dict[str, Any]]:
+    def _scripted(self, rows: list[list[int]], n_new: int, before: str
+                  ) -> list[dict[str, Any]]:
         out = []
         for i, row in enumerate(rows):
             tokens = [(sum(row) + i + k) % 50 for k in range(n_new)]
             out.append(self._item(i, row, tokens, [-0.1 * (k + 1) for k in range(n_new)],
-                                  {"type": "length", "length": n_new}))
+                                  {"type": "length", "length": n_new}, before))
         return out
 
     def _item(self, i: int, row: list[int], tokens: list[int], logprobs: list[float],
-              reason: dict[str, Any]) -> dict[str, Any]:
-        return {"output_ids": tokens, "meta_info": {
-            "id": f"req-{i}", "finish_reason": reason, "prompt_tokens": len(row),
-            "completion_tokens": len(tokens), "weight_version": self.weight_version,
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)]}}
+              reason: dict[str, Any], before: str) -> dict[str, Any]:
+        meta = {"id": f"req-{i}", "finish_reason": reason, "prompt_tokens": len(row),
+                "completion_tokens": len(tokens), "weight_version": self.weight_version,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)]}
+        if self.spans:
+            meta["weight_versions"] = self._spans(len(tokens), before)
+        return {"output_ids": tokens, "meta_info": meta}
+
+    def _spans(self, count: int, before: str) -> list[dict[str, Any]]:
+        """SGLang's ``weight_versions``: one span, or two when an update landed while the
+        request ran (here, scripted: the first half of the tokens before it)."""
+        after = self.weight_version
+        if before == after:
+            return [{"version": after, "start": 0, "end": count}]
+        return [{"version": before, "start": 0, "end": count // 2},
+                {"version": after, "start": count // 2, "end": count}]
 
     def close(self) -> None:
         for name in list(self.groups):

@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.config.schema import BufferConfig, WeightsConfig, ZmqBufferConfig
 from asyncrl.weights.broadcaster import WeightBroadcaster, broadcast_align, engine_weights
-from asyncrl.weights.plan import BucketPlan, TensorSpec
+from asyncrl.weights.plan import BucketPlan, TensorSpec, plan_buckets
 from buffers.zmq_broker import start_broker_thread
 from buffers.zmq_client import ZmqBufferClient
 from rollouters.engines.sglang_engine import (
@@ -31,6 +31,7 @@ from rollouters.engines.sglang_engine import (
     SglangTimeout,
     SglangWeightPeer,
     sglang_requests,
+    token_versions,
 )
 from tests.engines.sglang_fixture import FakeSglang, serve
 
@@ -100,32 +101,94 @@ def test_pause_update_continue_order_and_version(server) -> None:
     url, fake = server
     engine = SglangEngine(url)
     engine.init_weights_update_group("127.0.0.1", 29500, 1, 2, "epoch1", "gloo")
-    with engine.paused():
+    with engine.paused(), engine.weight_session():
         engine.update_weights_from_distributed(["a", "b"], ["float32", "bfloat16"],
                                                [[2, 2], [4]], "epoch1", flush_cache=True,
                                                weight_version="7", load_format="flattened_bucket")
     engine.set_version(7)
     engine.update_weight_version(7)
     assert [p for p, _ in fake.calls] == [
-        "/init_weights_update_group", "/pause_generation", "/update_weights_from_distributed",
-        "/continue_generation", "/update_weight_version"]
-    assert fake.calls[1][1] == {"mode": "in_place"}
-    assert fake.calls[4][1] == {"new_version": "7", "abort_all_requests": False}
+        "/init_weights_update_group", "/pause_generation", "/begin_weight_update",
+        "/update_weights_from_distributed", "/end_weight_update", "/continue_generation",
+        "/update_weight_version"]
+    assert fake.calls[1][1] == {"mode": "retract"} and fake.calls[2][1] == {}
+    assert fake.calls[6][1] == {"new_version": "7", "abort_all_requests": False}
     assert engine.version == 7 and fake.weight_version == "7"
 
 
 def test_resume_even_when_update_fails(server) -> None:
     url, fake = server
     engine = SglangEngine(url)
-    with pytest.raises(SglangError, match="HTTP 400.*shapes"), engine.paused():
+    with pytest.raises(SglangError, match="HTTP 400.*shapes"), engine.paused(), \
+            engine.weight_session():
         engine.update_weights_from_distributed(["a"], ["float32"], [["2"]], "g",
                                                flush_cache=False)
-    assert [p for p, _ in fake.calls] == ["/pause_generation", "/continue_generation"]
+    assert [p for p, _ in fake.calls] == ["/pause_generation", "/begin_weight_update",
+                                          "/end_weight_update", "/continue_generation"]
+    assert not fake.session_open   # the next update can open one
 
 
-def test_update_during_generate_marks_older_version(server) -> None:
-    """A request that overlaps an update gets the version it started with (the older)."""
+def test_an_update_outside_a_session_is_refused_as_sglang_does(server) -> None:
     url, fake = server
+    with pytest.raises(SglangError, match="must run between begin_weight_update"):
+        SglangEngine(url).update_weights_from_distributed(["a"], ["float32"], [[1]], "g",
+                                                          flush_cache=False)
+
+
+def test_a_session_left_open_is_closed_and_an_older_sglang_needs_none(server, caplog) -> None:
+    """A session a dead worker left open is closed before the next opens (warned); a server
+    from before sessions (404) is asked once, then updates load without them."""
+    url, fake = server
+    fake.session_open = True
+    engine = SglangEngine(url)
+    engine.update(lambda: engine.update_weight_version(3))
+    assert [p for p, _ in fake.calls][:4] == ["/pause_generation", "/begin_weight_update",
+                                              "/end_weight_update", "/begin_weight_update"]
+    assert "session was left open" in caplog.text and not fake.session_open
+    fake.calls.clear()
+    fake.sessions = False
+    old = SglangEngine(url)
+    for version in (4, 5):
+        old.update(lambda: old.update_weights_from_distributed(
+            ["a"], ["float32"], [[1]], "g", flush_cache=True, weight_version=str(version)))
+    assert [p for p, _ in fake.calls] == [
+        "/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+        "/continue_generation", "/pause_generation", "/update_weights_from_distributed",
+        "/continue_generation"]
+    assert fake.weight_version == "5"
+
+
+def test_a_flush_while_requests_run_needs_a_retract_pause(server) -> None:
+    """SGLang flushes its cache only with no request running: paused ``in_place`` (requests
+    stay running) an update that flushes is refused after loading, so that engine asks for
+    no flush; paused with ``retract`` (the default) the flush goes through."""
+    url, fake = server
+    fake.hold = True
+    in_place, retract = SglangEngine(url, pause_mode="in_place"), SglangEngine(url)
+    assert not in_place.flushes and retract.flushes
+    call = threading.Thread(target=lambda: retract.generate([[1]], 1, 1.0, 2))
+    call.start()
+    assert fake.arrived.wait(timeout=10)
+    with pytest.raises(SglangError, match="cache was not flushed"):
+        in_place.update(lambda: in_place.update_weights_from_distributed(
+            ["a"], ["float32"], [[1]], "g", flush_cache=True))
+    in_place.update(lambda: in_place.update_weights_from_distributed(
+        ["a"], ["float32"], [[1]], "g", flush_cache=in_place.flushes))
+    retract.update(lambda: retract.update_weights_from_distributed(
+        ["a"], ["float32"], [[1]], "g", flush_cache=retract.flushes))
+    fake.release.set()
+    call.join(10)
+    assert not call.is_alive() and not fake.session_open
+
+
+@pytest.mark.parametrize("spans", [True, False])
+def test_update_during_generate_marks_older_version(server, spans: bool) -> None:
+    """A request that overlaps an update: with SGLang's ``weight_versions`` spans each token
+    gets its span's version (the fixture puts the update half-way; the initial weights'
+    ``default`` takes the version at submission); without them (an older SGLang) every
+    token gets the version it started with (the older)."""
+    url, fake = server
+    fake.spans = spans
     engine = SglangEngine(url, version=1)
     fake.hold = True
     result: list[Any] = []
@@ -133,13 +196,21 @@ def test_update_during_generate_marks_older_version(server) -> None:
         engine.generate([[2]], n=1, temperature=1.0, max_new_tokens=2)))
     worker.start()
     assert fake.arrived.wait(timeout=10)
-    with engine.paused():
+    with engine.paused(), engine.weight_session():   # retract: the flush goes through
         engine.update_weights_from_distributed(["a"], ["float32"], [[1]], "g", True, "2")
     engine.set_version(2)
     fake.release.set()
     worker.join(timeout=10)
-    assert result[0][0][0].versions == [1, 1]
+    assert result[0][0][0].versions == ([1, 2] if spans else [1, 1])
     assert engine.generate([[2]], 1, 1.0, 2)[0][0].versions == [2, 2]
+
+
+def test_span_versions_never_pass_the_engines_own() -> None:
+    meta = {"weight_versions": [{"version": "default", "start": 0, "end": 2},
+                                {"version": "4", "start": 2, "end": 4},
+                                {"version": "9", "start": 4, "end": 9}]}
+    assert token_versions(meta, 6, version=3, newest=5) == [3, 3, 4, 4, 5, 5]
+    assert token_versions({}, 2, version=3, newest=5) == [3, 3]
 
 
 def test_timeout_raises_clearly(server) -> None:
@@ -179,16 +250,34 @@ def test_bucket_requests_need_an_unpadded_plan() -> None:
                          TensorSpec("b", (1,), "float32", 0, 16, 4)), (20,))
     with pytest.raises(ValueError, match="without alignment"):
         sglang_requests(padded)
+    odd = BucketPlan((TensorSpec("a", (3,), "bfloat16", 0, 0, 6),
+                      TensorSpec("b", (1,), "float32", 0, 6, 4)), (10,))
+    with pytest.raises(ValueError, match="b \\(float32\\) at byte 6, misaligned"):
+        sglang_requests(odd)
 
 
-def test_weight_peer_follows_the_real_broadcaster(server) -> None:
+def test_unpadded_plans_never_misalign_a_tensor_for_its_dtype() -> None:
+    """SGLang 0.5.23 refuses a tensor misaligned for its dtype in a flattened bucket: an fp32
+    tensor after a bf16 one of odd size opens a new bucket instead."""
+    state = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2),
+             "c": torch.zeros(5, dtype=torch.bfloat16), "d": torch.zeros(1, dtype=torch.int8),
+             "e": torch.zeros(3, dtype=torch.bfloat16)}
+    plan = plan_buckets(state, bucket_bytes=1 << 20, align=1)
+    assert [(s.name, s.bucket, s.offset) for s in plan.tensors] == [
+        ("a", 0, 0), ("b", 1, 0), ("c", 1, 8), ("d", 1, 18), ("e", 2, 0)]
+    assert [r["names"] for r in sglang_requests(plan)] == [["a"], ["b", "c", "d"], ["e"]]
+
+
+@pytest.mark.parametrize("pause_mode", ["retract", "in_place"])
+def test_weight_peer_follows_the_real_broadcaster(server, pause_mode: str) -> None:
     """The peer's handshake, group join and per-bucket requests against the real
     WeightBroadcaster and broker; the fixture joins the group through torch's own
-    rendezvous and group helper (as SGLang does) and receives the buckets over gloo. Two
-    versions: the group is reused; the peer's stop makes the server drop it."""
+    rendezvous and group helper (as SGLang does) and receives the buckets over gloo, in a
+    weight-update session. Two versions: the group is reused; the peer's stop makes the
+    server drop it. Paused in place, the last bucket asks for no cache flush."""
     url, fake = server
     fake.join_groups = True
-    engine = SglangEngine(url, update_timeout_s=20.0)
+    engine = SglangEngine(url, update_timeout_s=20.0, pause_mode=pause_mode)
     with weight_sync(engine, WeightsConfig(bucket_mb=0.0001, timeout_s=10)) as parts:
         peer, broadcaster = parts
         state = {"a": torch.randn(4, 4), "b": torch.randn(8).to(torch.bfloat16),
@@ -201,10 +290,11 @@ def test_weight_peer_follows_the_real_broadcaster(server) -> None:
             assert torch.equal(fake.received[name], tensor)
         paths = [p for p, _ in fake.calls]
         assert paths == ["/init_weights_update_group", "/pause_generation",
-                         "/update_weights_from_distributed", "/update_weights_from_distributed",
+                         "/begin_weight_update", "/update_weights_from_distributed",
+                         "/update_weights_from_distributed", "/end_weight_update",
                          "/continue_generation"]
         updates = [b for p, b in fake.calls if p == "/update_weights_from_distributed"]
-        assert [u["flush_cache"] for u in updates] == [False, True]
+        assert [u["flush_cache"] for u in updates] == [False, pause_mode == "retract"]
         assert updates[-1]["weight_version"] == "5"
         assert updates[0]["group_name"] == fake.calls[0][1]["group_name"]
         assert list(fake.groups) == [updates[0]["group_name"]]
@@ -256,6 +346,12 @@ def test_make_engine_attaches_to_url_and_picks_the_peer(server, tmp_path) -> Non
     assert isinstance(engine, SglangEngine) and engine.url == url
     assert engine.eos_ids == (EOS_ID,)   # the model's own, sent as stop_token_ids
     assert engine.shapes is not None and "lm_head.weight" in engine.shapes  # updates fit them
+    assert engine.pause_mode == "retract" and engine.flushes
+    in_place = make_engine(load_config(None, [
+        f"run.output_dir={tmp_path}", "rollout.engine=sglang", f"rollout.url={url}",
+        "rollout.workers=1", "rollout.sglang.pause_mode=in_place"]), model_dir, 0,
+        ModelTokenizer(model_dir))
+    assert in_place.pause_mode == "in_place" and not in_place.flushes
     address, stop_broker = start_broker_thread(BufferConfig(zmq=ZmqBufferConfig(port=0)),
                                                groups_per_step=1)
     control = ZmqBufferClient(address, 10.0)
@@ -312,7 +408,9 @@ def test_sleep_defers_an_update_to_the_wake_and_generates_the_new_weights(
                                                    "/destroy_weights_update_group")]
     assert paths[:2] == ["/release_memory_occupation", "/resume_memory_occupation"]
     assert paths[-2:] == ["/resume_memory_occupation", "/generate"]
-    assert set(paths[2:-2]) == {"/update_weights_from_distributed"}  # no pause: asleep
+    # no pause (asleep), a session around the buckets
+    assert paths[2] == "/begin_weight_update" and paths[-3] == "/end_weight_update"
+    assert set(paths[3:-3]) == {"/update_weights_from_distributed"}
     tags = [b["tags"] for p, b in fake.calls if "memory_occupation" in p]
     assert tags == [["weights", "kv_cache"], ["weights"], ["kv_cache"]]
     expected = _flat(_reference_engine(tiny_model_dir, patched).generate(
@@ -342,7 +440,8 @@ def test_a_sleep_waits_for_the_call_in_flight_and_an_update_awake_pauses(server)
     engine.wake_up()
     fake.calls.clear()
     engine.update(lambda: engine.update_weight_version(3))
-    assert [p for p, _ in fake.calls] == ["/pause_generation", "/update_weight_version",
+    assert [p for p, _ in fake.calls] == ["/pause_generation", "/begin_weight_update",
+                                          "/update_weight_version", "/end_weight_update",
                                           "/continue_generation"]
 
 
