@@ -18,6 +18,18 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+def check_compile() -> None:
+    """Refuse ``learner.compile = true`` where ``torch.compile`` would silently run eager:
+    ``TORCH_COMPILE_DISABLE=1`` in the environment (which vLLM on a CPU wants, and which a
+    shell or a launcher may pass on) turns dynamo off for the whole process."""
+    import torch._dynamo
+
+    if torch._dynamo.config.disable:
+        raise ValueError("learner.compile = true, but torch.compile is disabled in this process "
+                         "(TORCH_COMPILE_DISABLE=1 in its environment?): unset it, or set "
+                         "learner.compile = false")
+
+
 def compile_block(block: nn.Module, backend: str) -> None:
     """Compile ``block``'s forward in place (its class, names and state dict unchanged)."""
     block.compile(backend=backend, dynamic=True)
@@ -41,4 +53,4 @@ class CompileCounter:
         return new
 
 
-__all__ = ["CompileCounter", "compile_block"]
+__all__ = ["CompileCounter", "check_compile", "compile_block"]

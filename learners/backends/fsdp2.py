@@ -37,7 +37,7 @@ from transformers import AutoConfig
 from asyncrl.config.schema import LearnerConfig, LoraConfig
 from learners.attention import attn_kwargs, resolve_attn_implementation
 from learners.batching import TrainBatch
-from learners.compile_blocks import CompileCounter, compile_block
+from learners.compile_blocks import CompileCounter, check_compile, compile_block
 from learners.critic import Critic, ValueModel
 from learners.backends.micro_steps import (
     MicroSteps,
@@ -162,6 +162,8 @@ class Fsdp2Trainer:
         self.version = version  # optimizer steps taken, i.e. the policy version of the weights
         if cfg.liger:
             check_liger(self.device)   # before any model is loaded
+        if cfg.compile:
+            check_compile()
         # model.attn_implementation, resolved once for the actor, the reference and the critic.
         self.attn = resolve_attn_implementation(attn_implementation, self.device,
                                                 AutoConfig.from_pretrained(model_path))

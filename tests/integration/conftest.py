@@ -18,6 +18,10 @@ QUICKSTART = ROOT / "configs" / "quickstart.toml"
 
 def role_env() -> dict[str, str]:
     env = dict(os.environ)
+    # The vLLM tests' session environment (tests/engines/conftest.py) stays in this pytest
+    # worker for the later tests: TORCH_COMPILE_DISABLE must not reach their roles (a
+    # learner.compile run would be refused). A vLLM worker sets it itself on a CPU.
+    env.pop("TORCH_COMPILE_DISABLE", None)
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", ASYNCRL_LOG_LEVEL="INFO",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
