@@ -223,10 +223,11 @@ class RewardConfig(Section):
                              "a sandbox; custom: the function at `path`; verl: a verl "
                              "compute_score at `path`, or without one verl's built-in scorer "
                              "for each row's data_source (GSM8K, MATH, else exact match).")
-    path: Name = Field("", description="custom: import path 'pkg.module:fn' of "
-                                      "fn(response, sample) -> float, sync or async; verl: "
-                                      "'pkg.module:compute_score' of compute_score(data_source, "
-                                      "solution_str, ground_truth, extra_info).")
+    path: Name = Field("", description="custom: import path 'pkg.module:fn' (or a file, "
+                                      "'path/to/file.py:fn') of fn(response, sample) -> float, "
+                                      "sync or async; verl: 'pkg.module:compute_score' or "
+                                      "'file.py:compute_score' of compute_score(data_source, "
+                                      "solution_str, ground_truth, extra_info), sync or async.")
     timeout_s: Seconds = Field(30.0, gt=0, description="A reward call still running after "
                                                      "this scores 0 (counted as a timeout) and "
                                                      "is abandoned.")

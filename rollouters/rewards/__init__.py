@@ -26,7 +26,7 @@ __all__ = ["RewardError", "RewardFn", "RewardScorer", "exact_match", "extract_an
 MATH_PATH = "rollouters.rewards.match:math_equal"
 MATH_PRELOAD = ("math_verify",)  # imported before a process takes calls: not a call's time
 VERL_DEFAULT_PATH = "rollouters.rewards.verl:default_compute_score"
-VERL_WRAP = "rollouters.rewards.verl:VerlReward"
+VERL_WRAP = "rollouters.rewards.verl:verl_reward"
 
 
 def user_path(cfg: RewardConfig) -> str:

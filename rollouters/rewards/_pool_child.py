@@ -20,7 +20,7 @@ from rollouters.rewards.base import RewardError
 # ``python -c BOOT SYS_PATH PATH PRELOAD REQUEST_FD RESULT_FD PARENT WRAP``: the worker's
 # sys.path (lines) is this process's before anything is imported, so the reward's path imports
 # here as there; PRELOAD: module names, comma-separated; WRAP: empty, or the import path of an
-# adapter applied to the function (verl's signature: rollouters.rewards.verl.VerlReward).
+# adapter applied to the function (verl's signature: rollouters.rewards.verl.verl_reward).
 BOOT = ("import sys; sys.path[:] = sys.argv.pop(1).split('\\n'); "
         "from rollouters.rewards._pool_child import main; main()")
 PR_SET_PDEATHSIG = 1

@@ -16,6 +16,12 @@ async def async_reward(response, sample):
     return 0.5
 
 
+async def async_compute_score(*, data_source, solution_str, ground_truth, **extra):
+    """A verl compute_score as its reward loop takes it: async, by keyword."""
+    await asyncio.sleep(0)
+    return float(solution_str.strip() == ground_truth)
+
+
 def raising_reward(response, sample):
     raise RuntimeError("boom")
 

@@ -54,7 +54,9 @@ def test_user_rewards_sync_and_async_by_import_path() -> None:
 
 
 @pytest.mark.parametrize(("path", "message"), [
-    ("tests.rewards.helpers", "reward.path: expected an import path 'pkg.module:name'"),
+    ("tests.rewards.helpers", "reward.path: expected an import path 'pkg.module:name' or a "
+                              "file 'path/to/file.py:name'"),
+    ("no/such/rewards.py:f", "reward.path: no file 'no/such/rewards.py'"),
     ("tests.rewards.nope:f", "reward.path: cannot import module 'tests.rewards.nope'"),
     ("tests.rewards.helpers:missing", "reward.path: module 'tests.rewards.helpers' has no "
                                       "attribute 'missing'"),
@@ -65,6 +67,28 @@ def test_wrong_import_path_names_the_key(path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
         _scorer(path)
     assert message in str(info.value)
+
+
+def test_a_reward_in_a_python_file_scores_in_the_pool_and_names_its_errors(tmp_path) -> None:
+    """verl's custom_reward_function.path is a file: ``reward.path = "file.py:fn"`` loads it,
+    here and in each pool process; an error inside the file names the key and the file."""
+    rewards = tmp_path / "my_reward.py"
+    rewards.write_text("def compute_score(data_source, solution_str, ground_truth, "
+                       "extra_info=None):\n    return float(solution_str == ground_truth)\n")
+    cfg = load_config(None, ["reward.type=verl", f"reward.path={rewards}:compute_score",
+                             "reward.workers=1"])
+    scorer = make_reward(cfg.reward)
+    try:
+        sample = Sample("s", "q", answer="7", fields={"data_source": "x"})
+        assert asyncio.run(scorer.score("7", sample)) == 1.0
+        assert asyncio.run(scorer.score("8", sample)) == 0.0
+    finally:
+        scorer.close()
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('not today')\n")
+    with pytest.raises(ConfigError, match="reward.path: cannot import module .*broken.py.*"
+                                          "RuntimeError while running .*not today"):
+        _scorer(f"{broken}:f")
 
 
 def test_custom_without_path_is_a_config_error() -> None:
