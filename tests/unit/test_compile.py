@@ -48,19 +48,18 @@ def test_compiled_blocks_train_like_eager_without_recompiling(tiny_model_dir: Pa
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_compile_is_refused_where_torch_compile_is_disabled(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
+def test_compile_is_refused_where_torch_compile_is_disabled(tmp_path: Path) -> None:
     """TORCH_COMPILE_DISABLE=1 turns dynamo off for the process: learner.compile would then
     train eager without a word, so the trainer refuses at once (no model is read)."""
     import torch._dynamo
 
     from learners.backends.fsdp2 import Fsdp2Trainer
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    with pytest.raises(ValueError, match="learner.compile = true, but torch.compile is "
-                                         "disabled.*TORCH_COMPILE_DISABLE"):
+    with torch._dynamo.config.patch(disable=True), \
+            pytest.raises(ValueError, match="learner.compile = true, but torch.compile is "
+                                            "disabled.*TORCH_COMPILE_DISABLE"):
         Fsdp2Trainer(tmp_path / "absent", CFG.model_copy(update={"compile": True}), "cpu")
+    assert not torch._dynamo.config.disable
 
 
 @pytest.mark.gpu
