@@ -31,7 +31,8 @@ SGLang 0.5.x does at its HTTP and process-group boundaries.
   :class:`TorchEngine`, returning ``output_ids`` and ``meta_info.output_token_logprobs`` as
   ``[logprob, token_id, null]`` triples, and ``meta_info.weight_versions`` (SGLang 0.5.23's
   spans; ``spans=False`` leaves them out): an update while a request ran splits its tokens
-  in two halves; without a model (unit tests) it answers scripted tokens. ``/pause_generation`` holds new generation until ``/continue_generation``.
+  in two halves; without a model (unit tests) it answers scripted tokens.
+  ``/pause_generation`` holds new generation until ``/continue_generation``.
 * ``/release_memory_occupation`` and ``/resume_memory_occupation`` (``--enable-memory-saver``)
   keep the set of released tags as SGLang's scheduler does (``offload_tags``; no tags: all,
   here ``weights`` and ``kv_cache``), and refuse what it refuses: a release while a request
