@@ -167,10 +167,9 @@ def _forward_logprobs(model: nn.Module, targets: Tensor, chunk_tokens: int,
                       ) -> tuple[Tensor, Tensor]:
     """Per-token ``(logprob, entropy)`` of ``targets`` from one forward of ``model``, of the
     logits divided by ``temperature``; 0 outside ``where`` (shaped like ``targets``) if given."""
-    base = hf_model(model)
     if fuses_head(model, chunk_tokens):
-        return head_logprobs(model, base.get_output_embeddings(), targets, chunk_tokens,
-                             temperature, head_kernels, where, **inputs)
+        return head_logprobs(model, hf_model(model).get_output_embeddings(), targets,
+                             chunk_tokens, temperature, head_kernels, where, **inputs)
     logits = model(**inputs).logits
     if temperature != 1.0:
         logits = logits.float() / temperature
